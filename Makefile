@@ -1,0 +1,45 @@
+# make demo  - set up .venv and run the main job on the embedded default
+# make test  - set up .venv and run the test suite (what CI runs)
+#
+# One environment per tier, each created and filled here, so a fresh machine needs nothing but Python 3.11:
+#   .venv          torch 2.13.0 (the CPU wheel where there is no GPU; the default CUDA wheel where there is
+#                  one), megatron-core 0.16.1 and the rest of pyproject.toml's dependencies.
+#   .venv-sglang   the SGLang tier (sglang==0.5.23 pins torch 2.14.1); see README.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Extra pip arguments for the torch install, e.g. an index that serves CPU wheels on machines whose
+# default torch wheel is a CUDA build.
+TORCH_PIP_ARGS ?=
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+ifeq ($(HAVE_GPU),1)
+TORCH_SPEC := torch
+EXTRAS     := test,gpu
+else
+TORCH_SPEC := torch==2.13.0
+EXTRAS     := test
+endif
+
+.PHONY: demo test setup clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	@$(PY) -c "import torch, megatron.core; print('installed: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| cuda', torch.cuda.is_available())"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m grpo_mega.smoke --tp 2 --pp 2
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .venv-sglang .pytest_cache

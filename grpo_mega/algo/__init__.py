@@ -1,0 +1,36 @@
+"""GRPO math as pure tensor functions: advantages, KL estimators, the clipped surrogate, entropy bonus, loss
+aggregation, DAPO's valid-token scale and dynamic-sampling filter, early stop and KL-in-reward shaping.
+Nothing here imports torch.distributed or reads a config: cross-rank normalisers arrive as arguments."""
+
+from grpo_mega.algo.advantages import group_advantages, kl_in_reward, nonuniform_groups, response_mask
+from grpo_mega.algo.kl import KL_ESTIMATORS, full_kl, kl_penalty
+from grpo_mega.algo.loss import (
+    AGG_MODES,
+    aggregate,
+    clipped_surrogate,
+    entropy_bonus,
+    grpo_token_loss,
+    has_extreme_ratio,
+    local_normaliser,
+    megatron_loss_scale,
+    valid_token_scale,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "clipped_surrogate",
+    "entropy_bonus",
+    "full_kl",
+    "group_advantages",
+    "grpo_token_loss",
+    "has_extreme_ratio",
+    "kl_in_reward",
+    "kl_penalty",
+    "local_normaliser",
+    "megatron_loss_scale",
+    "nonuniform_groups",
+    "response_mask",
+    "valid_token_scale",
+]

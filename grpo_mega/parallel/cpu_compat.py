@@ -1,0 +1,162 @@
+"""CPU compatibility layer for megatron-core 0.16.1: the only place the project bends megatron to run without CUDA.
+
+megatron-core assumes a GPU in a handful of places that the CPU/gloo build of this project reaches. `apply()`
+patches each of them, and is a no-op when CUDA is present, so a GPU run executes megatron's code untouched.
+Every patch below names the error it prevents. Checked with torch 2.13.0 (CPU wheel) and torch 2.14.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import multiprocessing as mp
+import sys
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _map_device(device):
+    """cuda, cuda:N, an int ordinal, or torch.device('cuda') -> cpu; anything else unchanged."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA devices to the CPU in every torch call made under it.
+
+    Prevents `RuntimeError: Torch not compiled with CUDA enabled` / `Found no NVIDIA driver` from the
+    `device="cuda"` and `device=torch.cuda.current_device()` literals in megatron's pipeline schedules,
+    p2p communication, gradient buffers (`distributed/param_and_grad_buffer.py`), the optimizer and
+    `transformer/utils.py:get_default_causal_mask`; and reports CPU tensors' `Tensor.type()` as
+    `torch.cuda.*`. A TorchFunctionMode is per thread: enter it on every
+    thread that calls into megatron (`cpu_device_mode()`).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The optimizer (`optimizer.py`, `distrib_optimizer.py`) sorts parameters by
+            # `param.type() == 'torch.cuda.FloatTensor'` and raises "Wrapped parameters must be one of
+            # torch.cuda.FloatTensor, ..." otherwise; `clip_grads.py` asserts the same of every grad.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _map_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _make_cpu_tracker(base):
+    class _CpuRNGStatesTracker(base):
+        """megatron's RNG tracker over the CPU default generator.
+
+        Prevents `RuntimeError: Torch not compiled with CUDA enabled` from `torch.cuda.get_rng_state()` in
+        `CudaRNGStatesTracker.add` (called by `model_parallel_cuda_manual_seed`) and in `fork()` (used for
+        tensor-parallel weight init and dropout). Same semantics: named states, fork swaps the state in
+        and out.
+        """
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return _CpuRNGStatesTracker
+
+
+def apply() -> None:
+    """Patch megatron-core for CPU-only machines. Idempotent; does nothing when CUDA is available."""
+    global _APPLIED
+    if _APPLIED or cuda_available():
+        return
+    _APPLIED = True
+
+    # Expected on a CPU machine, and printed once per module at import: not worth a user's attention.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*", category=UserWarning)
+
+    # SGLang's environment brings flash_mla, whose import raises OSError (no libcuda) where
+    # megatron.core.transformer.attention catches only ImportError: mark it absent before megatron loads.
+    if "flash_mla" not in sys.modules:
+        try:
+            import flash_mla  # noqa: F401
+        except ImportError:
+            pass
+        except OSError:
+            sys.modules["flash_mla"] = None
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu_tracker = _make_cpu_tracker(mrandom.CudaRNGStatesTracker)
+    mrandom.CudaRNGStatesTracker = cpu_tracker
+    # `_get_cuda_rng_state`/`_set_cuda_rng_state` are used by checkpointed (recomputed) activations and
+    # by `_get_all_rng_states`: `torch.cuda.random.get_rng_state` fails without CUDA.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # `torch.cuda.current_device()` raises "Torch not compiled with CUDA enabled"; megatron calls it
+    # ~175 times to pick a device, e.g. `torch.empty(n, device=torch.cuda.current_device())` in the
+    # backward of `_AllGatherFromTensorParallelRegion`. Autograd backward runs outside any
+    # TorchFunctionMode, so the answer must itself be the CPU, not an ordinal the mode would map.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # `torch.cuda.synchronize()` in dist_checkpointing's `preload_tensors` (every save) raises
+    # "Torch not compiled with CUDA enabled"; with no device there is nothing to wait for.
+    torch.cuda.synchronize = lambda device=None: None
+
+    # dist_checkpointing's writer collects results through a spawn-context Manager, which re-imports
+    # `__main__` in a fresh interpreter: 3.5-8.5 s a save, and an EOFError when `__main__` cannot be
+    # re-run (a forked test rank, a script without a main guard). Without CUDA there is nothing that makes
+    # fork unsafe, and a fork-context Manager starts in 0.1-0.3 s.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def _fork_results_queue():
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        return filesystem_async._results_queue
+
+    filesystem_async._get_write_results_queue = _fork_results_queue
+
+
+def cpu_device_mode():
+    """Context under which megatron runs on this thread: CudaToCpuMode without CUDA, nothing with it."""
+    if cuda_available():
+        return contextlib.nullcontext()
+    apply()
+    return CudaToCpuMode()

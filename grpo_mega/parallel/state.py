@@ -1,0 +1,88 @@
+"""Process groups for the trainer: a thin layer over `megatron.core.parallel_state`.
+
+Owns: starting torch.distributed (NCCL on GPU, gloo on CPU), checking the TP x PP x DP layout against the
+world size, creating megatron's groups and seeding its RNG tracker. Everything else reads the groups from
+megatron's parallel_state; nothing here knows about models or the loss.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.parallel import cpu_compat
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's place in the TP x PP x DP grid."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+
+def check_layout(world_size: int, tp: int, pp: int) -> int:
+    """Return dp = world_size / (tp * pp), or raise ValueError naming the sizes that do not fit."""
+    for name, value in (("parallel.tp", tp), ("parallel.pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}; "
+            f"launch a multiple of {tp * pp} ranks or change the layout"
+        )
+    return world_size // (tp * pp)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> Layout:
+    """Start torch.distributed if needed (env:// rendezvous, as torchrun sets it), create megatron's
+    model-parallel groups for `tp` x `pp` (dp is what remains) and seed megatron's RNG tracker.
+
+    On a machine without CUDA the CPU compatibility layer is applied first and the backend is gloo.
+    """
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend=default_backend(), timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    dp = check_layout(dist.get_world_size(), tp, pp)
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default process group."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

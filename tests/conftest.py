@@ -1,0 +1,13 @@
+"""Shared test setup: import torch and megatron-core once in the pytest process, so that the multi-rank
+tests fork warm ranks (grpo_mega.parallel.forked) instead of paying megatron's 5-6 s import per rank."""
+
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
+
+from grpo_mega.parallel import cpu_compat  # noqa: E402
+
+cpu_compat.apply()
+import megatron.core  # noqa: E402,F401
+import megatron.core.models.gpt  # noqa: E402,F401
+import megatron.core.optimizer  # noqa: E402,F401

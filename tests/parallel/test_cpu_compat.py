@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from grpo_mega.parallel import cpu_compat
+from grpo_mega.parallel.state import check_layout
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer patches CPU-only machines")
+
+
+def test_cuda_literals_map_to_cpu_only_inside_the_mode():
+    with cpu_compat.cpu_device_mode():
+        a = torch.zeros(2, device="cuda")
+        b = torch.ones(2).cuda()
+        c = torch.ones(2).to("cuda:0")
+        d = torch.empty(3, device=torch.cuda.current_device())
+        assert {a.device.type, b.device.type, c.device.type, d.device.type} == {"cpu"}
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+        assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.ones(1).type(torch.float64).dtype == torch.float64  # a conversion stays one
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_cpu_rng_tracker_forks_named_streams():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(force_reset=True)
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("a", 11)
+    tracker.add("b", 12)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with tracker.fork("a"):
+        a1 = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
+    with tracker.fork("a"):
+        a2 = torch.rand(3)  # the named stream advanced
+    with tracker.fork("b"):
+        b1 = torch.rand(3)
+    torch.manual_seed(11)
+    assert torch.equal(a1, torch.rand(3)) and not torch.equal(a1, a2) and not torch.equal(a1, b1)
+    with pytest.raises(Exception, match="seed 11 already exists"):
+        tracker.add("c", 11)
+
+
+def test_impossible_layouts_are_named():
+    assert check_layout(8, 2, 2) == 2
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp = 2 \* 2 = 4"):
+        check_layout(6, 2, 2)
+    with pytest.raises(ValueError, match="parallel.tp=0 must be a positive integer"):
+        check_layout(4, 0, 1)
