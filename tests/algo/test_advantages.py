@@ -5,7 +5,6 @@ import torch
 
 from grpo_mega.algo import group_advantages, kl_in_reward, nonuniform_groups, response_mask
 
-torch.set_default_dtype(torch.float64)
 
 
 def _loop_advantages(rewards, n, norm_by_std, eps=1e-6):

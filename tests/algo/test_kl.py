@@ -5,7 +5,6 @@ import torch
 
 from grpo_mega.algo import KL_ESTIMATORS, full_kl, kl_penalty
 
-torch.set_default_dtype(torch.float64)
 
 LN2 = math.log(2.0)
 

@@ -17,7 +17,6 @@ from grpo_mega.algo import (
     valid_token_scale,
 )
 
-torch.set_default_dtype(torch.float64)
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -72,7 +71,7 @@ def test_surrogate_loop_vs_vectorised():
             assert loss[i, t].item() == pytest.approx(l, abs=1e-13)
 
 
-L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
 M = torch.tensor([[1, 1, 0], [1, 0, 0]])
 
 
