@@ -1,0 +1,21 @@
+"""The benchmarks run end to end at toy sizes and write the JSON they promise (numbers are not judged here:
+speed and memory targets are met in the benchmark's own output, recorded on the issue)."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_vocab_parallel_writes_json(tmp_path):
+    out = tmp_path / "vp.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_vocab_parallel.py"),
+           "--T", "16", "--V", "256", "--vocab-size", "250", "--iters", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    data = json.loads(out.read_text())
+    rows = {(r["impl"], r["tp"], r["chunk"]) for r in data["results"]}
+    assert {("gathered", 4, None), ("vocab_parallel", 4, None), ("vocab_parallel", 4, 64)} <= rows
+    for r in data["results"]:
+        assert r["peak_above_inputs_mib"] >= 0 and r["seconds"] > 0 and "memory_vs_gathered" in r
