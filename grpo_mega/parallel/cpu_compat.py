@@ -140,6 +140,24 @@ def apply() -> None:
     # "Torch not compiled with CUDA enabled"; with no device there is nothing to wait for.
     torch.cuda.synchronize = lambda device=None: None
 
+    # The attention masks are built with `device="cuda"` (transformer/utils.py) and, under activation
+    # recompute, rebuilt inside the backward pass, where no TorchFunctionMode is active: "Torch not
+    # compiled with CUDA enabled". fused_softmax imported them by name, so both references are replaced.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=32)
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+    def sliding_window_mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool, device="cpu")
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    for mod in (tutils, fused_softmax):
+        mod.get_default_causal_mask = causal_mask
+        mod.get_sliding_window_causal_mask = sliding_window_mask
+
     # dist_checkpointing's writer collects results through a spawn-context Manager, which re-imports
     # `__main__` in a fresh interpreter: 3.5-8.5 s a save, and an EOFError when `__main__` cannot be
     # re-run (a forked test rank, a script without a main guard). Without CUDA there is nothing that makes

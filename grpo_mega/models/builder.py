@@ -1,0 +1,203 @@
+"""Build the actor and reference GPTModel for this rank from a ModelConfig and a ParallelConfig.
+
+Owns: the one adapter from our configs to megatron's TransformerConfig (never megatron's argparse), the
+layer-spec choice (Transformer Engine spec and FP8 where transformer_engine and CUDA exist, megatron-core's
+local spec elsewhere), this rank's pipeline stage, Megatron DDP around the actor, and freezing the
+reference. Parallelism is applied to the model here, not written into it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from grpo_mega.conf.schema import ModelConfig, ParallelConfig, PrecisionConfig
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def have_transformer_engine() -> bool:
+    """TE's layer spec needs both the package and a GPU (TE cannot even import without one)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_fp8(precision: PrecisionConfig) -> None:
+    """FP8 runs only through Transformer Engine on a GPU: say so, with the fix, before building anything."""
+    if precision.fp8 is None:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"precision.fp8={precision.fp8!r} needs a CUDA GPU with Transformer Engine; this machine has no GPU. "
+            f"Set precision.fp8=null to train in {precision.params_dtype}."
+        )
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            f"precision.fp8={precision.fp8!r} needs Transformer Engine: pip install -e '.[gpu]' "
+            "(transformer-engine[pytorch]), or set precision.fp8=null"
+        )
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig):
+    """The single adapter from (model, parallel, precision) to megatron's TransformerConfig."""
+    from megatron.core.transformer import TransformerConfig
+
+    parallel.check(model)
+    check_fp8(precision)
+    dtype = _DTYPES[precision.params_dtype]
+    recompute = {}
+    if parallel.recompute == "selective":
+        recompute = dict(recompute_granularity="selective")
+    elif parallel.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    fp8 = {}
+    if precision.fp8 is not None:
+        fp8 = dict(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
+    te = have_transformer_engine()
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        layernorm_epsilon=model.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        sequence_parallel=parallel.sequence_parallel,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        autocast_dtype=dtype,
+        # Initialise full weights on the CPU from one seed and split them: layouts start identical.
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
+        # The fused kernels are CUDA-only; on CPU their unfused equivalents run.
+        bias_activation_fusion=te,
+        bias_dropout_fusion=te,
+        masked_softmax_fusion=te,
+        persist_layer_norm=te,
+        gradient_accumulation_fusion=te,
+        apply_rope_fusion=te,
+        **recompute,
+        **fp8,
+    )
+
+
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for the local spec, usable under sequence parallelism.
+
+    megatron's WrappedTorchNorm refuses sequence_parallel ("not supported by torch LayerNorm") because it
+    does not tag its weight; tagged `sequence_parallel`, the weight's gradient (a partial sum over this
+    rank's sequence shard) is all-reduced over TP by finalize_model_grads, as for TE's and Apex's norms.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+def layer_spec(config):
+    """The decoder block spec for this rank's stage: Transformer Engine layers where TE and CUDA exist,
+    megatron-core's local layers (with LocalRMSNorm) otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if have_transformer_engine():
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = LocalRMSNorm
+    layer.submodules.pre_mlp_layernorm = LocalRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
+
+
+@dataclass
+class Built:
+    """One rank's stage of a model: the module handed to Megatron's schedule, and the config."""
+
+    module: torch.nn.Module  # DDP-wrapped for the actor; the bare GPTModel for the reference
+    gpt: torch.nn.Module  # the GPTModel itself
+    config: object
+
+
+def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig):
+    """This rank's pipeline stage of a GPTModel (no DDP)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(model, parallel, precision)
+    rope = model.rope_scaling
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=model.padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+        rope_scaling=rope is not None,
+        rope_scaling_factor=rope.factor if rope is not None else 8.0,
+    )
+    if rope is not None and (rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position_embeddings) != (1.0, 4.0, 8192):
+        raise ValueError(
+            f"model.rope_scaling={rope}: megatron-core applies llama3 scaling with low_freq_factor=1, "
+            "high_freq_factor=4, original_max_position_embeddings=8192 only"
+        )
+    if not torch.cuda.is_available():
+        gpt = gpt.to(dtype=config.params_dtype)
+    else:
+        gpt = gpt.cuda()
+    return gpt, config
+
+
+def build_actor(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, use_distributed_optimizer: bool = True) -> Built:
+    """The trainable policy: this rank's stage wrapped in Megatron DDP (contiguous grad buffers, fp32 grads)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    gpt, config = build_gpt(model, parallel, precision)
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+        ),
+        module=gpt,
+    )
+    # Called by the schedule after the last backward: DP reduction of the grad buffers, the embedding grad
+    # sync between first and last stage (tied embeddings), layernorm grads under sequence parallelism.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return Built(module=ddp, gpt=gpt, config=config)
+
+
+def build_reference(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> Built:
+    """The frozen reference: same placement as the actor, no grads, never given to an optimizer."""
+    gpt, config = build_gpt(model, parallel, precision)
+    gpt.requires_grad_(False)
+    gpt.eval()
+    return Built(module=gpt, gpt=gpt, config=config)
+
+
+def offload(module: torch.nn.Module, device: str) -> None:
+    """Move a (frozen) module's parameters and buffers to `device` between uses (reference CPU offload)."""
+    module.to(device)
+
+
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy the actor's weights into the reference (iterative RL); same layout on both, so shard by shard."""
+    src_state = src.state_dict()
+    with torch.no_grad():
+        for name, t in dst.state_dict().items():
+            if name in src_state and torch.is_tensor(t) and not name.endswith("_extra_state"):
+                t.copy_(src_state[name])

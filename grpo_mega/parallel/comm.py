@@ -1,0 +1,77 @@
+"""The trainer's collectives over megatron's groups: every all-reduce, gather and broadcast the trainer
+needs outside the vocab-parallel op is one of these small functions, each saying which group it spans."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def dp_all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place over the data-parallel group (ranks holding the same model shard, different data)."""
+    if _ps().get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, op=op, group=_ps().get_data_parallel_group())
+    return t
+
+
+def dp_all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate each DP rank's rows (dim 0, equal sizes) in DP-rank order."""
+    n = _ps().get_data_parallel_world_size()
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=_ps().get_data_parallel_group())
+    return torch.cat(parts, dim=0)
+
+
+def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """In place: every pipeline stage receives the last stage's tensor (same shape and dtype everywhere)."""
+    ps = _ps()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return t
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any rank (one MAX all-reduce over the whole world): decisions
+    such as skipping an optimizer step must be taken by all ranks together, or they hang."""
+    t = torch.tensor([1.0 if flag else 0.0], device=_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def reduce_stage_metrics(sums: dict[str, float], mins: Optional[dict[str, float]] = None,
+                         maxs: Optional[dict[str, float]] = None) -> tuple[dict, dict, dict]:
+    """Metrics computed on the last pipeline stage: SUM (and MIN/MAX) over DP, then sent to every stage.
+
+    Keys must be the same on every rank; non-last stages pass anything (their values are replaced).
+    """
+    mins, maxs = mins or {}, maxs or {}
+    keys_s, keys_n, keys_x = sorted(sums), sorted(mins), sorted(maxs)
+    dev = _device()
+    s = torch.tensor([float(sums[k]) for k in keys_s], dtype=torch.float64, device=dev)
+    n = torch.tensor([float(mins[k]) for k in keys_n], dtype=torch.float64, device=dev)
+    x = torch.tensor([float(maxs[k]) for k in keys_x], dtype=torch.float64, device=dev)
+    if s.numel():
+        dp_all_reduce(s)
+        broadcast_from_last_stage(s)
+    if n.numel():
+        dp_all_reduce(n, op=dist.ReduceOp.MIN)
+        broadcast_from_last_stage(n)
+    if x.numel():
+        dp_all_reduce(x, op=dist.ReduceOp.MAX)
+        broadcast_from_last_stage(x)
+    return (dict(zip(keys_s, s.tolist())), dict(zip(keys_n, n.tolist())), dict(zip(keys_x, x.tolist())))

@@ -1,0 +1,1 @@
+"""The GRPO step: the actor and reference under Megatron (actor.py), the step's batch (batch.py)."""

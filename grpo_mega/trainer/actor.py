@@ -1,0 +1,275 @@
+"""The actor and the reference under Megatron: logprobs of the step's responses, and the GRPO update.
+
+Owns: running batches through Megatron's pipeline schedule (`get_forward_backward_func`) in micro-batches;
+the per-micro-batch GRPO loss from vocab-parallel logits; the mini-batch normaliser, computed once per
+mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and DP
+averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics.
+The math is grpo_mega.algo's, the collectives grpo_mega.parallel's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from grpo_mega import algo
+from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.models.builder import build_actor, build_reference, copy_weights
+from grpo_mega.parallel import comm
+from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
+from grpo_mega.trainer.batch import RolloutBatch, micro_batches
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _pad_multiple(parallel: ParallelConfig) -> int:
+    return parallel.tp if parallel.sequence_parallel else 1
+
+
+def _dp_share(batch: RolloutBatch) -> tuple[int, int]:
+    ps = _ps()
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if batch.size % dp:
+        raise ValueError(f"{batch.size} responses do not split over dp={dp} ranks")
+    per = batch.size // dp
+    return rank * per, (rank + 1) * per
+
+
+def run_schedule(module, micro: list[dict], length: int, forward_step, forward_only: bool) -> list:
+    """`micro` through Megatron's schedule for this layout (1F1B with PP); returns the loss dicts of the
+    last stage (empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=[module],
+        num_microbatches=len(micro),
+        seq_length=length,
+        micro_batch_size=micro[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _forward(model, mb: dict) -> torch.Tensor:
+    """Logits [b, s, V/tp] on the last stage (hidden states elsewhere)."""
+    return model(mb["tokens"], mb["position_ids"], None)
+
+
+def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, batch: BatchConfig,
+                     rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+    """Position-aligned logprobs [N, L] (fp32, no grad) of every response token under `module`, on every rank.
+
+    Each DP rank runs its share in micro-batches; the last stage computes the vocab-parallel logprobs;
+    the shares are gathered over DP and sent to every pipeline stage.
+    """
+    lo, hi = _dp_share(rollout)
+    micro, length = micro_batches(rollout.rows(lo, hi), batch.micro_batch_size, _pad_multiple(parallel))
+    tp_group = _ps().get_tensor_model_parallel_group()
+
+    def loss_func(mb, logits):
+        lp = vocab_parallel_stats(
+            logits, mb["labels"], tp_group, temperature=temperature,
+            vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
+        )[0]
+        lp = lp * mb["mask"]
+        return torch.zeros((), device=logits.device), {"logp": lp}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return _forward(model, mb), partial(loss_func, mb)
+
+    with torch.no_grad():
+        out = run_schedule(module, micro, length, forward_step, forward_only=True)
+    n_local, full_l = hi - lo, rollout.tokens.shape[1]
+    local = torch.zeros(n_local, full_l, dtype=torch.float32)
+    if _ps().is_pipeline_last_stage():
+        local[:, :length] = torch.cat([d["logp"] for d in out], dim=0)[:, :full_l]
+    return comm.broadcast_from_last_stage(comm.dp_all_gather_rows(local))
+
+
+@dataclass
+class UpdateMetrics:
+    """Per mini-batch: the mini-batch loss, its terms as token means, and the optimizer's view."""
+
+    values: dict = field(default_factory=dict)
+
+
+class Reference:
+    """The frozen reference policy: same placement as the actor, logprobs only."""
+
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, batch: BatchConfig):
+        self.model_cfg, self.parallel, self.batch = model_cfg, parallel, batch
+        self.built = build_reference(model_cfg, parallel, precision)
+
+    def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+        return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+
+    def load_from(self, actor: "Actor") -> None:
+        """Iterative RL: the reference becomes a copy of the current policy."""
+        copy_weights(actor.built.gpt, self.built.gpt)
+
+
+class Actor:
+    """The trainable policy: Megatron DDP + optimizer + LR schedule, and the GRPO update."""
+
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                 optim: OptimConfig, algo_cfg: AlgoConfig, batch: BatchConfig):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if algo_cfg.kl_estimator == "full" and algo_cfg.kl_coef and not algo_cfg.kl_in_reward:
+            raise ValueError(
+                "algo.kl_estimator='full' in the loss needs the reference's logits during the update, which the "
+                "update does not run yet; use k1/k2/k3/abs, or kl_in_reward"
+            )
+        self.model_cfg, self.parallel, self.precision = model_cfg, parallel, precision
+        self.optim, self.algo, self.batch = optim, algo_cfg, batch
+        self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
+        bf16 = precision.params_dtype == "bf16"
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                sgd_momentum=optim.sgd_momentum, clip_grad=optim.clip_grad, bf16=bf16, fp16=False,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+            ),
+            [self.built.module],
+        )
+        decay = optim.lr_decay_steps or 1
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_steps,
+            lr_decay_steps=max(decay, optim.lr_warmup_steps + 1),
+            lr_decay_style=optim.lr_decay_style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        self.skipped_early_stop = 0
+
+    def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+        return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+
+    # ---- the loss of one micro-batch (last pipeline stage) --------------------------------------------
+
+    def _loss(self, mb: dict, normaliser: torch.Tensor, scale: int, temperature: float, logits: torch.Tensor):
+        a = self.algo
+        logp, entropy, _ = vocab_parallel_stats(
+            logits, mb["labels"], _ps().get_tensor_model_parallel_group(), temperature=temperature,
+            vocab_size=self.model_cfg.vocab_size, chunk_size=self.batch.logprob_chunk_size,
+        )
+        mask = mb["mask"]
+        use_kl = a.kl_coef != 0 and not a.kl_in_reward
+        kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator) if use_kl else None
+        token_loss, terms = algo.grpo_token_loss(
+            logp, mb["old_logp"], mb["advantages"], a.clip_ratio_low, a.clip_ratio_high, a.dual_clip,
+            kl=kl, kl_coef=a.kl_coef if use_kl else 0.0,
+            entropy=entropy if a.entropy_coef else None, entropy_coef=a.entropy_coef,
+            token_scale=algo.valid_token_scale(mask) if a.dapo_token_scale else None,
+        )
+        loss = algo.aggregate(token_loss, mask, a.loss_agg_mode, normaliser)
+        m = mask.to(torch.float32)
+        with torch.no_grad():
+            log_ratio = algo.loss.log_ratio(logp, mb["old_logp"])
+            valid = mask.bool()
+            ratio = log_ratio.exp()
+            stats = {
+                "loss": loss.detach(),
+                "pg_loss_sum": (terms["pg_loss"] * m).sum(),
+                "entropy_sum": (entropy * m).sum(),
+                "kl_sum": ((kl if kl is not None else algo.kl_penalty(logp, mb["ref_logp"], "k3")) * m).sum()
+                if "ref_logp" in mb else torch.zeros(()),
+                "clipped_sum": (terms["clipped"] * m).sum(),
+                "tokens": m.sum(),
+                "ratio_sum": (ratio * m).sum(),
+                "ratio_min": ratio[valid].min() if valid.any() else torch.tensor(math.inf),
+                "ratio_max": ratio[valid].max() if valid.any() else torch.tensor(-math.inf),
+                "extreme": algo.has_extreme_ratio(logp, mb["old_logp"], mask, a.early_stop_imp_ratio).float()
+                if a.early_stop_imp_ratio else torch.zeros(()),
+            }
+        return loss * scale, stats
+
+    def update(self, rollout: RolloutBatch, temperature: float = 1.0) -> list[dict]:
+        """`ppo_epochs` passes over the step's mini-batches, one optimizer step each. Needs
+        rollout.advantages, rollout.old_logp (and rollout.ref_logp when the KL term is on).
+        Returns one metrics dict per mini-batch, identical on every rank."""
+        if rollout.advantages is None or rollout.old_logp is None:
+            raise ValueError("update() needs rollout.advantages and rollout.old_logp")
+        if self.algo.kl_coef and not self.algo.kl_in_reward and rollout.ref_logp is None:
+            raise ValueError("algo.kl_coef != 0 needs rollout.ref_logp")
+        ps = _ps()
+        dp = ps.get_data_parallel_world_size()
+        per_mini = self.batch.ppo_mini_batch_size * self.batch.n
+        self.batch.check_dp(dp)
+        if rollout.size % per_mini:
+            raise ValueError(f"{rollout.size} responses are not whole mini-batches of {per_mini}")
+        metrics = []
+        for _ in range(self.algo.ppo_epochs):
+            for start in range(0, rollout.size, per_mini):
+                metrics.append(self._update_mini_batch(rollout.rows(start, start + per_mini), temperature))
+        return metrics
+
+    def _update_mini_batch(self, mini: RolloutBatch, temperature: float) -> dict:
+        ps = _ps()
+        dp = ps.get_data_parallel_world_size()
+        lo, hi = _dp_share(mini)
+        micro, length = micro_batches(mini.rows(lo, hi), self.batch.micro_batch_size, _pad_multiple(self.parallel))
+        # The normaliser belongs to the mini-batch: every micro-batch's share, summed over DP ranks.
+        normaliser = sum(
+            algo.local_normaliser(self.algo.loss_agg_mode, mb["mask"], self.batch.max_response_length) for mb in micro
+        ).to(torch.float64)
+        comm.dp_all_reduce(normaliser)
+        scale = algo.megatron_loss_scale(len(micro), dp)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature)
+
+        module = self.built.module
+        module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = run_schedule(module, micro, length, forward_step, forward_only=False)
+
+        sums = {k: 0.0 for k in ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "ratio_sum", "extreme")}
+        mins, maxs = {"ratio_min": math.inf}, {"ratio_max": -math.inf}
+        for d in out:
+            for k in sums:
+                sums[k] += float(d[k])
+            mins["ratio_min"] = min(mins["ratio_min"], float(d["ratio_min"]))
+            maxs["ratio_max"] = max(maxs["ratio_max"], float(d["ratio_max"]))
+        sums, mins, maxs = comm.reduce_stage_metrics(sums, mins, maxs)
+        tokens = max(sums["tokens"], 1.0)
+        m = {
+            "loss": sums["loss"],
+            "pg_loss": sums["pg_loss_sum"] / tokens,
+            "entropy": sums["entropy_sum"] / tokens,
+            "kl": sums["kl_sum"] / tokens,
+            "clip_fraction": sums["clipped_sum"] / tokens,
+            "ratio_mean": sums["ratio_sum"] / tokens,
+            "ratio_min": mins["ratio_min"],
+            "ratio_max": maxs["ratio_max"],
+            "tokens": sums["tokens"],
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        if comm.any_rank(sums["extreme"] > 0):
+            self.skipped_early_stop += 1
+            module.zero_grad_buffer()
+            m.update(grad_norm=float("nan"), skipped=1.0)
+            return m
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        m.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), skipped=0.0 if ok else 1.0)
+        return m

@@ -1,0 +1,155 @@
+"""Shared by the trainer tests: a tiny fp32 actor on forked gloo ranks, one GRPO update per (mode, micro-batch
+size) from the same initial weights, its result saved with dist_checkpointing; and the single-process
+reference. Functions here run inside forked ranks (grpo_mega.parallel.forked)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from grpo_mega import algo
+from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+from grpo_mega.parallel import cpu_compat
+from grpo_mega.parallel.state import destroy_distributed, init_distributed
+from grpo_mega.trainer.actor import Actor
+from grpo_mega.trainer.batch import RolloutBatch
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MICRO = [1, 2, 4]
+TEMPERATURE = 0.8
+MAX_RESPONSE = 10
+
+
+def model_cfg(tied: bool = False):
+    cfg = load_model_config("tiny")
+    cfg.tie_word_embeddings = tied
+    return cfg
+
+
+# The optimizer step is used to read the gradient back after resharding: W0 - W1 = g.
+#  - "adam": Megatron's DistributedOptimizer (reduce-scattered grads), Adam with lr = eps = 1e8. Its first
+#    step is lr * m_hat / (sqrt(v_hat) + eps) = g * 1e8 / (|g| + 1e8): g itself to a relative 1e-8, linear in
+#    g (an ordinary Adam step would be blind to a constant factor on g, and prove nothing about scaling).
+#  - "sgd": the non-distributed optimizer (all-reduced grads), SGD with lr = 1.
+OPTIMS = {
+    "adam": dict(optimizer="adam", lr=1e8, adam_eps=1e8, weight_decay=0.0, clip_grad=1e9, use_distributed_optimizer=True),
+    "sgd": dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=1e9, use_distributed_optimizer=False),
+}
+
+
+def configs(mode: str, mbs: int, optim: str = "adam"):
+    return dict(
+        precision=PrecisionConfig(params_dtype="fp32"),
+        optim=OptimConfig(**OPTIMS[optim]),
+        algo_cfg=AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
+                            clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
+        batch=BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=mbs,
+                          max_response_length=MAX_RESPONSE),
+    )
+
+
+def rollout(seed: int = 0) -> RolloutBatch:
+    """8 responses (2 prompts x 4) with random lengths, tokens and rewards."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model_cfg().vocab_size
+    prompts, responses = [], []
+    for i in range(8):
+        p = int(torch.randint(3, 9, (1,), generator=g)) if i % 4 == 0 else len(prompts[-1])
+        prompt = prompts[-1] if i % 4 else torch.randint(0, vocab, (p,), generator=g).tolist()
+        prompts.append(prompt)
+        r = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=g))
+        responses.append(torch.randint(0, vocab, (r,), generator=g).tolist())
+    batch = RolloutBatch.from_samples(prompts, responses)
+    rewards = torch.randint(0, 3, (8,), generator=g).float()
+    batch.advantages = algo.group_advantages(rewards, n=4).float()
+    return batch
+
+
+def perturbed(logp: torch.Tensor, mask: torch.Tensor, scale: float, seed: int) -> torch.Tensor:
+    noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed)) * scale
+    return (logp + noise) * mask
+
+
+def _load(actor: Actor, ckpt: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    gpt = actor.built.gpt
+    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), ckpt))
+    actor.optimizer.reload_model_params()
+
+
+def full_state(gpt) -> dict:
+    return {k: v.detach().double().clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k}
+
+
+def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, optim="adam", parallel_kw=None):
+    """On every rank of a tp x pp x dp layout: for each (mode, mbs), load W0, one update, save W1.
+    Returns (logprobs of W0, {combo: metrics})."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=pp, seed=1234)
+        combos = combos or [(m, b) for m in MODES for b in MICRO]
+        parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, **(parallel_kw or {}))
+        results, first_logp = {}, None
+        for mode, mbs in combos:
+            actor = Actor(model_cfg(tied), parallel, **configs(mode, mbs, optim))
+            _load(actor, w0_dir)
+            batch = rollout()
+            if first_logp is None:
+                first_logp = actor.logprobs(batch, TEMPERATURE)
+            batch.old_logp, batch.ref_logp = inputs
+            (m,) = actor.update(batch, TEMPERATURE)
+            path = os.path.join(out_dir, f"{mode}_{mbs}")
+            os.makedirs(path, exist_ok=True)
+            dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), path)
+            results[(mode, mbs)] = m
+        destroy_distributed()
+        return first_logp, results
+
+
+def make_reference(w0_dir, tied=False, combos=None, optim="adam"):
+    """Single process: initial weights W0 (saved), logprobs, inputs, and per combo the metrics and the
+    gradient W0 - W1."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=1234)
+        combos = combos or [(m, b) for m in MODES for b in MICRO]
+        actor = Actor(model_cfg(tied), ParallelConfig(), **configs("token-mean", 1))
+        os.makedirs(w0_dir, exist_ok=True)
+        dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), w0_dir)
+        w0 = full_state(actor.built.gpt)
+        batch = rollout()
+        logp = actor.logprobs(batch, TEMPERATURE)
+        mask = batch.response_mask()
+        inputs = (perturbed(logp, mask, 0.3, 1), perturbed(logp, mask, 0.2, 2))
+        out = {}
+        for mode, mbs in combos:
+            actor = Actor(model_cfg(tied), ParallelConfig(), **configs(mode, mbs, optim))
+            _load(actor, w0_dir)
+            b = rollout()
+            b.old_logp, b.ref_logp = inputs
+            (m,) = actor.update(b, TEMPERATURE)
+            w1 = full_state(actor.built.gpt)
+            out[(mode, mbs)] = (m, {k: w0[k] - w1[k] for k in w0})
+        destroy_distributed()
+        return w0, logp, inputs, out
+
+
+def load_many(dirs, tied=False):
+    """Load checkpoints written at any layout into one single-process TP1PP1 model; return their states."""
+    from megatron.core import dist_checkpointing
+
+    from grpo_mega.models.builder import build_gpt
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=1234)
+        gpt, _ = build_gpt(model_cfg(tied), ParallelConfig(), PrecisionConfig(params_dtype="fp32"))
+        out = {}
+        for d in dirs:
+            gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), d))
+            out[d] = full_state(gpt)
+        destroy_distributed()
+        return out

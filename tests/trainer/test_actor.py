@@ -1,0 +1,108 @@
+"""The actor/reference pair: the reference stays frozen while the actor learns, and impossible layouts stop
+at start-up with the numbers and the rule."""
+
+import pytest
+import torch
+
+from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+from grpo_mega.parallel import cpu_compat
+from grpo_mega.parallel.forked import RankFailed, run_ranks
+from grpo_mega.parallel.state import destroy_distributed, init_distributed
+from tests.trainer import layouts as L
+
+
+def _three_steps(tp, pp):
+    from grpo_mega.trainer.actor import Actor, Reference
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=pp, seed=7)
+        cfg = load_model_config("tiny")
+        parallel = ParallelConfig(tp=tp, pp=pp)
+        batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        actor = Actor(cfg, parallel, PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-3),
+                      AlgoConfig(kl_coef=0.1, entropy_coef=0.01), batch_cfg)
+        ref = Reference(cfg, parallel, PrecisionConfig(params_dtype="fp32"), batch_cfg)
+        ref.load_from(actor)
+        assert not any(p.requires_grad for p in ref.built.gpt.parameters())
+        in_optimizer = {id(p) for g in actor.optimizer.param_groups for p in g["params"]}
+        assert not in_optimizer & {id(p) for p in ref.built.gpt.parameters()}
+        ref0 = {k: v.clone() for k, v in ref.built.gpt.state_dict().items() if torch.is_tensor(v)}
+        act0 = {k: v.clone() for k, v in actor.built.gpt.state_dict().items() if torch.is_tensor(v)}
+        batch = L.rollout(seed=3)
+        same_at_start = torch.equal(actor.logprobs(batch, 1.0), ref.logprobs(batch, 1.0))
+        metrics = []
+        for _ in range(3):
+            batch.old_logp = actor.logprobs(batch, 1.0)
+            batch.ref_logp = ref.logprobs(batch, 1.0)
+            metrics += actor.update(batch, 1.0)
+        ref_same = all(torch.equal(v, ref.built.gpt.state_dict()[k]) for k, v in ref0.items())
+        act_moved = sum(float((v - actor.built.gpt.state_dict()[k]).abs().sum()) for k, v in act0.items() if v.is_floating_point())
+        kl_after = float((actor.logprobs(batch, 1.0) - ref.logprobs(batch, 1.0)).abs().max())
+        destroy_distributed()
+        return same_at_start, ref_same, act_moved, kl_after, metrics
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_reference_frozen_actor_learns(tp, pp):
+    res = run_ranks(_three_steps, tp * pp, tp, pp, timeout=300)
+    for same_at_start, ref_same, act_moved, kl_after, metrics in res:
+        assert same_at_start and ref_same
+        assert act_moved > 1e-3 and kl_after > 1e-5
+        assert len(metrics) == 6  # 3 steps x 2 mini-batches
+        assert all(m["skipped"] == 0 and m["grad_norm"] > 0 for m in metrics)
+        assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-9) and metrics[-1]["kl"] > 0
+    assert all(r[4] == res[0][4] for r in res)  # metrics identical on every rank
+
+
+def test_impossible_layouts_stop_with_the_rule():
+    tiny = load_model_config("tiny")  # 8 heads, 4 query groups, 4 layers
+    with pytest.raises(ValueError, match=r"parallel.tp=3 must divide num_attention_heads=8"):
+        ParallelConfig(tp=3).check(tiny)
+    with pytest.raises(ValueError, match=r"parallel.tp=8 must divide num_query_groups=4"):
+        ParallelConfig(tp=8).check(tiny)
+    with pytest.raises(ValueError, match=r"model.num_layers=4 does not split over parallel.pp=3 stages"):
+        ParallelConfig(pp=3).check(tiny)
+    with pytest.raises(ValueError, match=r"hold 1 \+ 2 layers but the model has 4"):
+        ParallelConfig(pp=2, num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=2).check(tiny)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp = 2 \* 2"):
+        ParallelConfig(tp=2, pp=2).check(tiny, world_size=6)
+    assert ParallelConfig(tp=2, pp=2).check(tiny, world_size=8) == 2
+    with pytest.raises(ValueError, match="sequence_parallel=true needs parallel.tp > 1"):
+        ParallelConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"24 responses does not split into dp=5 ranks x micro_batch_size=2"):
+        BatchConfig(train_batch_size=6, n=4, ppo_mini_batch_size=6, micro_batch_size=2).check_dp(5)
+    with pytest.raises(ValueError, match="rollout.n=1 must be >= 2"):
+        BatchConfig(n=1)
+
+
+def _build_at(tp, pp):
+    from grpo_mega.trainer.actor import Actor
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=pp)
+        Actor(load_model_config("tiny"), ParallelConfig(tp=tp, pp=pp), PrecisionConfig(), OptimConfig(), AlgoConfig(),
+              BatchConfig())
+
+
+def test_impossible_layout_fails_at_startup_on_ranks():
+    with pytest.raises(RankFailed, match=r"world size 3 is not divisible by parallel.tp \* parallel.pp = 2 \* 1"):
+        run_ranks(_build_at, 3, 2, 1, timeout=60)
+    with pytest.raises(RankFailed, match=r"model.num_layers=4 does not split over parallel.pp=3 stages"):
+        run_ranks(_build_at, 3, 1, 3, timeout=60)
+
+
+def test_fp8_where_it_cannot_run_says_so():
+    from grpo_mega.models.builder import check_fp8
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=r"precision.fp8='hybrid' needs a CUDA GPU with Transformer Engine.*fp8=null"):
+        check_fp8(PrecisionConfig(fp8="hybrid"))
+
+
+def test_full_kl_in_the_loss_is_refused_clearly():
+    from grpo_mega.trainer.actor import Actor
+
+    with pytest.raises(ValueError, match="kl_estimator='full' in the loss needs the reference's logits"):
+        Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(), OptimConfig(),
+              AlgoConfig(kl_estimator="full", kl_coef=0.1), BatchConfig())
