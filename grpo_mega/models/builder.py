@@ -8,6 +8,7 @@ reference. Parallelism is applied to the model here, not written into it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class LocalRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 
@@ -130,14 +131,51 @@ class Built:
     config: object
 
 
-def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig):
-    """This rank's pipeline stage of a GPTModel (no DDP)."""
+@contextlib.contextmanager
+def _meta_device():
+    """Build parameters on the meta device: megatron allocates them at `torch.cuda.current_device()`."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("meta")
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, init: bool = True,
+              meta: bool = False):
+    """This rank's pipeline stage of a GPTModel (no DDP).
+
+    init=False skips the random initialisation (the weights are about to be loaded); meta=True builds
+    shapes only, no memory (for the layout description that dist_checkpointing needs)."""
     from megatron.core import parallel_state as ps
+
+    rope = model.rope_scaling
+    if rope is not None and (rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position_embeddings) != (1.0, 4.0, 8192):
+        raise ValueError(
+            f"model.rope_scaling={rope}: megatron-core applies llama3 scaling with low_freq_factor=1, "
+            "high_freq_factor=4, original_max_position_embeddings=8192 only"
+        )
+    config = transformer_config(model, parallel, precision)
+    if not init or meta:
+        config.perform_initialization = False
+        config.use_cpu_initialization = False
+    with _meta_device() if meta else contextlib.nullcontext():
+        gpt = _gpt_model(config, model, rope, ps)
+    if meta:
+        return gpt.to(dtype=config.params_dtype), config
+    if not torch.cuda.is_available():
+        gpt = gpt.to(dtype=config.params_dtype)
+    else:
+        gpt = gpt.cuda()
+    return gpt, config
+
+
+def _gpt_model(config, model: ModelConfig, rope, ps):
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model, parallel, precision)
-    rope = model.rope_scaling
-    gpt = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config),
         vocab_size=model.padded_vocab_size,
@@ -150,16 +188,6 @@ def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: Precision
         rope_scaling=rope is not None,
         rope_scaling_factor=rope.factor if rope is not None else 8.0,
     )
-    if rope is not None and (rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position_embeddings) != (1.0, 4.0, 8192):
-        raise ValueError(
-            f"model.rope_scaling={rope}: megatron-core applies llama3 scaling with low_freq_factor=1, "
-            "high_freq_factor=4, original_max_position_embeddings=8192 only"
-        )
-    if not torch.cuda.is_available():
-        gpt = gpt.to(dtype=config.params_dtype)
-    else:
-        gpt = gpt.cuda()
-    return gpt, config
 
 
 def build_actor(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, use_distributed_optimizer: bool = True) -> Built:

@@ -88,12 +88,17 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                 if remaining <= 0:
                     failures.append(f"ranks {sorted(pending)} still running after {timeout:.0f} s (hang?)")
                     break
-                ready = mp.connection.wait([conns[r] for r in pending], timeout=min(remaining, 1.0))
-                for conn in ready:
-                    rank = conns.index(conn)
+                ready = mp.connection.wait([conns[r] for r in pending], timeout=min(remaining, 0.5))
+                # A rank that died may have left a child of its own (a Manager) holding the pipe open, so its
+                # end of file never comes (nor does its process sentinel): also poll the exit codes.
+                exited = [r for r in pending if conns[r] not in ready and procs[r].exitcode is not None]
+                for rank in [conns.index(c) for c in ready] + exited:
                     pending.discard(rank)
+                    if not conns[rank].poll(0):
+                        died.append(rank)
+                        continue
                     try:
-                        status, value = pickle.loads(conn.recv_bytes())
+                        status, value = pickle.loads(conns[rank].recv_bytes())
                     except EOFError:
                         died.append(rank)
                         continue

@@ -85,3 +85,18 @@ def _exit_hard():
 def test_a_rank_that_dies_is_reported():
     with pytest.raises(RankFailed, match="rank 0 exited with code 3 and no result"):
         run_ranks(_exit_hard, 1, timeout=30)
+
+
+def _die_leaving_a_child():
+    pid = os.fork()
+    if pid == 0:  # like a multiprocessing Manager: a child that holds every fd of the rank, the pipe too
+        time.sleep(600)
+        os._exit(0)
+    os._exit(5)
+
+
+def test_a_dead_rank_is_seen_even_if_its_child_holds_the_pipe():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank [01] exited with code 5 and no result"):
+        run_ranks(_die_leaving_a_child, 2, timeout=60)
+    assert time.monotonic() - t0 < 20

@@ -1,0 +1,34 @@
+"""Tiny random HF checkpoints made with transformers itself (nothing downloaded), and the SmolLM2 cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+SMOLLM2_DIR = Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache" / "grpo_mega")) / "SmolLM2-135M-Instruct"
+
+
+def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0) -> Path:
+    """A 4-layer, 8-head, 4-KV-group random model saved with save_pretrained (safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+              rope_theta=10000.0, initializer_range=0.15)
+    cfg, cls = (Qwen2Config(**kw), Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig(**kw), LlamaForCausalLM)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():  # make the norms and biases non-trivial so a swapped tensor would show
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p.float()).to(dtype) if "norm" in name else 0.1 * torch.randn_like(p.float()).to(dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def smollm2_dir() -> Path:
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        raise RuntimeError(f"SmolLM2-135M-Instruct is not prepared at {SMOLLM2_DIR}: run `make smollm2` (make test does)")
+    return SMOLLM2_DIR
