@@ -12,6 +12,7 @@ from grpo_mega.algo.loss import (
     grpo_token_loss,
     has_extreme_ratio,
     local_normaliser,
+    logprob_mismatch,
     megatron_loss_scale,
     valid_token_scale,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "kl_in_reward",
     "kl_penalty",
     "local_normaliser",
+    "logprob_mismatch",
     "megatron_loss_scale",
     "nonuniform_groups",
     "response_mask",

@@ -191,3 +191,11 @@ def has_extreme_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
         raise ValueError(f"algo.early_stop_imp_ratio={threshold} must be > 1")
     lr = log_ratio(logp, old_logp).abs()
     return ((lr > torch.log(torch.tensor(threshold, dtype=lr.dtype))) & mask.bool()).any()
+
+
+def logprob_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |engine logprob - trainer logprob| over response tokens: the rollout/trainer drift metric.
+    All [B, T], position-aligned. 0.0 for an empty mask."""
+    m = mask.to(torch.float64)
+    n = float(m.sum())
+    return float(((engine_logp.double() - trainer_logp.double()).abs() * m).sum() / n) if n else 0.0

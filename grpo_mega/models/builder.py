@@ -163,6 +163,8 @@ def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: Precision
         config.use_cpu_initialization = False
     with _meta_device() if meta else contextlib.nullcontext():
         gpt = _gpt_model(config, model, rope, ps)
+    if not config.perform_initialization:
+        _restore_tp_attributes(gpt)
     if meta:
         return gpt.to(dtype=config.params_dtype), config
     if not torch.cuda.is_available():
@@ -170,6 +172,28 @@ def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: Precision
     else:
         gpt = gpt.cuda()
     return gpt, config
+
+
+def _restore_tp_attributes(gpt) -> None:
+    """megatron-core 0.16.1 tags a layer's weight as tensor-parallel (`tensor_model_parallel`,
+    `partition_dim`) only inside its random initialisation; with perform_initialization=False the weights of
+    column/row-parallel layers and the vocab-parallel embedding come out untagged, and the grad-norm and
+    weight-sync code would treat TP shards as replicated copies. Tag them as initialisation would have."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in gpt.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
 
 
 def _gpt_model(config, model: ModelConfig, rope, ps):

@@ -1,0 +1,1 @@
+"""Rollout engines (the interface, the embedded engine, SGLang) and the weight sync that feeds them."""

@@ -1,0 +1,139 @@
+"""The embedded rollout engine: the RolloutEngine interface over an HF transformers model, in-process.
+
+For machines without SGLang (CI, laptops, the demo). Batched sampling with a KV cache, left-padded prompts,
+one seeded generator per sample (so a sample does not depend on what else is in the batch), logprobs of
+softmax(logits / temperature) at the sampled token.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from grpo_mega.conf.schema import ModelConfig
+from grpo_mega.rollout.engine import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail of each row beyond cumulative probability top_p (the nucleus keeps >= 1 token)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < top_p
+    keep[..., 0] = True
+    filtered = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+@ENGINES.register("embedded")
+class EmbeddedEngine(RolloutEngine):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model.requires_grad_(False)
+        self.device, self.dtype = device, dtype
+        self.params = dict(self.model.named_parameters())
+        self.weight_version = 0
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+        """An engine with this architecture (weights arrive by update_weights)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from grpo_mega.models.bridge import FAMILIES
+
+        hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
+        config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
+        torch.manual_seed(seed)
+        return cls(AutoModelForCausalLM.from_config(config, dtype=torch.float32), dtype, device)
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype), dtype, device)
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 stop_token_ids: Iterable[int], seed: int) -> Generation:
+        from transformers import DynamicCache
+
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n={n} and max_new_tokens={max_new_tokens} must be >= 1")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("an empty prompt cannot be continued: every prompt needs at least one token")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature={temperature} must be >= 0 and top_p={top_p} in (0, 1]")
+        rows = [(p, j) for p in range(len(prompts)) for j in range(n)]
+        b = len(rows)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, width, dtype=torch.long)
+        for r, (p, _) in enumerate(rows):
+            ids[r, width - len(prompts[p]):] = torch.tensor(prompts[p])
+            mask[r, width - len(prompts[p]):] = 1
+        gens = [torch.Generator().manual_seed(sample_seed(seed, p, j)) for p, j in rows]
+        stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+        cache = DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        next_pos = positions[:, -1] + 1
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        logps: list[list[float]] = [[] for _ in range(b)]
+        finish = ["length"] * b
+        active = torch.ones(b, dtype=torch.bool)
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1].float().cpu()
+            scaled = logits / temperature if temperature > 0 else logits
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            if temperature == 0:
+                tok = scaled.argmax(-1)
+            else:
+                probs = _top_p_filter(logp_all.exp(), top_p)
+                tok = torch.stack([torch.multinomial(probs[r], 1, generator=gens[r])[0] for r in range(b)])
+            lp = logp_all.gather(1, tok[:, None])[:, 0]
+            for r in torch.nonzero(active).flatten().tolist():
+                tokens[r].append(int(tok[r]))
+                logps[r].append(float(lp[r]))
+                if stop.numel() and bool((stop == tok[r]).any()):
+                    finish[r] = "stop"
+                    active[r] = False
+            if not active.any() or step == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
+            out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=next_pos[:, None].to(self.device), past_key_values=cache, use_cache=True)
+            next_pos = next_pos + 1
+        return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish, weight_version=self.weight_version)
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
+        seen: set[str] = set()
+        for bucket in buckets:
+            for name, t in bucket.tensors():
+                param = self.params.get(name)
+                if param is None:
+                    raise KeyError(f"weight sync sent {name!r}, which this engine's model does not have")
+                if tuple(t.shape) != tuple(param.shape):
+                    raise ValueError(f"weight sync sent {name} with shape {tuple(t.shape)}; the engine has {tuple(param.shape)}")
+                param.copy_(t.to(device=param.device, dtype=param.dtype))
+                seen.add(name)
+        missing = sorted(set(self.params) - seen)
+        if missing:
+            raise ValueError(f"weight sync version {version} did not update {len(missing)} tensors, e.g. {missing[:3]}")
+        self.weight_version = version
+
+    def weight_checksums(self) -> dict[str, str]:
+        return {name: tensor_checksum(p) for name, p in self.params.items()}
+
+    def health(self) -> dict:
+        return {"ok": True, "weight_version": self.weight_version, "engine": "embedded", "device": self.device}
+
+    def shutdown(self) -> None:
+        self.model, self.params = None, {}
+

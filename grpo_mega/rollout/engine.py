@@ -1,0 +1,98 @@
+"""The rollout engine interface: what the trainer asks of SGLang or of the embedded engine.
+
+Owns the contract only. Samples are group-contiguous (the n samples of prompt g are rows [g*n, (g+1)*n)).
+Logprobs are of softmax(logits / temperature) at each sampled token, the definition the trainer uses
+(DESIGN.md), whatever top_p did to the sampling distribution. Weights arrive as buckets of HF-named tensors
+flattened into one byte buffer each (grpo_mega.rollout.weight_sync builds them).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from grpo_mega.registry import Registry
+
+
+@dataclass
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    offset: int  # byte offset in the bucket
+    nbytes: int
+
+
+@dataclass
+class Bucket:
+    """HF-named tensors flattened into one uint8 buffer, in a fixed order."""
+
+    metas: list[TensorMeta]
+    flat: torch.Tensor  # uint8 [nbytes]
+    checksums: Optional[dict[str, str]] = None  # the trainer's, when auditing
+
+    def tensors(self):
+        for m in self.metas:
+            yield m.name, self.flat[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel())
+
+
+@dataclass
+class Generation:
+    """Samples for a list of prompts, group-contiguous: n per prompt."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]  # "stop" (a stop token ended it; it is included) or "length"
+    weight_version: int
+    extra: dict = field(default_factory=dict)
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """Bit-exact fingerprint of a tensor: sha256 of its bytes (dtype and shape included)."""
+    data = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """Per-sample generator seed from (seed, prompt index, sample index) (DESIGN.md: callers fold the step
+    into `seed`). Stable across runs and machines."""
+    digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class RolloutEngine(abc.ABC):
+    """What every rollout engine provides."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 stop_token_ids: Iterable[int], seed: int) -> Generation:
+        """n samples for each prompt (token ids in, token ids out)."""
+
+    @abc.abstractmethod
+    def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
+        """Load HF-named tensors; after the last bucket the engine generates with them as `version`."""
+
+    @abc.abstractmethod
+    def weight_checksums(self) -> dict[str, str]:
+        """tensor_checksum of every parameter the engine generates with, by HF name."""
+
+    def health(self) -> dict:
+        return {"ok": True, "weight_version": self.weight_version}
+
+    def shutdown(self) -> None:
+        pass
+
+
+ENGINES: Registry[type] = Registry("rollout engine")

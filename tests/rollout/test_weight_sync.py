@@ -1,0 +1,154 @@
+"""Weight sync into the embedded engine: exact weights after a TP2xPP2 update step (audited), corruption
+caught and named, engine logprobs equal the trainer's, bounded buckets, seeded distinct samples."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from grpo_mega import algo
+from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+from grpo_mega.parallel import cpu_compat
+from grpo_mega.parallel.forked import run_ranks
+from grpo_mega.parallel.state import destroy_distributed, init_distributed
+from grpo_mega.rollout.embedded import EmbeddedEngine
+from grpo_mega.rollout.weight_sync import WeightSyncError, check_audit, pack_buckets, sync_weights
+from grpo_mega.trainer.batch import RolloutBatch
+from tests.trainer import layouts as L
+
+LOGP_TOL = 1e-5  # mean absolute difference, fp32
+
+
+def test_buckets_respect_the_limit_and_keep_order():
+    g = torch.Generator().manual_seed(0)
+    sizes = [10, 300, 50, 5000, 20, 20, 999, 1]  # elements (fp32: x4 bytes); limit 1200 bytes
+    tensors = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]
+    buckets = list(pack_buckets(iter(tensors), bucket_bytes=1200, audit=True))
+    names = [m.name for b in buckets for m in b.metas]
+    assert names == [n for n, _ in tensors]
+    for b in buckets:
+        assert b.nbytes <= 1200 or len(b.metas) == 1  # only a single oversized tensor may exceed it
+    assert any(b.nbytes > 1200 for b in buckets)  # the 5000-element tensor travelled alone
+    got = {n: t for b in buckets for n, t in b.tensors()}
+    assert all(torch.equal(got[n], t) for n, t in tensors)
+    assert all(b.checksums and set(b.checksums) == {m.name for m in b.metas} for b in buckets)
+
+
+def _sync_and_sample(tp, pp, tied, bucket_mb):
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=pp, seed=5)
+        cfg = load_model_config("tiny")
+        cfg.tie_word_embeddings = tied
+        from grpo_mega.trainer.actor import Actor
+
+        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
+                      AlgoConfig(kl_coef=0.0),
+                      BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
+        # one update step, so the engine must receive trained (not initial) weights
+        batch = L.rollout(seed=1)
+        batch.old_logp = actor.logprobs(batch, 1.0)
+        actor.update(batch, 1.0)
+
+        engine = EmbeddedEngine.from_model_config(cfg, seed=123) if dist.get_rank() == 0 else None
+        before = engine.weight_checksums() if engine else None
+        stats = sync_weights(actor.built.gpt, cfg, engine, version=1, bucket_mb=bucket_mb, audit=True)
+        out = {}
+        if engine is not None:
+            out["changed"] = sum(before[k] != v for k, v in engine.weight_checksums().items())
+            out["stats"] = stats
+            # a tensor corrupted inside the engine after the sync is caught and named
+            name = "model.layers.2.mlp.down_proj.weight"
+            with torch.no_grad():
+                engine.params[name][0, 0] += 1e-3
+            try:
+                check_audit(stats.checksums, engine.weight_checksums())
+            except WeightSyncError as e:
+                out["audit_error"] = str(e)
+            with torch.no_grad():
+                engine.params[name][0, 0] -= 1e-3
+            check_audit(stats.checksums, engine.weight_checksums())  # restored exactly
+        prompts = [[5, 17, 33, 2, 9], [100, 7], [250, 251, 252]]
+        for temperature in (0.7, 1.0):
+            gen = [None]
+            if engine is not None:
+                gen[0] = engine.generate(prompts, n=2, temperature=temperature, top_p=1.0, max_new_tokens=8,
+                                         stop_token_ids=[3], seed=11)
+            dist.broadcast_object_list(gen, src=0)
+            g = gen[0]
+            rb = RolloutBatch.from_samples([prompts[i // 2] for i in range(6)], g.token_ids)
+            trainer = actor.logprobs(rb, temperature)
+            mask = rb.response_mask()
+            engine_lp = torch.zeros_like(trainer)
+            for i, lps in enumerate(g.logprobs):
+                start = len(prompts[i // 2]) - 1
+                engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
+            out[temperature] = (algo.logprob_mismatch(engine_lp, trainer, mask), g)
+        destroy_distributed()
+        return out
+
+
+@pytest.mark.parametrize("tp,pp,tied", [(2, 2, False), (2, 2, True), (1, 1, False)])
+def test_sync_after_update_is_exact_and_audited(tp, pp, tied):
+    res = run_ranks(_sync_and_sample, tp * pp, tp, pp, tied, 0.01, timeout=300)
+    r0 = res[0]
+    stats = r0["stats"]
+    assert r0["changed"] > 0 and stats.audited and stats.version == 1
+    assert "model.layers.2.mlp.down_proj.weight" in r0["audit_error"] and "1 tensors differ" in r0["audit_error"]
+    limit = 0.01 * 2**20
+    assert stats.buckets > 3 and stats.bytes == sum(4 * p for p in _hf_param_counts(tied))
+    assert stats.largest_bucket <= max(limit, 4 * max(_hf_param_counts(tied)))
+    for temperature in (0.7, 1.0):
+        for r in res:  # every rank recomputed the same logprobs
+            mismatch, gen = r[temperature]
+            assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
+            print(f"TP{tp}xPP{pp} tied={tied} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
+        assert sum(len(t) for t in gen.token_ids) > 12
+
+
+def _hf_param_counts(tied):
+    cfg = load_model_config("tiny")
+    cfg.tie_word_embeddings = tied
+    engine = EmbeddedEngine.from_model_config(cfg)
+    return [p.numel() for p in engine.params.values()]
+
+
+def test_samples_are_distinct_and_reproducible():
+    cfg = load_model_config("tiny")
+    engine = EmbeddedEngine.from_model_config(cfg, seed=3)
+    prompts = [[1, 2, 3], [4, 5]]
+    a = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, stop_token_ids=[], seed=7)
+    b = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, stop_token_ids=[], seed=7)
+    c = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, stop_token_ids=[], seed=8)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert a.token_ids != c.token_ids
+    for g in range(2):
+        group = [tuple(t) for t in a.token_ids[g * 4 : (g + 1) * 4]]
+        assert len(set(group)) == 4  # n distinct samples
+    assert a.finish_reasons == ["length"] * 8 and all(len(t) == 12 for t in a.token_ids)
+    # a sample depends on (seed, prompt index, sample index), not on the rest of the batch
+    alone = engine.generate([prompts[0]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, stop_token_ids=[], seed=7)
+    assert alone.token_ids == a.token_ids[:4]
+    assert max(abs(x - y) for la, lb in zip(alone.logprobs, a.logprobs[:4]) for x, y in zip(la, lb)) < 1e-5
+    again = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=5, stop_token_ids=[], seed=7)
+    assert [t[:5] for t in a.token_ids] == again.token_ids
+
+
+def test_stop_tokens_end_samples_and_are_kept():
+    cfg = load_model_config("tiny")
+    engine = EmbeddedEngine.from_model_config(cfg, seed=3)
+    greedy = engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[], seed=0)
+    first = greedy.token_ids[0][0]
+    stopped = engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[first], seed=0)
+    assert stopped.token_ids == [[first]] and stopped.finish_reasons == ["stop"]
+    assert greedy.finish_reasons == ["length"]
+
+
+def test_bad_sync_input_is_named():
+    cfg = load_model_config("tiny")
+    engine = EmbeddedEngine.from_model_config(cfg)
+    bad = list(pack_buckets(iter([("model.layers.0.nonexistent.weight", torch.zeros(2))]), 1024))
+    with pytest.raises(KeyError, match="model.layers.0.nonexistent.weight"):
+        engine.update_weights(2, bad)
+    partial = list(pack_buckets(iter([("model.norm.weight", torch.ones(64))]), 1024))
+    with pytest.raises(ValueError, match=r"did not update \d+ tensors"):
+        engine.update_weights(2, partial)
+    assert engine.weight_version == 0
