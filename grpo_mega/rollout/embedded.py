@@ -7,7 +7,7 @@ softmax(logits / temperature) at the sampled token.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -128,7 +128,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"weight sync version {version} did not update {len(missing)} tensors, e.g. {missing[:3]}")
         self.weight_version = version
 
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self, shapes: Optional[dict] = None) -> dict[str, str]:
         return {name: tensor_checksum(p) for name, p in self.params.items()}
 
     def health(self) -> dict:

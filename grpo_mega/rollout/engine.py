@@ -85,8 +85,9 @@ class RolloutEngine(abc.ABC):
         """Load HF-named tensors; after the last bucket the engine generates with them as `version`."""
 
     @abc.abstractmethod
-    def weight_checksums(self) -> dict[str, str]:
-        """tensor_checksum of every parameter the engine generates with, by HF name."""
+    def weight_checksums(self, shapes: Optional[dict[str, tuple]] = None) -> dict[str, str]:
+        """tensor_checksum of the parameters the engine generates with, by HF name: all of them, or those
+        named in `shapes` (HF name -> shape) for engines that cannot list their own."""
 
     def health(self) -> dict:
         return {"ok": True, "weight_version": self.weight_version}

@@ -99,6 +99,7 @@ class SyncStats:
     seconds: float
     audited: bool
     checksums: Optional[dict] = None  # the trainer's, by HF name, when audited
+    shapes: Optional[dict] = None  # HF name -> shape of everything sent
 
 
 def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[RolloutEngine], version: int,
@@ -116,6 +117,7 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
     first_replica = ps.get_data_parallel_rank() == 0
     sender = first_replica and ps.get_tensor_model_parallel_rank() == 0
     trainer_sums: dict[str, str] = {}
+    sent_shapes: dict[str, tuple] = {}
     stats = dict(bytes=0, buckets=0, largest=0)
 
     def deliver(bucket: Bucket):
@@ -124,6 +126,7 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
         stats["largest"] = max(stats["largest"], bucket.nbytes)
         if bucket.checksums:
             trainer_sums.update(bucket.checksums)
+        sent_shapes.update({m.name: m.shape for m in bucket.metas})
         yield bucket
 
     def engine_buckets():
@@ -164,11 +167,11 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
         return None
     seconds = time.perf_counter() - t0
     if audit:
-        check_audit(trainer_sums, engine.weight_checksums())
+        check_audit(trainer_sums, engine.weight_checksums(sent_shapes))
     log.info("weight sync v%d: %.1f MiB in %d buckets (largest %.1f MiB) in %.3f s%s", version,
              stats["bytes"] / 2**20, stats["buckets"], stats["largest"] / 2**20, seconds, ", audited" if audit else "")
     return SyncStats(version, stats["bytes"], stats["buckets"], stats["largest"], seconds, audit,
-                     trainer_sums if audit else None)
+                     trainer_sums if audit else None, sent_shapes)
 
 
 def _first_replica_pp_ranks() -> list[int]:

@@ -49,10 +49,10 @@ def configs(mode: str, mbs: int, optim: str = "adam"):
     )
 
 
-def rollout(seed: int = 0) -> RolloutBatch:
+def rollout(seed: int = 0, vocab: int | None = None) -> RolloutBatch:
     """8 responses (2 prompts x 4) with random lengths, tokens and rewards."""
     g = torch.Generator().manual_seed(seed)
-    vocab = model_cfg().vocab_size
+    vocab = vocab or model_cfg().vocab_size
     prompts, responses = [], []
     for i in range(8):
         p = int(torch.randint(3, 9, (1,), generator=g)) if i % 4 == 0 else len(prompts[-1])
