@@ -17,7 +17,7 @@ import torch
 
 from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
-from grpo_mega.models.builder import build_actor, build_reference, copy_weights
+from grpo_mega.models.builder import build_actor, build_reference, copy_weights, offload
 from grpo_mega.parallel import comm
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
 from grpo_mega.trainer.batch import RolloutBatch, micro_batches
@@ -103,14 +103,25 @@ class UpdateMetrics:
 
 
 class Reference:
-    """The frozen reference policy: same placement as the actor, logprobs only."""
+    """The frozen reference policy: same placement as the actor, logprobs only. With `offload`, its
+    weights wait in host memory between uses and visit the GPU only for `logprobs`."""
 
-    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, batch: BatchConfig):
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, batch: BatchConfig,
+                 offload: bool = False):
         self.model_cfg, self.parallel, self.batch = model_cfg, parallel, batch
         self.built = build_reference(model_cfg, parallel, precision)
+        self.offload = offload and torch.cuda.is_available()
+        if self.offload:
+            offload(self.built.gpt, "cpu")
 
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
-        return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+        if self.offload:
+            offload(self.built.gpt, f"cuda:{torch.cuda.current_device()}")
+        try:
+            return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+        finally:
+            if self.offload:
+                offload(self.built.gpt, "cpu")
 
     def load_from(self, actor: "Actor") -> None:
         """Iterative RL: the reference becomes a copy of the current policy."""

@@ -106,3 +106,25 @@ def test_full_kl_in_the_loss_is_refused_clearly():
     with pytest.raises(ValueError, match="kl_estimator='full' in the loss needs the reference's logits"):
         Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(), OptimConfig(),
               AlgoConfig(kl_estimator="full", kl_coef=0.1), BatchConfig())
+
+
+def _lr_schedule():
+    from grpo_mega.trainer.actor import Actor
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=7)
+        batch_cfg = BatchConfig(train_batch_size=4, n=2, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
+                      OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=4, lr_decay_style="linear"),
+                      AlgoConfig(kl_coef=0.0), batch_cfg)
+        batch = L.rollout(seed=3)
+        batch.old_logp = actor.logprobs(batch, 1.0)
+        lrs = [m["lr"] for m in actor.update(batch, 1.0)]  # 4 mini-batches = 4 optimizer steps
+        destroy_distributed()
+        return lrs
+
+
+def test_lr_warmup_then_linear_decay():
+    (lrs,) = run_ranks(_lr_schedule, 1, timeout=120)
+    # the lr in force at each step: warm-up 0 -> 1e-3 over 2 steps, then linear decay to 1e-4 at step 4
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 5.5e-4], rel=1e-6)
