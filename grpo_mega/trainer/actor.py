@@ -9,8 +9,8 @@ The math is grpo_mega.algo's, the collectives grpo_mega.parallel's.
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -21,6 +21,8 @@ from grpo_mega.models.builder import build_actor, build_reference, copy_weights,
 from grpo_mega.parallel import comm
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
 from grpo_mega.trainer.batch import RolloutBatch, micro_batches
+
+log = logging.getLogger(__name__)
 
 
 def _ps():
@@ -95,13 +97,6 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
     return comm.broadcast_from_last_stage(comm.dp_all_gather_rows(local))
 
 
-@dataclass
-class UpdateMetrics:
-    """Per mini-batch: the mini-batch loss, its terms as token means, and the optimizer's view."""
-
-    values: dict = field(default_factory=dict)
-
-
 class Reference:
     """The frozen reference policy: same placement as the actor, logprobs only. With `offload`, its
     weights wait in host memory between uses and visit the GPU only for `logprobs`."""
@@ -170,6 +165,7 @@ class Actor:
             wd_incr_style="constant",
         )
         self.skipped_early_stop = 0
+        self.skipped_nonfinite = 0
 
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
         return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
@@ -278,9 +274,21 @@ class Actor:
         if comm.any_rank(sums["extreme"] > 0):
             self.skipped_early_stop += 1
             module.zero_grad_buffer()
-            m.update(grad_norm=float("nan"), skipped=1.0)
+            m.update(grad_norm=float("nan"), skipped=1.0, skip_reason="early_stop_imp_ratio")
+            return m
+        # Megatron checks for inf/nan only under fp16 loss scaling: with bf16 or fp32 a non-finite gradient
+        # would be stepped into the weights. Look at the loss and at this rank's grad buffers; all ranks
+        # decide together.
+        bad = not math.isfinite(sums["loss"]) or any(not torch.isfinite(b.grad_data).all() for b in module.buffers)
+        if comm.any_rank(bad):
+            self.skipped_nonfinite += 1
+            module.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            log.warning("mini-batch skipped: non-finite loss (%s) or gradient; the weights are unchanged", sums["loss"])
+            m.update(grad_norm=float("nan"), skipped=1.0, skip_reason="non_finite")
             return m
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        m.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), skipped=0.0 if ok else 1.0)
+        m.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), skipped=0.0 if ok else 1.0,
+                 skip_reason="" if ok else "optimizer")
         return m

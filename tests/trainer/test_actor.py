@@ -128,3 +128,34 @@ def test_lr_warmup_then_linear_decay():
     (lrs,) = run_ranks(_lr_schedule, 1, timeout=120)
     # the lr in force at each step: warm-up 0 -> 1e-3 over 2 steps, then linear decay to 1e-4 at step 4
     assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 5.5e-4], rel=1e-6)
+
+
+def _nan_step(tp, pp, dtype):
+    from grpo_mega.trainer.actor import Actor
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=pp, seed=7)
+        batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        actor = Actor(load_model_config("tiny"), ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype=dtype),
+                      OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
+        batch = L.rollout(seed=3)
+        batch.old_logp = actor.logprobs(batch, 1.0)
+        mask = batch.response_mask()
+        row, col = 1, int(torch.nonzero(mask[1])[0])
+        batch.old_logp[row, col] = float("nan")  # a NaN in the first mini-batch's loss
+        before = {k: v.clone() for k, v in actor.built.gpt.state_dict().items() if torch.is_tensor(v)}
+        first = actor._update_mini_batch(batch.rows(0, 4), 1.0)
+        same = all(torch.equal(v, actor.built.gpt.state_dict()[k]) for k, v in before.items())
+        second = actor._update_mini_batch(batch.rows(4, 8), 1.0)
+        moved = any(not torch.equal(v, actor.built.gpt.state_dict()[k]) for k, v in before.items() if v.is_floating_point())
+        finite = all(torch.isfinite(v).all() for v in actor.built.gpt.state_dict().values() if torch.is_tensor(v) and v.is_floating_point())
+        destroy_distributed()
+        return first, same, second, moved, finite, actor.skipped_nonfinite
+
+
+@pytest.mark.parametrize("tp,pp,dtype", [(1, 1, "fp32"), (2, 2, "bf16")])
+def test_a_nan_in_the_loss_is_skipped_and_leaves_the_weights(tp, pp, dtype):
+    for first, same, second, moved, finite, skipped in run_ranks(_nan_step, tp * pp, tp, pp, dtype, timeout=120):
+        assert first["skipped"] == 1.0 and first["skip_reason"] == "non_finite" and skipped == 1
+        assert same  # the NaN step changed nothing
+        assert second["skipped"] == 0.0 and moved and finite  # and training goes on
