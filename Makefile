@@ -61,7 +61,7 @@ $(SMOLLM2_DIR)/config.json: | $(VENV)/.installed
 smollm2: $(SMOLLM2_DIR)/config.json
 
 demo: $(VENV)/.installed
-	$(PY) -m grpo_mega.smoke --tp 2 --pp 2
+	$(PY) -m grpo_mega.train
 
 test: test-main test-sglang
 

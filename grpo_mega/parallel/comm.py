@@ -75,3 +75,11 @@ def reduce_stage_metrics(sums: dict[str, float], mins: Optional[dict[str, float]
         dp_all_reduce(x, op=dist.ReduceOp.MAX)
         broadcast_from_last_stage(x)
     return (dict(zip(keys_s, s.tolist())), dict(zip(keys_n, n.tolist())), dict(zip(keys_x, x.tolist())))
+
+
+def broadcast_object(obj, src: int = 0):
+    """A picklable object from global rank `src` to every rank (e.g. the engine's samples)."""
+    box = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -73,6 +73,20 @@ class SGLangEngine(RolloutEngine):
         self._group_name = "grpo_mega_weights"
         self.dtype = getattr(torch, dtype)
 
+    @classmethod
+    def from_model_config(cls, cfg, workdir, **kwargs) -> "SGLangEngine":
+        """An engine with this architecture, started from a freshly initialised HF checkpoint written to
+        `workdir` (the trainer's weights arrive with the first sync)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from grpo_mega.models.bridge import FAMILIES
+
+        hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
+        config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
+        config.architectures = hf["architectures"]
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(workdir, safe_serialization=True)
+        return cls(str(workdir), dtype="float32", **kwargs)
+
     # ---- calls with a deadline --------------------------------------------------------------------
 
     @contextlib.contextmanager

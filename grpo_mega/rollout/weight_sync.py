@@ -168,7 +168,7 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
     seconds = time.perf_counter() - t0
     if audit:
         check_audit(trainer_sums, engine.weight_checksums(sent_shapes))
-    log.info("weight sync v%d: %.1f MiB in %d buckets (largest %.1f MiB) in %.3f s%s", version,
+    log.debug("weight sync v%d: %.1f MiB in %d buckets (largest %.1f MiB) in %.3f s%s", version,
              stats["bytes"] / 2**20, stats["buckets"], stats["largest"] / 2**20, seconds, ", audited" if audit else "")
     return SyncStats(version, stats["bytes"], stats["buckets"], stats["largest"], seconds, audit,
                      trainer_sums if audit else None, sent_shapes)

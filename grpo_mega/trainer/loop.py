@@ -1,0 +1,125 @@
+"""The GRPO loop, as DESIGN.md's step: rollout -> reward -> advantage -> old/ref logprobs -> update ->
+weight sync -> eval/metrics. Every rank runs it; the rollout engine lives on global rank 0 and its samples
+are broadcast, so rewards and advantages are computed identically everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from grpo_mega import algo
+from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.parallel import comm
+from grpo_mega.rollout.weight_sync import sync_weights
+from grpo_mega.trainer.actor import Actor, Reference
+from grpo_mega.trainer.batch import RolloutBatch
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling and weight sync."""
+
+    engine: str = "embedded"
+    """'embedded' or 'sglang'."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    sync_bucket_mb: float = 64.0
+    """Weight-sync bucket size."""
+    audit_weights: bool = False
+    """Checksum every synced tensor against the engine's copy."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    steps: int = 40
+    seed: int = 1234
+    eval_interval: int = 5
+    """Validate every this many steps (and at step 0 and the end)."""
+
+
+@dataclass(kw_only=True)
+class Task:
+    """What the loop trains on: prompts, a reward, a validation set, the stop token."""
+
+    train_batch: Callable[[int], list]  # size -> examples with .prompt_ids
+    validation: Callable[[], list]
+    reward: Callable[[object, list[int]], float]
+    stop_token_ids: list[int]
+
+
+@dataclass
+class History:
+    initial_val_reward: float = 0.0
+    rows: list[dict] = field(default_factory=list)
+
+
+def _generate(engine, examples, n, temperature, top_p, max_new, stop, seed):
+    gen = [None]
+    if engine is not None:
+        gen[0] = engine.generate([e.prompt_ids for e in examples], n, temperature, top_p, max_new, stop, seed)
+    return comm.broadcast_object(gen[0])
+
+
+def evaluate(engine, task: Task, batch: BatchConfig) -> float:
+    """Greedy validation reward (accuracy for 0/1 rewards)."""
+    val = task.validation()
+    gen = _generate(engine, val, 1, 0.0, 1.0, batch.max_response_length, task.stop_token_ids, 0)
+    return sum(task.reward(e, r) for e, r in zip(val, gen.token_ids)) / len(val)
+
+
+def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
+          algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, task: Task,
+          engine_factory: Callable[[], object], log: Optional[Callable[[dict], None]] = None) -> History:
+    """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank)."""
+    batch.check_dp(torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
+    actor = Actor(model, parallel, precision, optim, algo_cfg, batch)
+    use_ref = algo_cfg.kl_coef != 0
+    reference = Reference(model, parallel, precision, batch) if use_ref else None
+    if reference is not None:
+        reference.load_from(actor)
+    engine = engine_factory() if torch.distributed.get_rank() == 0 else None
+    sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=torch.float32)
+    sync_weights(actor.built.gpt, engine=engine, version=0, **sync)
+    val = evaluate(engine, task, batch)
+    history = History(initial_val_reward=val)
+    for step in range(1, run.steps + 1):
+        t0 = time.perf_counter()
+        examples = task.train_batch(batch.train_batch_size)
+        gen = _generate(engine, examples, batch.n, rollout.temperature, rollout.top_p, batch.max_response_length,
+                        task.stop_token_ids, run.seed * 1_000_003 + step)
+        samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
+        rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
+        rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids)
+        rb.old_logp = actor.logprobs(rb, rollout.temperature)
+        if use_ref:
+            rb.ref_logp = reference.logprobs(rb, rollout.temperature)
+        rb.advantages = algo.group_advantages(rewards, batch.n, algo_cfg.norm_adv_by_std, algo_cfg.global_adv_norm)
+        engine_lp = torch.zeros_like(rb.old_logp)
+        for i, lps in enumerate(gen.logprobs):
+            start = len(samples[i].prompt_ids) - 1
+            engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
+        mismatch = algo.logprob_mismatch(engine_lp, rb.old_logp, rb.response_mask())
+        updates = actor.update(rb, rollout.temperature)
+        stats = sync_weights(actor.built.gpt, engine=engine, version=step, **sync)
+        if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
+            reference.load_from(actor)
+        if step % run.eval_interval == 0 or step == run.steps:
+            val = evaluate(engine, task, batch)
+        row = dict(
+            step=step, reward=float(rewards.mean()), val_reward=val,
+            response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
+            step_seconds=time.perf_counter() - t0, sync_seconds=stats.seconds if stats else 0.0,
+            **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
+                                                                       "clip_fraction", "grad_norm")},
+            skipped=sum(u["skipped"] for u in updates),
+        )
+        history.rows.append(row)
+        if log is not None:
+            log(row)
+    if engine is not None:
+        engine.shutdown()
+    return history
