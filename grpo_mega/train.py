@@ -5,7 +5,8 @@ Composes grpo_mega/conf/config.yaml with command-line overrides (`model=`, `para
 fields), starts torch.distributed (torchrun's environment, or a single local process), runs the loop and
 writes metrics.jsonl, TensorBoard events and PNG plots into Hydra's run directory.
 
-Today the task is the toy successor task (`task=successor`) that `make demo` runs.
+`task=successor` is the toy demo; `task=prompts model=HF_DIR data.train_files=... reward.name=math` trains an
+HF model on prompt files in verl's schema.
 """
 
 from __future__ import annotations
@@ -28,11 +29,36 @@ from grpo_mega.trainer.loop import RolloutConfig, RunConfig
 
 
 @dataclass
+class DataConfig:
+    """Prompt files in verl's schema (task=prompts)."""
+
+    train_files: str = ""
+    """A .jsonl or .parquet file of prompts."""
+    val_files: str = ""
+    """Validation prompts (default: the training file)."""
+
+
+@dataclass
+class RewardConfig:
+    """The reward (task=prompts): a registered name (math, format, mix) or a dotted path."""
+
+    name: str = "math"
+    on_error: str = "zero"
+    """'zero': score a failing sample 0 and report it; 'raise': stop."""
+    weights: dict = field(default_factory=dict)
+    """For name=mix: {reward name: weight}."""
+
+
+@dataclass
 class TrainConfig:
     """The whole run: every field of every component is overridable (`algo.entropy_coef=0.01`)."""
 
     model: str = "tiny"
+    """A model_configs/ name (random init), or an HF directory (weights and tokenizer loaded from it)."""
     task: str = "successor"
+    """'successor' (the toy demo) or 'prompts' (data.* files scored by reward.*)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -77,23 +103,52 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def _task(c: dict, tok, batch, run_cfg):
+    """The Task the loop trains on: the toy successor task, or prompt files scored by a reward."""
+    from grpo_mega.data.toy import SuccessorTask
+    from grpo_mega.trainer.loop import Task
+
+    if c["task"] == "successor":
+        t = SuccessorTask(tok, seed=run_cfg.seed)
+        return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward, stop_token_ids=[tok.eos_token_id])
+    if c["task"] != "prompts":
+        raise ValueError(f"task={c['task']!r} must be 'successor' or 'prompts'")
+    from grpo_mega.data.dataset import PromptStream, load_prompts
+    from grpo_mega.rewards import RewardStats, build_reward, score_samples
+
+    data, rew = c.get("data", {}), c.get("reward", {})
+    if not data.get("train_files"):
+        raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
+    train, dropped = load_prompts(data["train_files"], tok, batch.max_prompt_length)
+    val = load_prompts(data.get("val_files") or data["train_files"], tok, batch.max_prompt_length)[0]
+    if dropped:
+        print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
+    stream = PromptStream(train, run_cfg.seed)
+    kwargs = {"weights": rew["weights"]} if rew.get("weights") else {}
+    fn = build_reward(rew.get("name", "math"), **kwargs)
+    stats = RewardStats()
+
+    def reward(example, response_ids):
+        text = tok.decode(response_ids, skip_special_tokens=True)
+        sample = {"data_source": example.data_source, "extra_info": example.extra_info}
+        return score_samples(fn, [text], [example.ground_truth], [sample], rew.get("on_error", "zero"), stats)[0]
+
+    return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
+                stop_token_ids=[tok.eos_token_id])
+
+
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     import torch
     from tqdm import tqdm
 
     from grpo_mega.conf.schema import load_model_config
-    from grpo_mega.data.toy import SuccessorTask, make_tokenizer
+    from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
     from grpo_mega.rollout.embedded import EmbeddedEngine
-    from grpo_mega.trainer.loop import Task, train
+    from grpo_mega.trainer.loop import train
 
     c = OmegaConf.to_container(cfg, resolve=True)
-    if c.get("task") != "successor":
-        raise ValueError(f"task={c.get('task')!r}: only the toy task 'successor' is wired into the entry point so far")
-    tok = make_tokenizer()
-    model = load_model_config(c["model"])
-    model.vocab_size = len(tok)  # the toy task's own vocabulary
     parallel = ParallelConfig(**c.get("parallel", {}))
     precision = PrecisionConfig(**c.get("precision", {}))
     optim = OptimConfig(**c.get("optim", {}))
@@ -101,16 +156,30 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     batch = BatchConfig(**c.get("batch", {}))
     rollout = RolloutConfig(**c.get("rollout", {}))
     run_cfg = RunConfig(**c.get("run", {}))
-    task_impl = SuccessorTask(tok, seed=run_cfg.seed)
-    task = Task(train_batch=task_impl.train_batch, validation=task_impl.validation, reward=task_impl.reward,
-                stop_token_ids=[tok.eos_token_id])
+    hf_dir = c["model"] if (Path(c["model"]) / "config.json").is_file() else None
+    if hf_dir is not None:
+        from transformers import AutoTokenizer
+
+        from grpo_mega.models.hf_io import read_hf_config
+
+        model = read_hf_config(hf_dir)[2]
+        tok = AutoTokenizer.from_pretrained(hf_dir)
+    else:
+        tok = make_tokenizer()
+        model = load_model_config(c["model"])
+        model.vocab_size = len(tok)  # the toy task's own vocabulary
+    task = _task(c, tok, batch, run_cfg)
 
     def engine_factory():
         if rollout.engine == "embedded":
+            if hf_dir is not None:
+                return EmbeddedEngine.from_hf_dir(hf_dir)
             return EmbeddedEngine.from_model_config(model, seed=run_cfg.seed)
         if rollout.engine == "sglang":
             from grpo_mega.rollout.sglang_engine import SGLangEngine
 
+            if hf_dir is not None:
+                return SGLangEngine(hf_dir, dtype="float32")
             return SGLangEngine.from_model_config(model, out_dir / "engine_init")
         raise ValueError(f"rollout.engine={rollout.engine!r} must be 'embedded' or 'sglang'")
 
@@ -141,7 +210,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                             step_s=f"{row['step_seconds']:.2f}")
             bar.update(1)
 
-        history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, task, engine_factory, log)
+        history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, task, engine_factory, log,
+                        hf_dir=hf_dir)
         bar.close()
         summary = dict(initial_val_reward=history.initial_val_reward, final_val_reward=history.rows[-1]["val_reward"],
                        steps=len(history.rows), out_dir=str(out_dir))

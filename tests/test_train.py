@@ -60,3 +60,29 @@ def test_the_loop_runs_on_sglang(tmp_path):
     proc, rows = _run(tmp_path, "rollout.engine=sglang", "run.steps=3", "run.eval_interval=3")
     assert len(rows) == 3 and all(r["logprob_mismatch"] < 1e-4 for r in rows)
     assert "plots:" in proc.stdout
+
+
+def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
+    """SmolLM2-135M-Instruct from its HF directory, arithmetic prompts in verl's schema, math-verify reward."""
+    from tests.models.hf_fixtures import smollm2_dir
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}? Answer with just the number in \\boxed{{}}."}],
+             "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy_arith"}
+            for a, b in [(2, 3), (4, 4), (7, 1), (3, 5)]]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    out.mkdir()
+    proc, got = _run(out, "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", "reward.name=math",
+                     "batch.train_batch_size=2", "batch.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
+                     "batch.max_response_length=24", "batch.max_prompt_length=128", "optim.lr=1e-6", "run.steps=2",
+                     "run.eval_interval=2")
+    assert len(got) == 2 and all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in got)
+    assert all(r["logprob_mismatch"] < 1e-4 for r in got)  # engine (transformers) vs trainer (Megatron), fp32
+    assert "validation reward (greedy)" in proc.stdout
+
+
+def test_prompt_task_without_data_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "task=prompts"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "task=prompts needs data.train_files=PATH" in proc.stderr

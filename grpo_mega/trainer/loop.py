@@ -73,10 +73,18 @@ def evaluate(engine, task: Task, batch: BatchConfig) -> float:
 
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
           algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, task: Task,
-          engine_factory: Callable[[], object], log: Optional[Callable[[dict], None]] = None) -> History:
-    """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank)."""
+          engine_factory: Callable[[], object], log: Optional[Callable[[dict], None]] = None,
+          hf_dir: Optional[str] = None) -> History:
+    """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank).
+    With `hf_dir`, the actor (and so the reference) start from that HF checkpoint."""
     batch.check_dp(torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
     actor = Actor(model, parallel, precision, optim, algo_cfg, batch)
+    if hf_dir is not None:
+        from grpo_mega.models.hf_io import load_hf_into_gpt
+        from megatron.core import parallel_state as ps
+
+        load_hf_into_gpt(actor.built.gpt, hf_dir, model, ps.get_tensor_model_parallel_rank(), parallel.tp)
+        actor.optimizer.reload_model_params()
     use_ref = algo_cfg.kl_coef != 0
     reference = Reference(model, parallel, precision, batch) if use_ref else None
     if reference is not None:

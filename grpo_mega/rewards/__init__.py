@@ -1,0 +1,121 @@
+"""Reward functions by name, and the wrapper that applies one to a step's samples.
+
+A reward function takes (response_text, ground_truth, sample) and returns a float; `sample` is the data row
+(data_source, extra_info, ...). Registered: `math` (math-verify: the response's final answer against the
+ground truth), `format` (the response matches a regex), `mix` (a weighted sum of others), and any
+function given by dotted path (`my_pkg.rewards:score` or `my_pkg.rewards.score`). A function that raises
+or returns a non-number is reported with the sample that caused it; `on_error=zero` scores it 0 and goes
+on, `on_error=raise` stops the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from grpo_mega.registry import Registry
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+REWARDS: Registry[Callable[..., RewardFn]] = Registry("reward function")
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample."""
+
+
+@REWARDS.register("math")
+def math_reward(**_) -> RewardFn:
+    """1.0 when math-verify finds the response's answer equal to the ground truth, else 0.0.
+
+    math-verify's default timeout uses signal.alarm: call it from the main thread (the loop does)."""
+    from math_verify import parse, verify
+
+    def score(response: str, ground_truth: Any, sample: Optional[dict] = None) -> float:
+        gold = parse(str(ground_truth) if "$" in str(ground_truth) else f"${ground_truth}$")
+        answer = parse(response)
+        return 1.0 if answer and gold and verify(gold, answer) else 0.0
+
+    return score
+
+
+@REWARDS.register("format")
+def format_reward(pattern: str = r"(?s).*\\boxed\{.+\}.*", **_) -> RewardFn:
+    """1.0 when the whole response matches `pattern` (default: it contains a \\boxed{...} answer)."""
+    regex = re.compile(pattern)
+
+    def score(response: str, ground_truth: Any = None, sample: Optional[dict] = None) -> float:
+        return 1.0 if regex.fullmatch(response) else 0.0
+
+    return score
+
+
+@REWARDS.register("mix")
+def mix_reward(weights: Optional[dict[str, float]] = None, **kwargs) -> RewardFn:
+    """sum_i w_i * reward_i, e.g. weights={"math": 1.0, "format": 0.1}."""
+    if not weights:
+        raise ValueError("reward=mix needs reward.weights, e.g. {math: 1.0, format: 0.1}")
+    parts = [(build_reward(name, **kwargs.get(name, {})), w) for name, w in weights.items()]
+
+    def score(response: str, ground_truth: Any = None, sample: Optional[dict] = None) -> float:
+        return sum(w * f(response, ground_truth, sample) for f, w in parts)
+
+    return score
+
+
+def _from_path(path: str) -> RewardFn:
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {path!r}: cannot import {attr!r} from {module!r} ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"reward {path!r} is not callable")
+    return fn
+
+
+def build_reward(name: str, **kwargs) -> RewardFn:
+    """A registered reward by name, or a user function by dotted path."""
+    if name in REWARDS:
+        return REWARDS.get(name)(**kwargs)
+    if "." in name or ":" in name:
+        return _from_path(name)
+    REWARDS.get(name)  # raises, listing the valid names
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class RewardStats:
+    errors: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+def score_samples(fn: RewardFn, responses: list[str], ground_truths: list[Any], samples: list[dict],
+                  on_error: str = "zero", stats: Optional[RewardStats] = None) -> list[float]:
+    """Apply `fn` to every sample. A raise or a non-number names the sample; on_error=zero|raise."""
+    if on_error not in ("zero", "raise"):
+        raise ValueError(f"reward.on_error={on_error!r} must be 'zero' or 'raise'")
+    stats = stats if stats is not None else RewardStats()
+    out = []
+    for i, (resp, gt, sample) in enumerate(zip(responses, ground_truths, samples)):
+        where = f"sample {i} (data_source={sample.get('data_source')!r}, response={resp[:80]!r})"
+        try:
+            value = fn(resp, gt, sample)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+                raise TypeError(f"returned {value!r}; a reward must be a finite number")
+            out.append(float(value))
+        except Exception as e:  # noqa: BLE001 - user code: report it with the sample
+            msg = f"reward function failed on {where}: {type(e).__name__}: {e}"
+            if on_error == "raise":
+                raise RewardError(msg) from e
+            stats.errors += 1
+            if len(stats.examples) < 5:
+                stats.examples.append(msg)
+            log.warning("%s; scored 0 (reward.on_error=zero)", msg)
+            out.append(0.0)
+    return out
