@@ -47,6 +47,8 @@ class RewardConfig:
     """'zero': score a failing sample 0 and report it; 'raise': stop."""
     weights: dict = field(default_factory=dict)
     """For name=mix: {reward name: weight}."""
+    overlong: str = "keep"
+    """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
 
 
 @dataclass
@@ -169,6 +171,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         model = load_model_config(c["model"])
         model.vocab_size = len(tok)  # the toy task's own vocabulary
     task = _task(c, tok, batch, run_cfg)
+    task.overlong = c.get("reward", {}).get("overlong", "keep")
 
     def engine_factory():
         if rollout.engine == "embedded":

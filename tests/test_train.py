@@ -86,3 +86,21 @@ def test_prompt_task_without_data_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "task=prompts"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "task=prompts needs data.train_files=PATH" in proc.stderr
+
+
+def test_algorithm_options_wired_through_the_loop(tmp_path):
+    """KL-in-reward with a reference refreshed every 2 steps, DAPO dynamic sampling, overlong masking, pass@k."""
+    proc, rows = _run(tmp_path, "algo.kl_in_reward=true", "algo.kl_coef=0.05", "algo.dynamic_sampling=true",
+                      "reward.overlong=mask", "algo.ref_update_interval=2", "run.steps=4", "run.eval_interval=2")
+    total = 16 * 8
+    for r in rows:
+        assert 0 <= r["rows_in_loss"] < total  # overlong rows and equal-reward groups are out of the loss
+        assert r["overlong_fraction"] > 0 and 0 <= r["val_pass_at_k"] <= 1
+        assert r["skipped"] == 0
+    assert rows[0]["kl"] > 0  # the reference exists and is compared with
+
+
+def test_bad_overlong_mode_is_named(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "reward.overlong=drop",
+                           "run.steps=1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "reward.overlong='drop' must be 'keep', 'zero' or 'mask'" in proc.stderr

@@ -24,6 +24,7 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None  # [N] float32, one per response
     old_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned
     ref_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned
+    in_loss: Optional[torch.Tensor] = None  # [N] bool: rows that count in the loss (overlong=mask, dynamic sampling)
 
     @classmethod
     def from_samples(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> "RolloutBatch":
@@ -58,12 +59,17 @@ class RolloutBatch:
         start = (self.prompt_lens - 1).unsqueeze(1)
         return (pos >= start) & (pos < start + self.response_lens.unsqueeze(1))
 
+    def loss_mask(self) -> torch.Tensor:
+        """[N, L] bool: the response mask, less the rows excluded from the loss (`in_loss`)."""
+        m = self.response_mask()
+        return m if self.in_loss is None else m & self.in_loss.bool().unsqueeze(1)
+
     def rows(self, lo: int, hi: int) -> "RolloutBatch":
         """Rows [lo, hi), every tensor sliced alike."""
         f = lambda t: None if t is None else t[lo:hi]  # noqa: E731
         return replace(
             self, tokens=self.tokens[lo:hi], prompt_lens=self.prompt_lens[lo:hi], response_lens=self.response_lens[lo:hi],
-            advantages=f(self.advantages), old_logp=f(self.old_logp), ref_logp=f(self.ref_logp),
+            advantages=f(self.advantages), old_logp=f(self.old_logp), ref_logp=f(self.ref_logp), in_loss=f(self.in_loss),
         )
 
 
@@ -82,7 +88,7 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int 
         pad = torch.full((t.shape[0], length - t.shape[1]), fill, dtype=t.dtype)
         return torch.cat([t, pad], dim=1)
 
-    tokens, labels, mask = fit(batch.tokens), fit(batch.labels()), fit(batch.response_mask())
+    tokens, labels, mask = fit(batch.tokens), fit(batch.labels()), fit(batch.loss_mask())
     out = []
     for lo in range(0, batch.size, micro_batch_size):
         sl = slice(lo, lo + micro_batch_size)

@@ -39,6 +39,8 @@ class RunConfig:
     seed: int = 1234
     eval_interval: int = 5
     """Validate every this many steps (and at step 0 and the end)."""
+    pass_k: int = 4
+    """Validation also samples k responses per prompt at the rollout temperature: pass@k."""
 
 
 @dataclass(kw_only=True)
@@ -49,6 +51,8 @@ class Task:
     validation: Callable[[], list]
     reward: Callable[[object, list[int]], float]
     stop_token_ids: list[int]
+    overlong: str = "keep"
+    """A response cut at max_response_length: 'keep' its reward, score it 'zero', or 'mask' it out of the loss."""
 
 
 @dataclass
@@ -64,11 +68,15 @@ def _generate(engine, examples, n, temperature, top_p, max_new, stop, seed):
     return comm.broadcast_object(gen[0])
 
 
-def evaluate(engine, task: Task, batch: BatchConfig) -> float:
-    """Greedy validation reward (accuracy for 0/1 rewards)."""
+def evaluate(engine, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: int) -> tuple[float, float]:
+    """(greedy validation reward, pass@k: the fraction of prompts with a full-reward answer among k samples)."""
     val = task.validation()
     gen = _generate(engine, val, 1, 0.0, 1.0, batch.max_response_length, task.stop_token_ids, 0)
-    return sum(task.reward(e, r) for e, r in zip(val, gen.token_ids)) / len(val)
+    greedy = sum(task.reward(e, r) for e, r in zip(val, gen.token_ids)) / len(val)
+    sampled = _generate(engine, val, k, rollout.temperature, rollout.top_p, batch.max_response_length,
+                        task.stop_token_ids, 7)
+    solved = [max(task.reward(e, sampled.token_ids[i * k + j]) for j in range(k)) >= 1.0 for i, e in enumerate(val)]
+    return greedy, sum(solved) / len(val)
 
 
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
@@ -92,7 +100,9 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     engine = engine_factory() if torch.distributed.get_rank() == 0 else None
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=torch.float32)
     sync_weights(actor.built.gpt, engine=engine, version=0, **sync)
-    val = evaluate(engine, task, batch)
+    if task.overlong not in ("keep", "zero", "mask"):
+        raise ValueError(f"reward.overlong={task.overlong!r} must be 'keep', 'zero' or 'mask'")
+    val, pass_k = evaluate(engine, task, batch, rollout, run.pass_k)
     history = History(initial_val_reward=val)
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
@@ -101,11 +111,24 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
                         task.stop_token_ids, run.seed * 1_000_003 + step)
         samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
         rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
+        overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
+        if task.overlong == "zero":
+            rewards = torch.where(overlong, 0.0, rewards)
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids)
         rb.old_logp = actor.logprobs(rb, rollout.temperature)
         if use_ref:
             rb.ref_logp = reference.logprobs(rb, rollout.temperature)
-        rb.advantages = algo.group_advantages(rewards, batch.n, algo_cfg.norm_adv_by_std, algo_cfg.global_adv_norm)
+        scores = rewards
+        if algo_cfg.kl_in_reward:  # PPO-style: the KL penalty goes into the sequence reward
+            kl = algo.kl_penalty(rb.old_logp, rb.ref_logp, algo_cfg.kl_estimator)
+            scores = algo.kl_in_reward(rewards, kl, rb.response_mask(), algo_cfg.kl_coef)[1]
+        rb.advantages = algo.group_advantages(scores, batch.n, algo_cfg.norm_adv_by_std, algo_cfg.global_adv_norm)
+        in_loss = torch.ones(len(samples), dtype=torch.bool)
+        if task.overlong == "mask":
+            in_loss &= ~overlong
+        if algo_cfg.dynamic_sampling:  # DAPO: groups with equal rewards teach nothing; keep them out of the loss
+            in_loss &= algo.nonuniform_groups(scores, batch.n).repeat_interleave(batch.n)
+        rb.in_loss = in_loss
         engine_lp = torch.zeros_like(rb.old_logp)
         for i, lps in enumerate(gen.logprobs):
             start = len(samples[i].prompt_ids) - 1
@@ -116,9 +139,10 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
             reference.load_from(actor)
         if step % run.eval_interval == 0 or step == run.steps:
-            val = evaluate(engine, task, batch)
+            val, pass_k = evaluate(engine, task, batch, rollout, run.pass_k)
         row = dict(
-            step=step, reward=float(rewards.mean()), val_reward=val,
+            step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
+            overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
             response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
             step_seconds=time.perf_counter() - t0, sync_seconds=stats.seconds if stats else 0.0,
             **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
