@@ -104,3 +104,10 @@ def test_bad_overlong_mode_is_named(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "reward.overlong=drop",
                            "run.steps=1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "reward.overlong='drop' must be 'keep', 'zero' or 'mask'" in proc.stderr
+
+
+def test_engine_importance_correction_is_neutral_when_engine_and_trainer_agree(tmp_path):
+    """With the embedded engine the two logprobs agree to ~1e-7, so the truncated weights are ~1 and the
+    first steps' losses equal the golden ones."""
+    proc, rows = _run(tmp_path, "algo.engine_is_cap=2.0", "run.steps=3", "run.eval_interval=3")
+    assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS[:3], rel=1e-4)

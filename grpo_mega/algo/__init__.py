@@ -14,6 +14,7 @@ from grpo_mega.algo.loss import (
     local_normaliser,
     logprob_mismatch,
     megatron_loss_scale,
+    truncated_is_weight,
     valid_token_scale,
 )
 
@@ -34,5 +35,6 @@ __all__ = [
     "megatron_loss_scale",
     "nonuniform_groups",
     "response_mask",
+    "truncated_is_weight",
     "valid_token_scale",
 ]

@@ -72,6 +72,13 @@ def valid_token_scale(mask: torch.Tensor) -> torch.Tensor:
     return m / m.sum(dim=-1, keepdim=True).clamp(min=1.0)
 
 
+def truncated_is_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weight min(pi_old / pi_engine, cap) per token, no gradient (TIS; Yao et al.
+    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): corrects for the rollout
+    engine sampling from a slightly different distribution than the trainer's. [B, T] -> [B, T]."""
+    return log_ratio(old_logp, engine_logp).exp().clamp(max=cap).detach()
+
+
 def grpo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -296,6 +296,9 @@ class AlgoConfig:
     """PPO-style: subtract beta * KL from the reward instead of adding it to the loss."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal."""
+    engine_is_cap: Optional[float] = None
+    """Importance correction for rollout/trainer drift: weight each token's loss by
+    min(p_trainer_old / p_engine, cap) (truncated importance sampling); null: off."""
 
     def __post_init__(self):
         from grpo_mega.algo.kl import KL_ESTIMATORS
@@ -308,6 +311,8 @@ class AlgoConfig:
             raise ValueError(f"algo.clip_ratio_low={self.clip_ratio_low} and clip_ratio_high={self.clip_ratio_high} must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null)")
+        if self.engine_is_cap is not None and self.engine_is_cap < 1:
+            raise ValueError(f"algo.engine_is_cap={self.engine_is_cap} must be >= 1 (or null)")
         if self.early_stop_imp_ratio is not None and self.early_stop_imp_ratio <= 1:
             raise ValueError(f"algo.early_stop_imp_ratio={self.early_stop_imp_ratio} must be > 1 (or null)")
 

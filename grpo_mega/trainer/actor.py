@@ -181,11 +181,17 @@ class Actor:
         mask = mb["mask"]
         use_kl = a.kl_coef != 0 and not a.kl_in_reward
         kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator) if use_kl else None
+        token_scale = algo.valid_token_scale(mask) if a.dapo_token_scale else None
+        if a.engine_is_cap is not None:
+            if "engine_logp" not in mb:
+                raise ValueError("algo.engine_is_cap needs the engine's logprobs (rollout.engine_logp)")
+            is_weight = algo.truncated_is_weight(mb["old_logp"], mb["engine_logp"], a.engine_is_cap)
+            token_scale = is_weight if token_scale is None else token_scale * is_weight
         token_loss, terms = algo.grpo_token_loss(
             logp, mb["old_logp"], mb["advantages"], a.clip_ratio_low, a.clip_ratio_high, a.dual_clip,
             kl=kl, kl_coef=a.kl_coef if use_kl else 0.0,
             entropy=entropy if a.entropy_coef else None, entropy_coef=a.entropy_coef,
-            token_scale=algo.valid_token_scale(mask) if a.dapo_token_scale else None,
+            token_scale=token_scale,
         )
         loss = algo.aggregate(token_loss, mask, a.loss_agg_mode, normaliser)
         m = mask.to(torch.float32)

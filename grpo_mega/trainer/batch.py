@@ -24,6 +24,7 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None  # [N] float32, one per response
     old_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned
     ref_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned
+    engine_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned: the rollout engine's logprobs
     in_loss: Optional[torch.Tensor] = None  # [N] bool: rows that count in the loss (overlong=mask, dynamic sampling)
 
     @classmethod
@@ -70,6 +71,7 @@ class RolloutBatch:
         return replace(
             self, tokens=self.tokens[lo:hi], prompt_lens=self.prompt_lens[lo:hi], response_lens=self.response_lens[lo:hi],
             advantages=f(self.advantages), old_logp=f(self.old_logp), ref_logp=f(self.ref_logp), in_loss=f(self.in_loss),
+            engine_logp=f(self.engine_logp),
         )
 
 
@@ -105,5 +107,7 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int 
             mb["old_logp"] = fit(batch.old_logp[sl].float())
         if batch.ref_logp is not None:
             mb["ref_logp"] = fit(batch.ref_logp[sl].float())
+        if batch.engine_logp is not None:
+            mb["engine_logp"] = fit(batch.engine_logp[sl].float())
         out.append(mb)
     return out, length

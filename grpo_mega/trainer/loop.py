@@ -134,6 +134,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             start = len(samples[i].prompt_ids) - 1
             engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
         mismatch = algo.logprob_mismatch(engine_lp, rb.old_logp, rb.response_mask())
+        rb.engine_logp = engine_lp
         updates = actor.update(rb, rollout.temperature)
         stats = sync_weights(actor.built.gpt, engine=engine, version=step, **sync)
         if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:

@@ -189,3 +189,13 @@ def test_microbatch_and_dp_split_gives_minibatch_gradient(mode, dapo_scale):
                 rank_grads.append(theta.grad)
             got = sum(rank_grads) / dp  # DDP's average over DP ranks
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-10, msg=f"{mode} dp={dp} micro={mbs}")
+
+
+def test_truncated_importance_weight():
+    from grpo_mega.algo import truncated_is_weight
+
+    old = torch.tensor([math.log(0.5), math.log(0.9), math.log(0.1)])
+    eng = torch.tensor([math.log(0.25), math.log(0.9), math.log(0.5)])
+    w = truncated_is_weight(old, eng, cap=1.5)
+    torch.testing.assert_close(w, torch.tensor([1.5, 1.0, 0.2]), rtol=0, atol=1e-12)  # 2.0 capped at 1.5
+    assert not w.requires_grad
