@@ -47,6 +47,8 @@ class RewardConfig:
     """'zero': score a failing sample 0 and report it; 'raise': stop."""
     weights: dict = field(default_factory=dict)
     """For name=mix: {reward name: weight}."""
+    path: str = ""
+    """For name=reward_model: an HF sequence-classification checkpoint."""
     overlong: str = "keep"
     """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
 
@@ -126,13 +128,14 @@ def _task(c: dict, tok, batch, run_cfg):
     if dropped:
         print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
     stream = PromptStream(train, run_cfg.seed)
-    kwargs = {"weights": rew["weights"]} if rew.get("weights") else {}
+    kwargs = {k: rew[k] for k in ("weights", "path") if rew.get(k)}
     fn = build_reward(rew.get("name", "math"), **kwargs)
     stats = RewardStats()
 
     def reward(example, response_ids):
         text = tok.decode(response_ids, skip_special_tokens=True)
-        sample = {"data_source": example.data_source, "extra_info": example.extra_info}
+        sample = {"data_source": example.data_source, "extra_info": example.extra_info,
+                  "prompt_text": tok.decode(example.prompt_ids, skip_special_tokens=True)}
         return score_samples(fn, [text], [example.ground_truth], [sample], rew.get("on_error", "zero"), stats)[0]
 
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,

@@ -60,10 +60,32 @@ def mix_reward(weights: Optional[dict[str, float]] = None, **kwargs) -> RewardFn
     """sum_i w_i * reward_i, e.g. weights={"math": 1.0, "format": 0.1}."""
     if not weights:
         raise ValueError("reward=mix needs reward.weights, e.g. {math: 1.0, format: 0.1}")
-    parts = [(build_reward(name, **kwargs.get(name, {})), w) for name, w in weights.items()]
+    parts = [(build_reward(name, **(kwargs.get(name) or {})), w) for name, w in weights.items()]
 
     def score(response: str, ground_truth: Any = None, sample: Optional[dict] = None) -> float:
         return sum(w * f(response, ground_truth, sample) for f, w in parts)
+
+    return score
+
+
+@REWARDS.register("reward_model")
+def reward_model(path: str = "", device: str = "cpu", **_) -> RewardFn:
+    """A learned reward model: an HF sequence-classification checkpoint at `path`, scoring the prompt and
+    response re-tokenised with the reward model's own tokenizer (its vocabulary need not be the policy's).
+    The score is the first logit."""
+    if not path:
+        raise ValueError("reward=reward_model needs reward.path=DIR (an HF AutoModelForSequenceClassification)")
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+    def score(response: str, ground_truth: Any = None, sample: Optional[dict] = None) -> float:
+        text = (sample or {}).get("prompt_text", "") + response
+        ids = tok(text, return_tensors="pt").to(device)
+        with torch.no_grad():
+            return float(model(**ids).logits[0, 0])
 
     return score
 

@@ -52,3 +52,26 @@ def test_a_raising_or_non_numeric_reward_is_reported_with_its_sample():
         score_samples(flaky, ["ok", "boom"], [1, 2], rows[:2], on_error="raise")
     with pytest.raises(ValueError, match="reward.on_error='skip' must be 'zero' or 'raise'"):
         score_samples(flaky, [], [], [], on_error="skip")
+
+
+def test_learned_reward_model_scores_with_its_own_tokenizer(tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    from grpo_mega.data.toy import make_tokenizer
+
+    tok = make_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_config(cfg)
+    rm.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    f = build_reward("reward_model", path=str(tmp_path))
+    a, b = f("4", None, {"prompt_text": "3>"}), f("7", None, {"prompt_text": "3>"})
+    ids = tok("3>4", return_tensors="pt")
+    with torch.no_grad():
+        want = float(rm(**ids).logits[0, 0])
+    assert a == pytest.approx(want, abs=1e-6) and a != b  # transformers' own score, and it depends on the text
+    with pytest.raises(ValueError, match="reward=reward_model needs reward.path"):
+        build_reward("reward_model")
