@@ -11,6 +11,7 @@ HF model on prompt files in verl's schema.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -203,6 +204,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
 
             writer = SummaryWriter(str(out_dir / "tensorboard"))
         bar = tqdm(total=run_cfg.steps, desc="grpo", disable=not rank0, dynamic_ncols=True)
+        wandb = None
+        if rank0 and importlib.util.find_spec("wandb") is not None and os.environ.get("WANDB_MODE") != "disabled":
+            import wandb  # logged to when installed; WANDB_MODE=offline|disabled are wandb's own switches
+
+            wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-mega"), config=c, dir=str(out_dir))
 
         def log(row: dict) -> None:
             if not rank0:
@@ -212,6 +218,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             for k, v in row.items():
                 if k != "step":
                     writer.add_scalar(k, v, row["step"])
+            if wandb is not None:
+                wandb.log(row, step=row["step"])
             bar.set_postfix(reward=f"{row['reward']:.2f}", val=f"{row['val_reward']:.2f}", kl=f"{row['kl']:.3f}",
                             step_s=f"{row['step_seconds']:.2f}")
             bar.update(1)
@@ -224,6 +232,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         if rank0:
             jsonl.close()
             writer.close()
+            if wandb is not None:
+                wandb.finish()
             summary["plots"] = [str(p) for p in _plots(history.rows, out_dir)]
             with open(out_dir / "summary.json", "w") as f:
                 json.dump(summary, f, indent=2)
