@@ -20,13 +20,14 @@ import warnings
 from pathlib import Path
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
-from grpo_mega.trainer.loop import RolloutConfig, RunConfig
+from grpo_mega.trainer.loop import EvalConfig, RolloutConfig, RunConfig
 
 
 @dataclass
@@ -71,6 +72,9 @@ class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: Optional[int] = None
+    """Shorthand for run.seed."""
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
@@ -162,6 +166,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     batch = BatchConfig(**c.get("batch", {}))
     rollout = RolloutConfig(**c.get("rollout", {}))
     run_cfg = RunConfig(**c.get("run", {}))
+    eval_cfg = EvalConfig(**c.get("eval", {}))
+    if c.get("seed") is not None:
+        run_cfg.seed = c["seed"]
+    if rollout.n is not None:
+        batch = BatchConfig(**{**c.get("batch", {}), "n": rollout.n})
     hf_dir = c["model"] if (Path(c["model"]) / "config.json").is_file() else None
     if hf_dir is not None:
         from transformers import AutoTokenizer
@@ -224,7 +233,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                             step_s=f"{row['step_seconds']:.2f}")
             bar.update(1)
 
-        history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, task, engine_factory, log,
+        history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
+                        engine_factory, log,
                         hf_dir=hf_dir)
         bar.close()
         summary = dict(initial_val_reward=history.initial_val_reward, final_val_reward=history.rows[-1]["val_reward"],

@@ -24,7 +24,7 @@ def _run(tmp_path, *overrides):
 
 
 def test_golden_curve_first_10_steps(tmp_path):
-    proc, rows = _run(tmp_path, "run.steps=10", "run.eval_interval=5")
+    proc, rows = _run(tmp_path, "run.steps=10", "eval.interval=5")
     assert [round(r["reward"], 6) for r in rows] == GOLDEN_REWARD
     assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS, rel=1e-5)
     for name in ("reward", "val_reward", "kl", "entropy", "response_length"):
@@ -57,7 +57,7 @@ def test_make_demo_run_learns(tmp_path):
 
 @pytest.mark.sglang
 def test_the_loop_runs_on_sglang(tmp_path):
-    proc, rows = _run(tmp_path, "rollout.engine=sglang", "run.steps=3", "run.eval_interval=3")
+    proc, rows = _run(tmp_path, "rollout.engine=sglang", "run.steps=3", "eval.interval=3")
     assert len(rows) == 3 and all(r["logprob_mismatch"] < 1e-4 for r in rows)
     assert "plots:" in proc.stdout
 
@@ -76,7 +76,7 @@ def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
     proc, got = _run(out, "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", "reward.name=math",
                      "batch.train_batch_size=2", "batch.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
                      "batch.max_response_length=24", "batch.max_prompt_length=128", "optim.lr=1e-6", "run.steps=2",
-                     "run.eval_interval=2")
+                     "eval.interval=2")
     assert len(got) == 2 and all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in got)
     assert all(r["logprob_mismatch"] < 1e-4 for r in got)  # engine (transformers) vs trainer (Megatron), fp32
     assert "validation reward (greedy)" in proc.stdout
@@ -91,7 +91,7 @@ def test_prompt_task_without_data_is_refused(tmp_path):
 def test_algorithm_options_wired_through_the_loop(tmp_path):
     """KL-in-reward with a reference refreshed every 2 steps, DAPO dynamic sampling, overlong masking, pass@k."""
     proc, rows = _run(tmp_path, "algo.kl_in_reward=true", "algo.kl_coef=0.05", "algo.dynamic_sampling=true",
-                      "reward.overlong=mask", "algo.ref_update_interval=2", "run.steps=4", "run.eval_interval=2")
+                      "reward.overlong=mask", "algo.ref_update_interval=2", "run.steps=4", "eval.interval=2")
     total = 16 * 8
     for r in rows:
         assert 0 <= r["rows_in_loss"] < total  # overlong rows and equal-reward groups are out of the loss
@@ -109,5 +109,14 @@ def test_bad_overlong_mode_is_named(tmp_path):
 def test_engine_importance_correction_is_neutral_when_engine_and_trainer_agree(tmp_path):
     """With the embedded engine the two logprobs agree to ~1e-7, so the truncated weights are ~1 and the
     first steps' losses equal the golden ones."""
-    proc, rows = _run(tmp_path, "algo.engine_is_cap=2.0", "run.steps=3", "run.eval_interval=3")
+    proc, rows = _run(tmp_path, "algo.engine_is_cap=2.0", "run.steps=3", "eval.interval=3")
     assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS[:3], rel=1e-4)
+
+
+def test_verl_style_shorthands(tmp_path):
+    """rollout.n= and seed= as verl users write them; rollout.n=1 is refused (GRPO needs a group)."""
+    proc, rows = _run(tmp_path, "rollout.n=4", "seed=3", "run.steps=1", "eval.interval=1", "eval.pass_k=2")
+    assert len(rows) == 1 and 0 <= rows[0]["val_pass_at_k"] <= 1
+    bad = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}/b", "rollout.n=1"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "rollout.n=1 must be >= 2" in bad.stderr

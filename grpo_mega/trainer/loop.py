@@ -25,6 +25,8 @@ class RolloutConfig:
 
     engine: str = "embedded"
     """'embedded' or 'sglang'."""
+    n: Optional[int] = None
+    """Responses per prompt; verl's spelling of batch.n (set one of them)."""
     temperature: float = 1.0
     top_p: float = 1.0
     sync_bucket_mb: float = 64.0
@@ -37,7 +39,11 @@ class RolloutConfig:
 class RunConfig:
     steps: int = 40
     seed: int = 1234
-    eval_interval: int = 5
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    interval: int = 5
     """Validate every this many steps (and at step 0 and the end)."""
     pass_k: int = 4
     """Validation also samples k responses per prompt at the rollout temperature: pass@k."""
@@ -80,7 +86,8 @@ def evaluate(engine, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: 
 
 
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
-          algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, task: Task,
+          algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, evaluation: EvalConfig,
+          task: Task,
           engine_factory: Callable[[], object], log: Optional[Callable[[dict], None]] = None,
           hf_dir: Optional[str] = None) -> History:
     """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank).
@@ -102,7 +109,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     sync_weights(actor.built.gpt, engine=engine, version=0, **sync)
     if task.overlong not in ("keep", "zero", "mask"):
         raise ValueError(f"reward.overlong={task.overlong!r} must be 'keep', 'zero' or 'mask'")
-    val, pass_k = evaluate(engine, task, batch, rollout, run.pass_k)
+    val, pass_k = evaluate(engine, task, batch, rollout, evaluation.pass_k)
     history = History(initial_val_reward=val)
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
@@ -139,8 +146,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         stats = sync_weights(actor.built.gpt, engine=engine, version=step, **sync)
         if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
             reference.load_from(actor)
-        if step % run.eval_interval == 0 or step == run.steps:
-            val, pass_k = evaluate(engine, task, batch, rollout, run.pass_k)
+        if step % evaluation.interval == 0 or step == run.steps:
+            val, pass_k = evaluate(engine, task, batch, rollout, evaluation.pass_k)
         row = dict(
             step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
             overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
