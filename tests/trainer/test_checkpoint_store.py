@@ -1,0 +1,76 @@
+"""The on-disk life of a checkpoint: sealed atomically, verified, the newest good one found, old ones pruned."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore
+
+
+def _save(store, step, files=None):
+    tmp = store.begin(step)
+    for name, data in (files or {"model/shard_0.bin": b"w" * 100, "rng.json": b"{}"}).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    return store.seal(step, tmp, meta={"weight_version": step})
+
+
+def test_seal_verify_latest_and_keep_last(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    for step in (10, 20, 30):
+        _save(store, step)
+    assert [s for s, _ in store.complete()] == [20, 30]  # step 10 pruned
+    step, path = store.latest()
+    assert step == 30 and store.verify(path)["meta"] == {"weight_version": 30}
+    with pytest.raises(CheckpointError, match="a step is checkpointed once"):
+        store.begin(30)
+
+
+def test_corrupt_truncated_and_missing_files_are_named_and_skipped(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    _save(store, 1)
+    p2 = _save(store, 2)
+    shard = p2 / "model" / "shard_0.bin"
+    shard.write_bytes(b"w" * 99)
+    with pytest.raises(CheckpointError, match=r"model/shard_0.bin has 99 bytes, the manifest says 100 \(truncated\?\)"):
+        store.verify(p2)
+    step, _ = store.latest()
+    assert step == 1 and "truncated" in store.skipped[0]  # resume=auto falls back to the last good one
+    shard.write_bytes(b"x" * 100)
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        store.verify(p2)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="model/shard_0.bin is missing"):
+        store.verify(p2)
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        store.verify(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="keep_last=0 must be >= 1"):
+        CheckpointStore(str(tmp_path), keep_last=0)
+
+
+_KILLED_MID_WRITE = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from grpo_mega.trainer.checkpoint_store import CheckpointStore
+store = CheckpointStore({root!r})
+tmp = store.begin(2)
+with open(tmp / "model.bin", "wb") as f:
+    f.write(b"half of a shard")
+    f.flush()
+    os.kill(os.getpid(), 9)  # SIGKILL while the checkpoint is being written
+"""
+
+
+def test_a_kill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    _save(store, 1)
+    code = _KILLED_MID_WRITE.format(repo=str(Path(__file__).resolve().parents[2]), root=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert proc.returncode == -9
+    assert any(p.name.startswith(".step_00000002.partial-") for p in tmp_path.iterdir())
+    step, path = store.latest()
+    assert step == 1 and store.verify(path)
+    assert os.listdir(path)  # still all there
