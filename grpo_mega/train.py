@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
-from grpo_mega.trainer.loop import EvalConfig, RolloutConfig, RunConfig
+from grpo_mega.trainer.loop import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig
 
 
 @dataclass
@@ -73,6 +73,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: Optional[int] = None
     """Shorthand for run.seed."""
 
@@ -119,7 +120,8 @@ def _task(c: dict, tok, batch, run_cfg):
 
     if c["task"] == "successor":
         t = SuccessorTask(tok, seed=run_cfg.seed)
-        return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward, stop_token_ids=[tok.eos_token_id])
+        return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward, stop_token_ids=[tok.eos_token_id],
+                    get_state=t.get_state, set_state=t.set_state)
     if c["task"] != "prompts":
         raise ValueError(f"task={c['task']!r} must be 'successor' or 'prompts'")
     from grpo_mega.data.dataset import PromptStream, load_prompts
@@ -144,7 +146,7 @@ def _task(c: dict, tok, batch, run_cfg):
         return score_samples(fn, [text], [example.ground_truth], [sample], rew.get("on_error", "zero"), stats)[0]
 
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
-                stop_token_ids=[tok.eos_token_id])
+                stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state)
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -167,6 +169,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     rollout = RolloutConfig(**c.get("rollout", {}))
     run_cfg = RunConfig(**c.get("run", {}))
     eval_cfg = EvalConfig(**c.get("eval", {}))
+    ckpt_cfg = CheckpointConfig(**c.get("checkpoint", {}))
     if c.get("seed") is not None:
         run_cfg.seed = c["seed"]
     if rollout.n is not None:
@@ -234,8 +237,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             bar.update(1)
 
         history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
-                        engine_factory, log,
-                        hf_dir=hf_dir)
+                        engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg)
         bar.close()
         summary = dict(initial_val_reward=history.initial_val_reward, final_val_reward=history.rows[-1]["val_reward"],
                        steps=len(history.rows), out_dir=str(out_dir))

@@ -108,6 +108,12 @@ class PromptStream:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def get_state(self) -> int:
+        return self.cursor
+
+    def set_state(self, cursor: int) -> None:
+        self.cursor = int(cursor)
+
     def next_batch(self, size: int) -> list[PromptExample]:
         out = []
         n = len(self.examples)

@@ -41,6 +41,13 @@ class SuccessorTask:
     def train_batch(self, size: int) -> list[ToyExample]:
         return [self.example(self.rng.randrange(10)) for _ in range(size)]
 
+    def get_state(self):
+        version, internal, gauss = self.rng.getstate()
+        return [version, list(internal), gauss]
+
+    def set_state(self, state) -> None:
+        self.rng.setstate((state[0], tuple(state[1]), state[2]))
+
     def validation(self) -> list[ToyExample]:
         return [self.example(d) for d in range(10)]
 

@@ -47,9 +47,18 @@ class CheckpointStore:
         return self.root / f"step_{step:08d}"
 
     def begin(self, step: int) -> Path:
-        """A fresh temporary directory for checkpoint `step` (call on one rank, share the path)."""
-        if self.step_dir(step).exists():
-            raise CheckpointError(f"{self.step_dir(step)} exists; a step is checkpointed once")
+        """A fresh temporary directory for checkpoint `step` (call on one rank, share the path). A complete
+        checkpoint for the step is never overwritten; one that fails verification (the run resumed from
+        an earlier one) is moved aside, not deleted."""
+        final = self.step_dir(step)
+        if final.exists():
+            try:
+                self.verify(final)
+            except CheckpointError:
+                aside = self.root / f".{final.name}.corrupt-{len(list(self.root.glob(f'.{final.name}.corrupt-*')))}"
+                os.rename(final, aside)
+            else:
+                raise CheckpointError(f"{final} exists and is complete; a step is checkpointed once")
         self.root.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f".step_{step:08d}.partial-", dir=self.root))
 

@@ -42,6 +42,18 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint root ('' : no checkpoints)."""
+    interval: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep_last: Optional[int] = None
+    """Keep this many newest checkpoints (null: all)."""
+    resume: str = "auto"
+    """'auto': continue from the newest complete checkpoint in `dir` if there is one; 'never'."""
+
+
+@dataclass(kw_only=True)
 class EvalConfig:
     interval: int = 5
     """Validate every this many steps (and at step 0 and the end)."""
@@ -59,6 +71,9 @@ class Task:
     stop_token_ids: list[int]
     overlong: str = "keep"
     """A response cut at max_response_length: 'keep' its reward, score it 'zero', or 'mask' it out of the loss."""
+    get_state: Optional[Callable[[], object]] = None
+    """The task's own state (data cursor, sampler RNG) for checkpoints; JSON-serialisable."""
+    set_state: Optional[Callable[[object], None]] = None
 
 
 @dataclass
@@ -89,7 +104,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
           algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, evaluation: EvalConfig,
           task: Task,
           engine_factory: Callable[[], object], log: Optional[Callable[[dict], None]] = None,
-          hf_dir: Optional[str] = None) -> History:
+          hf_dir: Optional[str] = None, ckpt: Optional[CheckpointConfig] = None) -> History:
     """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank).
     With `hf_dir`, the actor (and so the reference) start from that HF checkpoint."""
     batch.check_dp(torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
@@ -104,14 +119,27 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     reference = Reference(model, parallel, precision, batch) if use_ref else None
     if reference is not None:
         reference.load_from(actor)
+    first_step = 1
+    store = None
+    if ckpt is not None and ckpt.dir:
+        from grpo_mega.trainer import checkpoint
+        from grpo_mega.trainer.checkpoint_store import CheckpointStore
+
+        store = CheckpointStore(ckpt.dir, ckpt.keep_last)
+        found = store.latest() if ckpt.resume == "auto" else None
+        if found is not None:
+            state = checkpoint.load(found[1], actor, reference)
+            first_step = state["step"] + 1
+            if task.set_state is not None:
+                task.set_state(state["task"])
     engine = engine_factory() if torch.distributed.get_rank() == 0 else None
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=torch.float32)
-    sync_weights(actor.built.gpt, engine=engine, version=0, **sync)
+    sync_weights(actor.built.gpt, engine=engine, version=first_step - 1, **sync)
     if task.overlong not in ("keep", "zero", "mask"):
         raise ValueError(f"reward.overlong={task.overlong!r} must be 'keep', 'zero' or 'mask'")
     val, pass_k = evaluate(engine, task, batch, rollout, evaluation.pass_k)
     history = History(initial_val_reward=val)
-    for step in range(1, run.steps + 1):
+    for step in range(first_step, run.steps + 1):
         t0 = time.perf_counter()
         examples = task.train_batch(batch.train_batch_size)
         gen = _generate(engine, examples, batch.n, rollout.temperature, rollout.top_p, batch.max_response_length,
@@ -160,6 +188,9 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         history.rows.append(row)
         if log is not None:
             log(row)
+        if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps):
+            checkpoint.save(store, step, actor, reference,
+                            {"step": step, "task": task.get_state() if task.get_state else None})
     if engine is not None:
         engine.shutdown()
     return history

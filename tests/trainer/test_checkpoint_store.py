@@ -25,7 +25,7 @@ def test_seal_verify_latest_and_keep_last(tmp_path):
     assert [s for s, _ in store.complete()] == [20, 30]  # step 10 pruned
     step, path = store.latest()
     assert step == 30 and store.verify(path)["meta"] == {"weight_version": 30}
-    with pytest.raises(CheckpointError, match="a step is checkpointed once"):
+    with pytest.raises(CheckpointError, match="exists and is complete; a step is checkpointed once"):
         store.begin(30)
 
 
