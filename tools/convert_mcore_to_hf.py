@@ -2,6 +2,9 @@
 and the tokenizer files, streamed one layer at a time (memory for about one layer, not the model).
 
     python tools/convert_mcore_to_hf.py --ckpt CKPT --out DIR [--tokenizer-from HF_DIR] [--shard-gb 2]
+
+CKPT is a converted checkpoint (tools/convert_hf_to_mcore.py) or a training checkpoint's step directory
+(CHECKPOINT_DIR/step_XXXXXXXX, verified against its manifest first): its actor is exported.
 """
 
 import argparse
@@ -22,9 +25,10 @@ def main() -> int:
     args = ap.parse_args()
     warnings.simplefilter("ignore", FutureWarning)
     from grpo_mega.models.convert import mcore_to_hf
+    from grpo_mega.trainer.checkpoint import model_dir
 
     try:
-        res = mcore_to_hf(args.ckpt, args.out, args.tokenizer_from, int(args.shard_gb * 2**30))
+        res = mcore_to_hf(model_dir(args.ckpt), args.out, args.tokenizer_from, int(args.shard_gb * 2**30))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

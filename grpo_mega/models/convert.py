@@ -190,6 +190,8 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, tokenizer_from: Optional[str],
                 # One layer of tensors that are stored stacked over all layers: the access check would
                 # (rightly, for a training load) complain that the other layers are never read.
                 loaded = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
+                # A training checkpoint's common state (the optimizer's param groups, ...) comes back too.
+                loaded = {k: v for k, v in loaded.items() if k in request}
                 largest = max(largest, sum(t.numel() * t.element_size() for t in loaded.values()))
                 for name in group:
                     if name in loaded and writes:

@@ -140,6 +140,7 @@ class Actor:
         self.optim, self.algo, self.batch = optim, algo_cfg, batch
         self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
         bf16 = precision.params_dtype == "bf16"
+        self.params_dtype = torch.bfloat16 if bf16 else torch.float32
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,

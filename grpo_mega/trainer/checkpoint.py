@@ -1,6 +1,11 @@
 """Training checkpoints: actor, reference, optimizer and LR schedule (Megatron distributed checkpoint, any
 layout on resume), every rank's RNG states, and the loop's own state (step, weight version, data cursor,
 resolved config), sealed by the CheckpointStore so that only complete checkpoints are ever loaded.
+
+Layout of `step_XXXXXXXX/`: `model/` (the distributed checkpoint, with grpo_mega.json so that
+tools/convert_mcore_to_hf.py can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
+`checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang), and the
+store's manifest.json over all of them.
 """
 
 from __future__ import annotations
@@ -91,16 +96,86 @@ def _unshare_steps(actor) -> None:
             state["step"] = state["step"].clone()
 
 
-def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict) -> Optional[Path]:
-    """Collective: every rank writes its shards; rank 0 seals. Returns the path on rank 0."""
+class _HFExport:
+    """A rollout-engine stand-in for weight sync that writes the buckets into an HF directory: the same
+    gather (TP), routing (PP stages to rank 0) and renaming the engine gets, so the export is what SGLang
+    would be serving."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def update_weights(self, version: int, buckets) -> None:
+        for bucket in buckets:
+            for name, t in bucket.tensors():
+                self.writer.add(name, t.clone())
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def export_hf(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optional[str] = None) -> None:
+    """Collective: write the actor's current weights as an HF directory at `out_dir` (rank 0 writes).
+    config.json comes from the model config (over the source HF config when there is one); the tokenizer
+    files are copied from `hf_dir`."""
+    from grpo_mega.models import bridge
+    from grpo_mega.models.hf_io import HFWriter, read_hf_config
+    from grpo_mega.rollout.weight_sync import sync_weights
+
+    sink = None
+    if dist.get_rank() == 0:
+        sink = _HFExport(HFWriter(str(out_dir)))
+    try:
+        sync_weights(actor.built.gpt, cfg=model_cfg, engine=sink, version=-1, bucket_mb=256, dtype=dtype)
+        if sink is not None:
+            config = dict(read_hf_config(hf_dir)[0]) if hf_dir else {}
+            config.update(bridge.FAMILIES.get(model_cfg.family).hf_config(model_cfg, dtype=_DTYPE_NAMES[dtype]))
+            sink.writer.close(config, tokenizer_from=hf_dir)
+    except BaseException:
+        if sink is not None:
+            sink.writer.abort()
+        raise
+
+
+def model_dir(path: str) -> str:
+    """The Megatron checkpoint to export from `path`: a training checkpoint (step_XXXXXXXX/, verified
+    against its manifest first) gives its `model/`; anything else is taken as a converted checkpoint."""
+    from grpo_mega.models.convert import META_FILE
+    from grpo_mega.trainer.checkpoint_store import MANIFEST
+
+    p = Path(path)
+    if not (p / "model").is_dir():
+        return path
+    if not (p / MANIFEST).is_file():
+        raise ValueError(f"{path}: a training checkpoint without {MANIFEST}: it was interrupted while being written "
+                         "(use an earlier step_* directory)")
+    CheckpointStore(str(p.parent)).verify(p)
+    if not (p / "model" / META_FILE).is_file():
+        raise ValueError(f"{path}/model has no {META_FILE} (written by an older grpo-mega?); cannot tell its model")
+    return str(p / "model")
+
+
+def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
+         export: Optional[dict] = None) -> Optional[Path]:
+    """Collective: every rank writes its shards; rank 0 seals. Returns the path on rank 0.
+    `export` (model_cfg, dtype, hf_dir) also writes the actor as an HF directory `hf/` into the checkpoint."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
+
+    from grpo_mega.models.convert import write_meta
 
     tmp = comm.broadcast_object(str(store.begin(step)) if dist.get_rank() == 0 else None)
     tmp = Path(tmp)
     (tmp / "model").mkdir(exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(_sharded(actor, reference, loading=False), str(tmp / "model"))
+    if export is not None:
+        if dist.get_rank() == 0:
+            from grpo_mega.models.hf_io import read_hf_config
+
+            hf_config = read_hf_config(export["hf_dir"])[0] if export.get("hf_dir") else {}
+            write_meta(str(tmp / "model"), export["model_cfg"], hf_config, export["dtype"], source=export.get("hf_dir"))
+        if export.get("hf"):
+            export_hf(tmp / "hf", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in _rng_state().items()}, str(tmp / "rng" / f"rank_{dist.get_rank():05d}.safetensors"))
     dist.barrier()

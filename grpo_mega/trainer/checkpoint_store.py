@@ -111,6 +111,15 @@ class CheckpointStore:
                 raise CheckpointError(f"{path}: {rel} fails its checksum (corrupt)")
         return manifest
 
+    def verified(self, path: str) -> tuple[int, Path]:
+        """(step, path) of one named checkpoint directory, or CheckpointError saying what is wrong with it."""
+        p = Path(path)
+        m = _STEP_DIR.match(p.name)
+        if not p.is_dir() or m is None:
+            raise CheckpointError(f"{path}: no such checkpoint (expected a step_XXXXXXXX directory of a checkpoint root)")
+        self.verify(p)
+        return int(m.group(1)), p
+
     def latest(self) -> Optional[tuple[int, Path]]:
         """resume=auto: the newest checkpoint that verifies (a corrupt newer one is skipped and reported
         through the returned list of `skipped`)."""
@@ -122,6 +131,14 @@ class CheckpointStore:
             except CheckpointError as e:
                 self.skipped.append(str(e))
         return None
+
+    def remove_partials(self) -> list[Path]:
+        """Delete the temporary directories of writes that never completed (a run killed mid-save). Call it
+        from the run that owns the root, before it writes: nothing in them could ever be loaded."""
+        gone = sorted(self.root.glob(".step_*.partial-*")) if self.root.is_dir() else []
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+        return gone
 
     def _prune(self) -> None:
         if self.keep_last is None:

@@ -1,10 +1,13 @@
-"""Exact resume: a run stopped after a checkpoint and resumed (at its own layout, or at another one) gives the
-same per-step metrics as the run that never stopped."""
+"""Exact resume: a run killed with SIGKILL (after a checkpoint, or in the middle of writing one) and resumed with
+resume=auto, at its own layout or at another one, gives the same per-step metrics as the run that never
+stopped."""
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,22 +40,104 @@ def _same(a: dict, b: dict, steps):
             assert b[s][key] == pytest.approx(a[s][key], rel=TOL, abs=TOL), (s, key, a[s][key], b[s][key])
 
 
+def _start(out: Path, ckpt: Path, steps: int, tp: int, *extra) -> subprocess.Popen:
+    """A TP`tp` torchrun run in its own session, to be killed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
+           str(_free_port()), "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}",
+           "eval.interval=2", f"checkpoint.dir={ckpt}", *extra]
+    out.mkdir(parents=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"), start_new_session=True)
+    proc.stderr_path = out / "stderr.txt"
+    return proc
+
+
+def _sigkill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every worker, as a preemption or an OOM killer would: by PID (torchrun starts
+    its workers in sessions of their own, so the process group alone would miss them)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(procs, timeout=30)
+
+
+def _wait_for(proc: subprocess.Popen, found, timeout: float = 240.0, poll: float = 0.001):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hit = found()
+        if hit:
+            return hit
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before the kill: {proc.stderr_path.read_text()[-3000:]}")
+        time.sleep(poll)
+    _sigkill_tree(proc)
+    raise AssertionError("timed out waiting for the moment to kill")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_tp2(tmp_path_factory):
     d = tmp_path_factory.mktemp("full_tp2")
-    return d, _train(d / "run", d / "ckpt", 5, 2)
+    return _train(d / "run", d / "ckpt", 6, 2)
+
+
+@pytest.fixture(scope="module")
+def killed_after_step_k(tmp_path_factory):
+    """A TP2 run checkpointing every step, SIGKILLed right after its step-2 checkpoint is sealed."""
+    d = tmp_path_factory.mktemp("killed")
+    ckpt = d / "ckpt"
+    proc = _start(d / "run", ckpt, 6, 2, "checkpoint.interval=1")
+    _wait_for(proc, lambda: (ckpt / "step_00000002" / "manifest.json").is_file())
+    _sigkill_tree(proc)
+    assert proc.returncode == -signal.SIGKILL
+    from grpo_mega.trainer.checkpoint_store import CheckpointStore
+
+    k = CheckpointStore(str(ckpt)).latest()[0]
+    assert 2 <= k <= 3, k  # killed within milliseconds of the seal; step 3 cannot have been saved, barely
+    return d, ckpt, k
 
 
 @pytest.mark.parametrize("resume_tp", [2, 1])
-def test_resume_at_tp2_and_at_another_layout(uninterrupted_tp2, tmp_path, resume_tp):
-    """Saved by a TP2 run (2 torchrun ranks); resumed at TP2, and at TP1 (resharded by dist_checkpointing)."""
-    full_dir, full = uninterrupted_tp2
+def test_sigkill_after_step_k_then_resume_is_exact(uninterrupted_tp2, killed_after_step_k, tmp_path, resume_tp):
+    """Killed with SIGKILL at TP2 after step k; resumed at TP2, and at TP1 (resharded by dist_checkpointing):
+    steps k+1..k+3 equal the uninterrupted run's."""
+    full = uninterrupted_tp2
+    _, ckpt_killed, k = killed_after_step_k
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    shutil.copytree(full_dir / "ckpt" / "step_00000002", ckpt / "step_00000002")
-    resumed = _train(tmp_path / "run", ckpt, 5, resume_tp)
-    assert sorted(resumed) == [3, 4, 5]
-    _same(full, resumed, [3, 4, 5])
+    shutil.copytree(ckpt_killed, ckpt)
+    resumed = _train(tmp_path / "run", ckpt, 6, resume_tp)
+    assert sorted(resumed)[:3] == [k + 1, k + 2, k + 3]
+    _same(full, resumed, [k + 1, k + 2, k + 3])
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted_tp2, tmp_path):
+    """SIGKILL while step 3's checkpoint is being written (its temporary directory exists, unsealed): the
+    step-2 checkpoint stays loadable, resume=auto picks it, and the interrupted write is cleaned up."""
+    for attempt in range(3):  # the write lasts ~0.1 s and is watched every 1 ms; a miss is retried, not passed
+        run_dir = tmp_path / f"attempt{attempt}"
+        ckpt = run_dir / "ckpt"
+        proc = _start(run_dir / "run", ckpt, 6, 2, "checkpoint.interval=1")
+        _wait_for(proc, lambda: ckpt.is_dir() and next(ckpt.glob(".step_00000003.partial-*"), None))
+        _sigkill_tree(proc)
+        if not (ckpt / "step_00000003").exists():
+            break
+    else:
+        pytest.fail("three attempts all sealed step 3 before the kill landed")
+    assert list(ckpt.glob(".step_00000003.partial-*"))
+    from grpo_mega.trainer.checkpoint_store import CheckpointStore
+
+    assert CheckpointStore(str(ckpt)).latest()[0] == 2
+    resumed = _train(run_dir / "resumed", ckpt, 6, 2)
+    assert sorted(resumed) == [3, 4, 5, 6]
+    _same(uninterrupted_tp2, resumed, [3, 4, 5])
+    assert not list(ckpt.glob(".step_*.partial-*"))
 
 
 @pytest.fixture(scope="module")
