@@ -81,6 +81,16 @@ class TrainConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
+def _input_errors() -> tuple[type, ...]:
+    from grpo_mega.rewards import RewardError
+    from grpo_mega.trainer.loop import RolloutError
+
+    return (ValueError, RewardError, RolloutError)
+
+
+INPUT_ERRORS = _input_errors()
+
+
 def _single_process_env() -> None:
     """Without torchrun: a one-rank group on this machine."""
     if "WORLD_SIZE" in os.environ:
@@ -205,7 +215,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     _single_process_env()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     with cpu_compat.cpu_device_mode():
-        parallel.check(model, int(os.environ["WORLD_SIZE"]))
+        batch.check_dp(parallel.check(model, int(os.environ["WORLD_SIZE"])))
         init_distributed(tp=parallel.tp, pp=parallel.pp, seed=run_cfg.seed)
         rank0 = torch.distributed.get_rank() == 0
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +271,15 @@ def main(cfg: DictConfig) -> None:
     for msg in ("full scope is deprecated", ".*CUDA_DEVICE_MAX_CONNECTIONS", "The .grad attribute of a Tensor"):
         warnings.filterwarnings("ignore", message=msg)
     out = Path(HydraConfig.get().runtime.output_dir)
-    summary = run(cfg, out)
+    try:
+        summary = run(cfg, out)
+    except INPUT_ERRORS as e:
+        if os.environ.get("GRPO_MEGA_TRACEBACK"):
+            raise
+        # A bad input (data, config, layout, checkpoint, reward, engine): the message names it and says what
+        # was expected; a traceback through the trainer would only bury it.
+        print(f"error: {e}\n(GRPO_MEGA_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
+        sys.exit(2)
     if "plots" in summary:
         print(f"validation reward (greedy): {summary['initial_val_reward']:.2f} at step 0 -> "
               f"{summary['final_val_reward']:.2f} after {summary['steps']} steps")

@@ -132,7 +132,8 @@ def score_samples(fn: RewardFn, responses: list[str], ground_truths: list[Any], 
                 raise TypeError(f"returned {value!r}; a reward must be a finite number")
             out.append(float(value))
         except Exception as e:  # noqa: BLE001 - user code: report it with the sample
-            msg = f"reward function failed on {where}: {type(e).__name__}: {e}"
+            name = getattr(fn, "__qualname__", None) or type(fn).__name__
+            msg = f"reward function {name!r} failed on {where}: {type(e).__name__}: {e}"
             if on_error == "raise":
                 raise RewardError(msg) from e
             stats.errors += 1

@@ -6,6 +6,7 @@ are broadcast, so rewards and advantages are computed identically everywhere.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -50,7 +51,22 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     """Keep this many newest checkpoints (null: all)."""
     resume: str = "auto"
-    """'auto': continue from the newest complete checkpoint in `dir` if there is one; 'never'."""
+    """'auto': continue from the newest checkpoint in `dir` that verifies (start fresh when there is none; an
+    error when there are some and none verifies); 'never'; or the path of one step_XXXXXXXX directory."""
+    export_hf: bool = False
+    """Also write the actor as an HF directory (`hf/`, loadable by transformers/SGLang) into every checkpoint.
+    Any checkpoint can be exported later: tools/convert_mcore_to_hf.py --ckpt DIR/step_XXXXXXXX."""
+
+    def __post_init__(self):
+        if self.resume not in ("auto", "never") and not self.resume.rstrip("/").split("/")[-1].startswith("step_"):
+            raise ValueError(f"checkpoint.resume={self.resume!r} must be 'auto', 'never' or a checkpoint's "
+                             "step_XXXXXXXX directory")
+        if self.interval < 0:
+            raise ValueError(f"checkpoint.interval={self.interval} must be >= 0 (0: only at the end)")
+        if self.resume not in ("auto", "never") and not self.dir:
+            self.dir = str(Path(self.resume).parent)  # continue writing next to the checkpoint resumed from
+        if (self.interval or self.export_hf) and not self.dir:
+            raise ValueError("checkpoint.interval / checkpoint.export_hf need checkpoint.dir=PATH")
 
 
 @dataclass(kw_only=True)
@@ -82,11 +98,23 @@ class History:
     rows: list[dict] = field(default_factory=list)
 
 
+class RolloutError(RuntimeError):
+    """The rollout engine failed (it died, timed out, or refused the request); raised on every rank."""
+
+
 def _generate(engine, examples, n, temperature, top_p, max_new, stop, seed):
-    gen = [None]
+    """Sample on the engine's rank and broadcast. A failing engine becomes a RolloutError on every rank
+    (the others would otherwise wait in the broadcast until the collective timeout)."""
+    gen = None
     if engine is not None:
-        gen[0] = engine.generate([e.prompt_ids for e in examples], n, temperature, top_p, max_new, stop, seed)
-    return comm.broadcast_object(gen[0])
+        try:
+            gen = engine.generate([e.prompt_ids for e in examples], n, temperature, top_p, max_new, stop, seed)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            gen = RolloutError(f"the rollout engine ({type(engine).__name__}, on rank 0) failed: {type(e).__name__}: {e}")
+    gen = comm.broadcast_object(gen)
+    if isinstance(gen, RolloutError):
+        raise gen
+    return gen
 
 
 def evaluate(engine, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: int) -> tuple[float, float]:
@@ -123,13 +151,35 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     store = None
     if ckpt is not None and ckpt.dir:
         from grpo_mega.trainer import checkpoint
-        from grpo_mega.trainer.checkpoint_store import CheckpointStore
+        from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore
 
         store = CheckpointStore(ckpt.dir, ckpt.keep_last)
-        found = store.latest() if ckpt.resume == "auto" else None
+        found = None
+        if ckpt.resume == "auto":
+            found = store.latest()
+            if found is None and store.skipped:  # never silently start over from step 0
+                raise CheckpointError(
+                    f"checkpoint.resume=auto: no checkpoint in {ckpt.dir} verifies:\n  " + "\n  ".join(store.skipped)
+                    + "\nmove the broken ones aside to resume from an earlier one, or set checkpoint.resume=never "
+                    "to start over")
+        elif ckpt.resume != "never":
+            found = store.verified(ckpt.resume)
+            newer = [s for s, _ in store.complete() if s > found[0]]
+            if newer:
+                raise CheckpointError(
+                    f"checkpoint.resume={ckpt.resume}: {ckpt.dir} already holds later checkpoints (steps {newer}) that "
+                    "this run would overwrite; resume into another checkpoint.dir")
+        if torch.distributed.get_rank() == 0:
+            for reason in getattr(store, "skipped", []):
+                print(f"checkpoint skipped: {reason}", flush=True)
+            for partial in store.remove_partials():
+                print(f"removed an interrupted checkpoint write: {partial}", flush=True)
+        torch.distributed.barrier()
         if found is not None:
             state = checkpoint.load(found[1], actor, reference)
             first_step = state["step"] + 1
+            if torch.distributed.get_rank() == 0:
+                print(f"resumed from {found[1]} (step {state['step']})", flush=True)
             if task.set_state is not None:
                 task.set_state(state["task"])
     engine = engine_factory() if torch.distributed.get_rank() == 0 else None
@@ -190,7 +240,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             log(row)
         if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps):
             checkpoint.save(store, step, actor, reference,
-                            {"step": step, "task": task.get_state() if task.get_state else None})
+                            {"step": step, "task": task.get_state() if task.get_state else None},
+                            export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
     if engine is not None:
         engine.shutdown()
     return history

@@ -1,0 +1,316 @@
+"""The corpus of bad inputs: each one, given to `python -m grpo_mega.train` (or the export tool) as a user would,
+ends in a one-line error that names the input and what was expected - exit status 2, no traceback, no
+hang - and nothing already saved is lost. A case is (overrides, files it needs, the message expected).
+
+Cases that need a real run's state (a checkpoint, an HF model, a dying engine) build it once per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def raising_reward(response, ground_truth, sample):
+    raise KeyError("no 'answer' field")
+
+
+def text_reward(response, ground_truth, sample):
+    return "correct"
+
+
+def _cli(out: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", *overrides],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _refused(proc: subprocess.CompletedProcess, pattern: str, rc: int = 2) -> None:
+    assert proc.returncode == rc, f"rc {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert re.search(pattern, proc.stderr), f"{pattern!r} not in:\n{proc.stderr[-3000:]}"
+    if rc == 2:
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ---- data files (task=prompts on SmolLM2's tokenizer and chat template) ------------------------------------
+
+def _row(content="What is 2+2?", truth="4", **extra):
+    return {"prompt": [{"role": "user", "content": content}], "reward_model": {"ground_truth": truth}, **extra}
+
+
+def _write_rows(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _parquet_garbage(path: Path) -> Path:
+    path.write_bytes(b"PAR1" + os.urandom(64))
+    return path
+
+
+DATA_CASES = {
+    "data_file_missing": (lambda d: d / "nope.jsonl", r"nope\.jsonl: no such data file"),
+    "data_not_json": (lambda d: _write_rows(d / "bad.jsonl", [_row(), "{'prompt': oops", _row()]),
+                      r"bad\.jsonl:2: not valid JSON .*expected one JSON object per line"),
+    "data_empty_file": (lambda d: _write_rows(d / "empty.jsonl", []), r"empty\.jsonl: no rows; expected prompts in verl's schema"),
+    "data_missing_prompt_column": (lambda d: _write_rows(d / "np.jsonl", [{"question": "2+2", "reward_model": {"ground_truth": "4"}}]),
+                                   r"np\.jsonl:1: missing column 'prompt'"),
+    "data_missing_ground_truth": (lambda d: _write_rows(d / "ng.jsonl", [{"prompt": [{"role": "user", "content": "2+2"}]}]),
+                                  r"ng\.jsonl:1: missing column 'reward_model.ground_truth'"),
+    "data_prompt_not_messages": (lambda d: _write_rows(d / "pm.jsonl", [{"prompt": "2+2", "reward_model": {"ground_truth": "4"}}]),
+                                 r"pm\.jsonl:1: 'prompt' must be a non-empty list of .*messages"),
+    "data_row_not_an_object": (lambda d: _write_rows(d / "list.jsonl", ["[1, 2, 3]"]),
+                               r"list\.jsonl:1: expected an object with 'prompt' and 'reward_model', got list"),
+    "data_corrupt_parquet": (lambda d: _parquet_garbage(d / "bad.parquet"), r"bad\.parquet: not a readable parquet file"),
+    "data_unknown_format": (lambda d: _write_rows(d / "data.csv", ["prompt,answer"]),
+                            r"data\.csv: unknown data format '\.csv'; expected \.jsonl or \.parquet"),
+    "data_every_prompt_too_long": (lambda d: _write_rows(d / "long.jsonl", [_row("word " * 300)] * 3),
+                                   r"long\.jsonl: all 3 prompts are longer than batch\.max_prompt_length=128 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_data_file(case, tmp_path):
+    from tests.models.hf_fixtures import smollm2_dir
+
+    make, pattern = DATA_CASES[case]
+    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={make(tmp_path)}",
+                "batch.max_prompt_length=128")
+    _refused(proc, pattern)
+
+
+# ---- configuration: batch sizes, layouts, models, options -----------------------------------------------------
+
+CONFIG_CASES = {
+    "batch_mini_does_not_divide_train": (["batch.train_batch_size=16", "batch.ppo_mini_batch_size=5"],
+                                         r"data\.train_batch_size=16 must be a multiple of ppo_mini_batch_size=5"),
+    "batch_micro_does_not_split_mini": (["batch.micro_batch_size=3"],
+                                        r"64 responses does not split into dp=1 ranks x micro_batch_size=3; make it a multiple of 3"),
+    "batch_group_of_one": (["rollout.n=1"], r"rollout\.n=1 must be >= 2 for GRPO"),
+    "batch_zero_size": (["batch.max_response_length=0"], r"batch\.max_response_length"),
+    "layout_tp_does_not_divide_heads": (["parallel.tp=3"], r"parallel\.tp=3 must divide num_attention_heads=8 \(model tiny\)"),
+    "layout_more_ranks_than_launched": (["parallel.tp=2"], r"world size 1 is not divisible by parallel\.tp \* parallel\.pp = 2 \* 1"),
+    "layout_more_stages_than_layers": (["parallel.pp=8"], r"model\.num_layers=4 does not split over parallel\.pp=8 stages"),
+    "model_unknown_yaml": (["model=gpt-9"], r"unknown model 'gpt-9': .*known models: .*llama-3\.1-70b"),
+    "model_hf_dir_missing": (["model=/nonexistent/Llama-3-8B"], r"unknown model '/nonexistent/Llama-3-8B'"),
+    "option_unknown_kl_estimator": (["algo.kl_estimator=k9"], r"unknown KL estimator 'k9'; valid:"),
+    "option_unknown_engine": (["rollout.engine=vllm"], r"rollout\.engine='vllm' must be 'embedded' or 'sglang'"),
+    "option_bad_lr": (["optim.lr=-1"], r"optim\.lr=-1\.0 and optim\.min_lr=0\.0 must satisfy 0 <= min_lr <= lr"),
+    "checkpoint_keep_last_zero": (["checkpoint.dir=CKPT", "checkpoint.keep_last=0"], r"checkpoint\.keep_last=0 must be >= 1"),
+    "checkpoint_interval_without_dir": (["checkpoint.interval=5"], r"checkpoint\.interval / checkpoint\.export_hf need checkpoint\.dir=PATH"),
+    "checkpoint_resume_nonsense": (["checkpoint.resume=sometimes"], r"checkpoint\.resume='sometimes' must be 'auto', 'never' or"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_configuration(case, tmp_path):
+    overrides, pattern = CONFIG_CASES[case]
+    overrides = [o.replace("CKPT", str(tmp_path / "ckpt")) for o in overrides]
+    _refused(_cli(tmp_path / "run", "run.steps=1", *overrides), pattern)
+
+
+def test_unknown_override_key_names_the_field(tmp_path):
+    """Hydra's own check (before any of ours): a misspelt key is named with its config group."""
+    _refused(_cli(tmp_path / "run", "algo.kl_coeff=0.1"), r"Could not override 'algo.kl_coeff'[\s\S]*Key 'kl_coeff' not in 'AlgoConfig'", rc=1)
+
+
+def test_model_yaml_with_an_unknown_field(tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nnum_experts: 8\n")
+    _refused(_cli(tmp_path / "run", f"model={bad}"), r"mine\.yaml: unknown fields \['num_experts'\]; allowed:")
+
+
+def test_hf_model_with_pickle_weights_is_refused(tmp_path):
+    from tests.models.hf_fixtures import smollm2_dir
+
+    d = tmp_path / "pickled"
+    d.mkdir()
+    for f in smollm2_dir().iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):  # the config and tokenizer, but pickled weights
+            shutil.copy(f, d / f.name)
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    data = _write_rows(tmp_path / "d.jsonl", [_row()])
+    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}"),
+             r"pytorch_model\.bin: pickle files are never loaded; re-save with safe_serialization")
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A real checkpoint root with step 1 and step 2 of the tiny run."""
+    d = tmp_path_factory.mktemp("saved")
+    proc = _cli(d / "run", "run.steps=2", "eval.interval=2", f"checkpoint.dir={d / 'ckpt'}", "checkpoint.interval=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d / "ckpt"
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    return ckpt
+
+
+def _model_file(step_dir: Path) -> Path:
+    return next(p for p in sorted((step_dir / "model").iterdir()) if p.suffix == ".distcp")
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-7])
+
+
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+CHECKPOINT_CASES = {
+    "checkpoint_named_but_missing": (lambda c: c / "step_00000007", None, r"step_00000007: no such checkpoint"),
+    "checkpoint_truncated": (lambda c: c / "step_00000002", lambda c: _truncate(_model_file(c / "step_00000002")),
+                             r"step_00000002: model/.*\.distcp has \d+ bytes, the manifest says \d+ \(truncated\?\)"),
+    "checkpoint_fails_checksum": (lambda c: c / "step_00000002", lambda c: _flip(_model_file(c / "step_00000002")),
+                                  r"step_00000002: model/.*\.distcp fails its checksum \(corrupt\)"),
+    "checkpoint_file_missing": (lambda c: c / "step_00000002", lambda c: (c / "step_00000002" / "loop_state.json").unlink(),
+                                r"step_00000002: loop_state\.json is missing"),
+    "checkpoint_without_manifest": (lambda c: c / "step_00000002", lambda c: (c / "step_00000002" / "manifest.json").unlink(),
+                                    r"step_00000002: no manifest\.json; an interrupted or foreign checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
+def test_bad_checkpoint_to_resume_from(case, saved, tmp_path):
+    """checkpoint.resume=PATH names the one checkpoint to continue from: a broken one is an error, and no
+    checkpoint in the directory is touched."""
+    where, damage, pattern = CHECKPOINT_CASES[case]
+    ckpt = _copy(saved, tmp_path)
+    if damage:
+        damage(ckpt)
+    before = sorted(p.name for p in ckpt.iterdir())
+    _refused(_cli(tmp_path / "run", "run.steps=3", f"checkpoint.resume={where(ckpt)}"), pattern)
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_resume_auto_when_no_checkpoint_verifies_is_an_error_not_a_restart(saved, tmp_path):
+    """resume=auto with checkpoints present but none loadable must not quietly start again at step 0."""
+    ckpt = _copy(saved, tmp_path)
+    _flip(_model_file(ckpt / "step_00000001"))
+    _truncate(_model_file(ckpt / "step_00000002"))
+    proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}")
+    _refused(proc, r"checkpoint\.resume=auto: no checkpoint in .* verifies:[\s\S]*step_00000002[\s\S]*step_00000001"
+                   r"[\s\S]*checkpoint\.resume=never to start over")
+    assert (ckpt / "step_00000001").is_dir() and (ckpt / "step_00000002").is_dir()
+
+
+def test_resume_from_an_older_checkpoint_into_a_dir_with_newer_ones_is_refused(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}", f"checkpoint.resume={ckpt / 'step_00000001'}")
+    _refused(proc, r"already holds later checkpoints \(steps \[2\]\) that this run would overwrite")
+
+
+def test_export_tool_refuses_a_corrupt_checkpoint(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    _flip(_model_file(ckpt / "step_00000002"))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(ckpt / "step_00000002"),
+                           "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    _refused(proc, r"error: .*step_00000002: model/.*fails its checksum")
+    assert not (tmp_path / "hf").exists()
+
+
+# ---- rewards ----------------------------------------------------------------------------------------------------
+
+REWARD_CASES = {
+    "reward_raises": ("tests.test_bad_inputs.raising_reward",
+                      r"reward function 'raising_reward' failed on sample 0 \(data_source='toy_arith', response=.*\): KeyError"),
+    "reward_returns_a_non_number": ("tests.test_bad_inputs.text_reward",
+                                    r"reward function 'text_reward' failed on sample 0 .*returned 'correct'; a reward must be a finite number"),
+    "reward_unknown_name": ("mathh", r"unknown reward function 'mathh'; valid: format, math, mix, reward_model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REWARD_CASES))
+def test_bad_reward_function(case, tmp_path):
+    """With reward.on_error=raise (the default 'zero' scores the sample 0 and reports it)."""
+    from tests.models.hf_fixtures import smollm2_dir
+
+    name, pattern = REWARD_CASES[case]
+    data = _write_rows(tmp_path / "d.jsonl", [_row(data_source="toy_arith"), _row("What is 3+4?", "7", data_source="toy_arith")])
+    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", f"reward.name={name}",
+                "reward.on_error=raise", "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2",
+                "batch.micro_batch_size=4", "batch.max_response_length=2", "eval.pass_k=1", "run.steps=1")
+    _refused(proc, pattern)
+
+
+# ---- the rollout engine dies ------------------------------------------------------------------------------------
+
+class _DyingEngine:
+    """The embedded engine, until its process 'dies' on the second generate (as SGLangEngine reports it)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > 2:  # after validation's two calls at step 0
+            raise RuntimeError("the SGLang scheduler process exited (signal 9); see its log")
+        return self.inner.generate(*args, **kwargs)
+
+
+def _train_with_a_dying_engine():
+    import torch
+
+    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+    from grpo_mega.data.toy import SuccessorTask, make_tokenizer
+    from grpo_mega.parallel import cpu_compat
+    from grpo_mega.parallel.state import init_distributed
+    from grpo_mega.rollout.embedded import EmbeddedEngine
+    from grpo_mega.trainer.loop import EvalConfig, RolloutConfig, RunConfig, Task, train
+
+    tok = make_tokenizer()
+    model = load_model_config("tiny")
+    model.vocab_size = len(tok)
+    t = SuccessorTask(tok, seed=0)
+    task = Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward, stop_token_ids=[tok.eos_token_id])
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=2, pp=1, seed=0)
+        t0 = time.monotonic()
+        try:
+            train(model, ParallelConfig(tp=2), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0),
+                  BatchConfig(train_batch_size=4, n=2, ppo_mini_batch_size=4, micro_batch_size=8, max_response_length=3),
+                  RolloutConfig(), RunConfig(steps=3), EvalConfig(interval=5, pass_k=2), task,
+                  lambda: _DyingEngine(EmbeddedEngine.from_model_config(model, seed=0)))
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            return type(e).__name__, str(e), time.monotonic() - t0, torch.distributed.get_rank()
+    return None
+
+
+def test_a_dying_rollout_engine_is_an_error_on_every_rank():
+    """The engine lives on rank 0; the other ranks wait for its samples in a broadcast. Its death must end
+    every rank at once with the engine's own message, not leave rank 1 in the collective until its timeout."""
+    from grpo_mega.parallel.forked import run_ranks
+
+    results = run_ranks(_train_with_a_dying_engine, 2, timeout=180)
+    assert [r[3] for r in results] == [0, 1]
+    for name, msg, seconds, rank in results:
+        assert name == "RolloutError", (rank, name, msg)
+        assert "the rollout engine (_DyingEngine, on rank 0) failed: RuntimeError: the SGLang scheduler process exited" in msg
+        assert seconds < 60
+
+
+def test_the_corpus_has_at_least_25_cases():
+    cases = (len(DATA_CASES) + len(CONFIG_CASES) + len(CHECKPOINT_CASES) + len(REWARD_CASES)
+             + sum(1 for name in globals() if name.startswith("test_") and name not in (
+                 "test_bad_data_file", "test_bad_configuration", "test_bad_checkpoint_to_resume_from",
+                 "test_bad_reward_function", "test_the_corpus_has_at_least_25_cases")))
+    assert cases >= 25, cases
