@@ -34,7 +34,7 @@ SGLANG_PY   := $(SGLANG_VENV)/bin/python
 GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
 SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
 
-.PHONY: demo test test-main test-sglang setup smollm2 clean
+.PHONY: demo test test-main test-sglang setup smollm2 slurm-packages clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -60,12 +60,30 @@ $(SMOLLM2_DIR)/config.json: | $(VENV)/.installed
 
 smollm2: $(SMOLLM2_DIR)/config.json
 
+# The slurm tier (tests/slurm) starts a real two-node Slurm cluster on this machine: Debian's Slurm and munge,
+# installed once (root, or sudo), nothing when they are already there.
+SLURM_BINS := slurmctld slurmd sbatch srun scontrol munged
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+slurm-packages:
+	@if PATH="$$PATH:/usr/sbin:/sbin" sh -c 'for b in $(SLURM_BINS); do command -v $$b >/dev/null || exit 1; done'; then :; \
+	else \
+	  echo "installing Slurm and munge for the slurm tests (apt-get)"; \
+	  pkgs="slurmctld slurmd slurm-client munge"; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs >/dev/null || \
+	  { $(SUDO) apt-get update -qq && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs >/dev/null; } || \
+	  { echo "error: could not install $$pkgs with apt-get (the slurm tests need them; run as root)"; exit 1; }; \
+	fi
+	@[ -f /etc/munge/munge.key ] || { $(SUDO) mungekey --create --keyfile /etc/munge/munge.key && \
+	  $(SUDO) chown munge:munge /etc/munge/munge.key && $(SUDO) chmod 600 /etc/munge/munge.key; }
+
 demo: $(VENV)/.installed
 	$(PY) -m grpo_mega.train
 
 test: test-main test-sglang
 
-test-main: $(VENV)/.installed smollm2
+test-main: $(VENV)/.installed smollm2 slurm-packages
 	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang"
 
 test-sglang: $(SGLANG_VENV)/.installed

@@ -1,0 +1,120 @@
+"""slurm/train.sbatch, unchanged, on a real two-node Slurm cluster started on this machine (tests/slurm/cluster.py):
+2 nodes x 2 ranks (CPU, gloo) at parallel.tp=2, so TP2 x DP2 across the two launchers' c10d rendezvous.
+
+What a cluster user relies on: the job's exit code is the training's, metrics land in the per-job run directory,
+a second job of the same name resumes from the first one's newest checkpoint, and USR1 (what `--signal=B:USR1@...`
+sends near the time limit) requeues the job, whose restart resumes and reproduces the steps it repeats.
+Only the environment differs from a GPU cluster: GRPO_MEGA_NPROC_PER_NODE or fake GPUs give the ranks per node.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import INSTALL_HINT, LocalSlurm, free_ports, missing_requirements
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "slurm" / "train.sbatch"
+TRAIN = ["parallel.tp=2", "eval.interval=2", "checkpoint.interval=2"]
+JOB_TIMEOUT = 240  # one tiny 4-rank job takes ~20 s on 2 idle cores
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    missing = missing_requirements()
+    if missing:
+        pytest.fail(f"the slurm tests start a real Slurm cluster, but {'; '.join(missing)}. To fix: {INSTALL_HINT}")
+    with LocalSlurm(nodes=2, cpus=4, gpus=4) as c:
+        print(f"local Slurm cluster ready in {c.ready_seconds:.1f} s")
+        pids = c.running_pids()
+        yield c
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"cluster daemons still running after stop: {alive}"
+    assert not c.leftovers, f"job processes outlived their jobs and were ended: {c.leftovers}"
+
+
+def _submit(cluster: LocalSlurm, tmp: Path, name: str, overrides: list[str], nproc_env: bool) -> int:
+    env = {"GRPO_MEGA_LOG_ROOT": str(tmp / "logs"), "GRPO_MEGA_PYTHON": sys.executable,
+           "MASTER_PORT": str(free_ports(1)[0]), "OMP_NUM_THREADS": "1"}
+    if nproc_env:
+        env["GRPO_MEGA_NPROC_PER_NODE"] = "2"  # the CPU way; otherwise the 2 (fake) GPUs per node decide
+    args = ["--nodes=2", "--gpus-per-node=2", f"--job-name={name}", f"--output={tmp}/slurm-%j.out", str(SBATCH)]
+    return cluster.sbatch(args + TRAIN + overrides, env=env, cwd=tmp)
+
+
+def _finished(cluster: LocalSlurm, tmp: Path, job: int, restarts: int = 0) -> str:
+    t0 = time.monotonic()
+    info = cluster.wait(job, JOB_TIMEOUT)
+    out = (tmp / f"slurm-{job}.out").read_text(errors="replace")
+    print(f"job {job}: {info['JobState']} {info['ExitCode']} in {time.monotonic() - t0:.1f} s (waited)")
+    tail = "\n".join(line for line in out.splitlines() if not line.startswith("grpo:"))[-4000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", str(restarts)), tail
+    assert "2 x 2 ranks" in out, tail
+    return out
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in (json.loads(line) for line in open(run_dir / "metrics.jsonl"))}
+
+
+def test_two_nodes_tp2_dp2_and_a_second_job_resumes(cluster, tmp_path):
+    t0 = time.monotonic()
+    first = _submit(cluster, tmp_path, "grpo-tp2dp2", ["run.steps=4"], nproc_env=True)
+    _finished(cluster, tmp_path, first)
+    job_root = tmp_path / "logs" / "grpo-tp2dp2"
+    assert sorted(_metrics(job_root / str(first))) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (job_root / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
+    t1 = time.monotonic()
+
+    # The same job name, more steps: resume=auto continues from the first job's step 4.
+    second = _submit(cluster, tmp_path, "grpo-tp2dp2", ["run.steps=6"], nproc_env=False)
+    _finished(cluster, tmp_path, second)
+    assert sorted(_metrics(job_root / str(second))) == [5, 6]
+    print(f"job 1 {t1 - t0:.1f} s, job 2 {time.monotonic() - t1:.1f} s (submit to completion)")
+
+
+def test_usr1_requeues_the_job_and_the_restart_resumes(cluster, tmp_path):
+    t0 = time.monotonic()
+    job = _submit(cluster, tmp_path, "grpo-requeue", ["run.steps=10"], nproc_env=True)
+    job_root = tmp_path / "logs" / "grpo-requeue"
+    metrics = job_root / str(job) / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    # Step 3 logged: the checkpoint of step 2 is complete, and the restart will run step 3 again.
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        state = cluster.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"job {job} {state} before step 3:\n" + \
+            (tmp_path / f"slurm-{job}.out").read_text(errors="replace")[-4000:]
+        assert time.monotonic() < deadline, f"job {job} not at step 3 after {JOB_TIMEOUT} s"
+        time.sleep(0.2)
+    # What Slurm does `--signal=B:USR1@300` before the time limit: USR1 to the batch shell only.
+    cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
+    out = _finished(cluster, tmp_path, job, restarts=1)
+    assert "requeueing job" in out
+
+    before, after = _metrics(job_root / str(job)), _metrics(job_root / f"{job}.restart1")
+    resumed_from = min(after) - 1
+    assert resumed_from in (2, 4, 6, 8) and resumed_from <= max(before), (sorted(before), sorted(after))
+    assert sorted(after) == list(range(resumed_from + 1, 11))
+    assert sorted(before) == list(range(1, max(before) + 1))
+    for step in sorted(set(before) & set(after)):  # steps run before the requeue and again after it
+        for key in ("reward", "val_reward", "loss", "grad_norm", "entropy", "pg_loss"):
+            assert after[step][key] == pytest.approx(before[step][key], rel=TOL, abs=TOL), (step, key)
+    print(f"requeue: first attempt ran steps 1-{max(before)}, restart resumed at step {resumed_from}; "
+          f"{time.monotonic() - t0:.1f} s submit to completion")
+
+
+def test_a_failing_training_fails_the_job_with_its_exit_code(cluster, tmp_path):
+    job = _submit(cluster, tmp_path, "grpo-bad", ["parallel.tp=3", "run.steps=2"], nproc_env=True)
+    info = cluster.wait(job, JOB_TIMEOUT)
+    out = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
+    code = info["ExitCode"].split(":")[0]  # torchrun's status when a rank fails, passed on by srun and the script
+    assert info["JobState"] == "FAILED" and code != "0", out[-4000:]
+    assert "parallel.tp=3" in out and f"training exited with {code}" in out, out[-4000:]
