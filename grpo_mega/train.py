@@ -208,7 +208,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             from grpo_mega.rollout.sglang_engine import SGLangEngine
 
             if hf_dir is not None:
-                return SGLangEngine(hf_dir, dtype="float32")
+                extra = {"mem_fraction_static": rollout.gpu_memory_fraction} if rollout.gpu_memory_fraction else {}
+                return SGLangEngine(hf_dir, tp=rollout.engine_tp,
+                                    dtype="bfloat16" if precision.params_dtype == "bf16" else "float32", **extra)
             return SGLangEngine.from_model_config(model, out_dir / "engine_init")
         raise ValueError(f"rollout.engine={rollout.engine!r} must be 'embedded' or 'sglang'")
 

@@ -292,6 +292,9 @@ class AlgoConfig:
     """Skip a mini-batch with an importance ratio above this (or below its inverse); null: never."""
     ref_update_interval: Optional[int] = None
     """Iterative RL: copy the policy into the reference every this many steps; null: never."""
+    ref_offload: bool = False
+    """Keep the reference's weights in host memory between uses; they visit the GPU only for its forward
+    (on GPUs; a no-op on CPU)."""
     kl_in_reward: bool = False
     """PPO-style: subtract beta * KL from the reward instead of adding it to the loss."""
     dynamic_sampling: bool = False

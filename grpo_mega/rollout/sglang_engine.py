@@ -46,7 +46,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @ENGINES.register("sglang")
 class SGLangEngine(RolloutEngine):
-    def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", mem_tokens: int = 4096,
+    def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", mem_tokens: Optional[int] = None,
                  timeout_s: float = 300.0, log_level: str = "error", **engine_kwargs):
         cuda = torch.cuda.is_available()
         if not cuda:
@@ -57,8 +57,9 @@ class SGLangEngine(RolloutEngine):
         except ImportError as e:
             raise EngineError(f"rollout.engine=sglang needs SGLang: pip install -e '.[sglang]' ({e})") from None
         self.timeout_s = timeout_s
-        kwargs = dict(model_path=model_path, tp_size=tp, dtype=dtype, skip_tokenizer_init=True, log_level=log_level,
-                      max_total_tokens=mem_tokens)
+        kwargs = dict(model_path=model_path, tp_size=tp, dtype=dtype, skip_tokenizer_init=True, log_level=log_level)
+        if mem_tokens is not None or not cuda:  # on GPUs SGLang sizes its KV cache from mem_fraction_static
+            kwargs["max_total_tokens"] = mem_tokens or 4096
         if not cuda:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
         kwargs.update(engine_kwargs)

@@ -30,10 +30,21 @@ class RolloutConfig:
     """Responses per prompt; verl's spelling of batch.n (set one of them)."""
     temperature: float = 1.0
     top_p: float = 1.0
+    engine_tp: int = 1
+    """The SGLang engine's tensor-parallel size (its own; the trainer's parallel.tp need not match)."""
+    gpu_memory_fraction: Optional[float] = None
+    """SGLang's mem_fraction_static: the share of each GPU the colocated engine keeps (weights + KV cache);
+    null: SGLang's default. tools/plan.py counts it against the trainer's memory."""
     sync_bucket_mb: float = 64.0
     """Weight-sync bucket size."""
     audit_weights: bool = False
     """Checksum every synced tensor against the engine's copy."""
+
+    def __post_init__(self):
+        if self.engine_tp < 1:
+            raise ValueError(f"rollout.engine_tp={self.engine_tp} must be >= 1")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction < 1:
+            raise ValueError(f"rollout.gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1)")
 
 
 @dataclass(kw_only=True)
@@ -144,7 +155,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         load_hf_into_gpt(actor.built.gpt, hf_dir, model, ps.get_tensor_model_parallel_rank(), parallel.tp)
         actor.optimizer.reload_model_params()
     use_ref = algo_cfg.kl_coef != 0
-    reference = Reference(model, parallel, precision, batch) if use_ref else None
+    reference = Reference(model, parallel, precision, batch, offload=algo_cfg.ref_offload) if use_ref else None
     if reference is not None:
         reference.load_from(actor)
     first_step = 1
@@ -183,7 +194,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             if task.set_state is not None:
                 task.set_state(state["task"])
     engine = engine_factory() if torch.distributed.get_rank() == 0 else None
-    sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=torch.float32)
+    sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=actor.params_dtype)
     sync_weights(actor.built.gpt, engine=engine, version=first_step - 1, **sync)
     if task.overlong not in ("keep", "zero", "mask"):
         raise ValueError(f"reward.overlong={task.overlong!r} must be 'keep', 'zero' or 'mask'")

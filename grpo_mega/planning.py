@@ -1,0 +1,443 @@
+"""Memory per GPU of a training layout, before anything is allocated: the arithmetic behind tools/plan.py.
+
+Owns: the exact parameter count of every pipeline stage's shard (the same modules builder.build_gpt makes),
+the bytes of the actor's weights, fp32 main weights, fp32 gradient buffer and Adam state under Megatron DDP
+and the DistributedOptimizer, the activations held by the 1F1B schedule, the logits and vocab-parallel loss
+buffers of the last stage, the frozen reference and the share left to a colocated rollout engine; whether
+their sum fits a GPU, which component does not, and layouts of the same GPUs that do. `meta_stage_params`
+checks the parameter arithmetic against the model built on the meta device, one rank at a time under a fake
+process group. Everything else here is pure arithmetic on the model config: no torch, no process groups.
+
+Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv 2205.05198), Table 2: per layer sbh(34 + 5as/h) bytes for GPT-3's block with 16-bit activations,
+sbh(10 + 24/t + 5as/(ht)) with tensor parallelism, sbh/t (34 + 5as/h) with sequence parallelism, sbh 34/t
+with selective recompute and 2sbh (/t with SP) with full recompute. `layer_activation_bytes` keeps the
+paper's per-tensor accounting and puts in this project's block instead of GPT-3's: RMSNorm, GQA (K and V
+are g*d wide, not h), SwiGLU (the fc1 output is 2f wide and kept for the gate), no dropout (no masks),
+and flash attention on the GPU (TE's fused attention keeps no [a, s, s] scores, as selective recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from grpo_mega.conf.schema import ModelConfig, ParallelConfig
+
+GIB = 2**30
+H100_GIB = 81559 / 1024
+"""An H100 80GB as nvidia-smi reports it: 81,559 MiB."""
+RECOMPUTE = ("none", "selective", "full")
+REFERENCE = ("gpu", "offload", "none")
+FP32_LOSS_COPIES = 3
+"""fp32 [tokens, V/tp] temporaries of the vocab-parallel logprob/entropy op (bench_results/vocab_parallel.json:
+about 3.5 with the reference's logits as well, so 3 without them)."""
+
+
+# ---- parameters ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters of one tensor-parallel rank of one pipeline stage (all TP ranks of a stage are equal)."""
+
+    stage: int
+    layers: int
+    embedding: int
+    """VocabParallelEmbedding shard: padded_vocab / tp x hidden (first stage)."""
+    transformer: int
+    """`layers` transformer layers' shards, norms replicated."""
+    final_norm: int
+    output_layer: int
+    """Untied output layer shard (last stage); also on a tied model's last stage when pp > 1."""
+    linear: int
+    """Of all the above, the transformer layers' linear weights: the GEMMs TE runs in FP8 (megatron's output
+    layer stays in bf16)."""
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.transformer + self.final_norm + self.output_layer
+
+
+def layer_params(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """(all parameters, linear weights) of one transformer layer's shard on one TP rank."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    qkv = (q + 2 * kv) // tp * h
+    proj = h * (q // tp)
+    fc1, fc2 = 2 * (f // tp) * h, h * (f // tp)
+    bias = (q + 2 * kv) // tp if model.qkv_bias else 0
+    norms = 2 * h  # input_layernorm and pre_mlp_layernorm: replicated over TP
+    linear = qkv + proj + fc1 + fc2
+    return linear + bias + norms, linear
+
+
+def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StageParams]:
+    """Every pipeline stage's per-rank parameter counts, as megatron's GPTModel allocates them: the padded
+    vocabulary (model.padded_vocab_size, the same at every tp) split over tp, the embedding on the first stage,
+    the final norm and output layer on the last; with tied embeddings and pp > 1 the last stage keeps its own
+    copy of the output weight (megatron synchronises the two)."""
+    per_stage = parallel.layers_per_stage(model.num_layers)
+    tp, pp = parallel.tp, parallel.pp
+    per_layer, linear_layer = layer_params(model, tp)
+    vocab_shard = model.padded_vocab_size // tp * model.hidden_size
+    out = []
+    for stage, n in enumerate(per_stage):
+        first, last = stage == 0, stage == pp - 1
+        output = vocab_shard if last and (not model.tie_word_embeddings or pp > 1) else 0
+        out.append(StageParams(
+            stage=stage, layers=n, embedding=vocab_shard if first else 0, transformer=n * per_layer,
+            final_norm=model.hidden_size if last else 0, output_layer=output, linear=n * linear_layer,
+        ))
+    return out
+
+
+# ---- activations --------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+                           recompute: str, flash_attention: bool = True, fp8: bool = False) -> float:
+    """Bytes one transformer layer keeps for its backward, per micro-batch, on one TP rank (Korthikanti et al.
+    Table 2, per tensor, for this project's block; 16-bit activations, FP8 GEMM inputs under fp8).
+
+    Per token (h hidden, q = heads * head_dim, k = query_groups * head_dim, f = ffn width, a heads):
+      kept whole on every TP rank unless sequence-parallel:
+        2h + 2h   the two RMSNorms' inputs
+        2h        the QKV projection's input (the norm's output; 1h as FP8)
+        2h        the fc1 input (the second norm's output; 1h as FP8)
+      split over TP:
+        2q + 4k   Q, K and V, kept by the attention kernel
+        2q        the output projection's input (the attention output; 1q as FP8)
+        4f + 2f   fc1's output (gate and up, kept by SwiGLU) and SwiGLU's output, fc2's input (1f as FP8)
+        5as       softmax output, its dropout mask and output (the paper's 5as^2 b): only for unfused
+                  attention without selective recompute; flash attention keeps none of it.
+    Full recompute keeps only each layer's input, 2h per token (/tp with sequence parallelism).
+    For GPT-3's block (q = k = h, f = 4h, GeLU keeping 8h + 8h, two sbh dropout masks) the same accounting
+    gives the paper's sbh(34 + 5as/h).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
+    tokens = seq * micro_batch
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, k = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    gemm_in = 1 if fp8 else 2
+    sp = tp if sequence_parallel else 1
+    if recompute == "full":
+        return tokens * 2 * h / sp
+    replicated = 4 * h + gemm_in * h + gemm_in * h
+    split = 2 * q + 4 * k + gemm_in * q + 4 * f + gemm_in * f
+    per_token = replicated / sp + split / tp
+    if not flash_attention and recompute == "none":
+        per_token += 5 * model.num_attention_heads * seq / tp
+    return tokens * per_token
+
+
+def loss_buffer_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+                      chunk_size: Optional[int], backward: bool = True) -> float:
+    """The last stage's output side for one micro-batch: the final norm's and the output layer's inputs,
+    the logits [s*b, V/tp] in bf16 (megatron's transposed contiguous copy, kept by the loss; with `backward`
+    also their gradient and the gradient before the transpose), and the fp32 temporaries of the
+    vocab-parallel op over `chunk_size` tokens at a time (grpo_mega/parallel/vocab_parallel.py)."""
+    tokens = seq * micro_batch
+    sp = tp if sequence_parallel else 1
+    vocab = model.padded_vocab_size / tp
+    hidden = (2 + 2) * model.hidden_size / sp * tokens if backward else 0
+    logits = tokens * vocab * 2 * (3 if backward else 2)
+    work = min(tokens, chunk_size or tokens) * vocab * 4 * FP32_LOSS_COPIES
+    return hidden + logits + work
+
+
+# ---- the plan -----------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PlanInput:
+    """A layout to plan: the model, the parallel layout (ParallelConfig) on `world_size` GPUs, and what the
+    update's micro-batches, precision, optimizer, reference and rollout engine put on each GPU."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    world_size: int
+    gpus_per_node: int = 8
+    micro_batch_size: int = 1
+    """Responses per forward on one rank (batch.micro_batch_size)."""
+    seq_length: int = 4096
+    """Prompt + response tokens of the longest micro-batch (batch.max_prompt_length + max_response_length)."""
+    num_microbatches: Optional[int] = None
+    """Micro-batches per DP rank per mini-batch; the 1F1B schedule holds min(pp, this) in flight (null: pp)."""
+    params_dtype: str = "bf16"
+    fp8: bool = False
+    distributed_optimizer: bool = True
+    reference: str = "gpu"
+    """The frozen KL reference: 'gpu' (resident), 'offload' (on the GPU only for its forward) or 'none'."""
+    engine_gib: float = 0.0
+    """Per-GPU memory held by a rollout engine colocated on the same GPUs (SGLang's mem_fraction_static x
+    GPU memory: weights and KV cache)."""
+    gpu_gib: float = H100_GIB
+    margin: float = 0.10
+    """Fraction of the GPU kept free: CUDA context, NCCL buffers, allocator fragmentation."""
+    flash_attention: bool = True
+    """TE's fused attention on the GPU (no [a, s, s] scores kept); false for the local spec's unfused one."""
+    logprob_chunk_size: Optional[int] = None
+
+    def __post_init__(self):
+        if self.reference not in REFERENCE:
+            raise ValueError(f"reference={self.reference!r} must be one of {REFERENCE}")
+        if self.params_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"params_dtype={self.params_dtype!r} must be 'bf16' or 'fp32'")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin={self.margin} must be in [0, 1)")
+
+    @property
+    def dp(self) -> int:
+        return self.parallel.check(self.model, self.world_size)
+
+    @property
+    def usable_gib(self) -> float:
+        return self.gpu_gib * (1 - self.margin)
+
+    def describe(self) -> str:
+        p = self.parallel
+        return (f"tp={p.tp} pp={p.pp} dp={self.dp} sp={'on' if p.sequence_parallel else 'off'} "
+                f"recompute={p.recompute} micro_batch={self.micro_batch_size}")
+
+
+COMPONENTS = ("engine", "parameters", "gradients", "optimizer", "reference", "activations", "logits")
+"""In the order they are allocated (the engine starts first), which is the order a refusal names them in."""
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    layers: int
+    param_numel: int
+    in_flight: int
+    gib: dict = field(default_factory=dict)
+    """Component -> GiB at the update's peak (COMPONENTS)."""
+    ref_forward_gib: float = 0.0
+    """Peak while the offloaded reference runs its forward (model states + reference weights + forward-only
+    buffers); 0 unless reference='offload'."""
+
+    @property
+    def total_gib(self) -> float:
+        return max(sum(self.gib.values()), self.ref_forward_gib)
+
+
+@dataclass
+class Plan:
+    input: PlanInput
+    stages: list[StagePlan]
+    worst: int
+    """The stage with the largest total."""
+    fits: bool
+    reason: str = ""
+
+    @property
+    def total_gib(self) -> float:
+        return self.stages[self.worst].total_gib
+
+    def to_dict(self) -> dict:
+        inp = self.input
+        worst = self.stages[self.worst]
+        return dict(
+            model=inp.model.name, world_size=inp.world_size, gpus_per_node=inp.gpus_per_node,
+            tp=inp.parallel.tp, pp=inp.parallel.pp, dp=inp.dp, sequence_parallel=inp.parallel.sequence_parallel,
+            recompute=inp.parallel.recompute, micro_batch_size=inp.micro_batch_size, seq_length=inp.seq_length,
+            num_microbatches=inp.num_microbatches, params_dtype=inp.params_dtype, fp8=inp.fp8,
+            distributed_optimizer=inp.distributed_optimizer, reference=inp.reference, engine_gib=inp.engine_gib,
+            flash_attention=inp.flash_attention, gpu_gib=inp.gpu_gib, margin=inp.margin, usable_gib=inp.usable_gib,
+            worst_stage=worst.stage, per_gpu_gib=dict(worst.gib), total_gib=self.total_gib,
+            headroom_gib=inp.usable_gib - self.total_gib, fits=self.fits, reason=self.reason,
+            stages=[dict(stage=s.stage, layers=s.layers, param_numel=s.param_numel,
+                         param_bytes=s.param_numel * _weight_bytes(inp), in_flight=s.in_flight, gib=dict(s.gib),
+                         ref_forward_gib=s.ref_forward_gib, total_gib=s.total_gib) for s in self.stages],
+        )
+
+
+def _weight_bytes(inp: PlanInput) -> int:
+    return 2 if inp.params_dtype == "bf16" else 4
+
+
+def plan(inp: PlanInput) -> Plan:
+    """Memory per GPU of every pipeline stage at the update's peak; fits when the worst stage's total is
+    within the GPU's memory less the margin. Raises ValueError for a layout that is invalid, not too big."""
+    model, parallel = inp.model, inp.parallel
+    dp = inp.dp
+    bf16 = inp.params_dtype == "bf16"
+    tp, pp = parallel.tp, parallel.pp
+    in_flight_max = pp if inp.num_microbatches is None else min(pp, inp.num_microbatches)
+    per_layer = layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
+                                       parallel.recompute, inp.flash_attention, inp.fp8)
+    stages = []
+    for sp_ in stage_params(model, parallel):
+        n = sp_.total
+        weights = n * (2 if bf16 else 4)
+        if inp.fp8:  # TE caches each linear weight and its transpose as FP8 across the micro-batches
+            weights += 2 * sp_.linear
+        # fp32 main weights (bf16 training), Adam m and v: sharded over DP by the DistributedOptimizer
+        main = 4 * n if bf16 else 0
+        adam = 8 * n
+        shard = dp if inp.distributed_optimizer else 1
+        in_flight = max(1, min(in_flight_max, pp - sp_.stage))
+        acts = in_flight * sp_.layers * per_layer
+        if sp_.stage == 0:
+            acts += in_flight * 16 * inp.seq_length * inp.micro_batch_size  # token and position ids
+        if parallel.recompute == "full":  # one layer's activations rebuilt at a time during the backward
+            acts += layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp,
+                                           parallel.sequence_parallel, "selective", inp.flash_attention, inp.fp8)
+        last = sp_.stage == pp - 1
+        logits = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
+                                   inp.logprob_chunk_size) if last else 0.0
+        ref_weights = n * (2 if bf16 else 4)
+        gib = dict(
+            engine=inp.engine_gib,
+            parameters=(weights + main / shard) / GIB,
+            gradients=4 * n / GIB,  # Megatron DDP's grad buffer, grad_reduce_in_fp32
+            optimizer=adam / shard / GIB,
+            reference=ref_weights / GIB if inp.reference == "gpu" else 0.0,
+            activations=acts / GIB,
+            logits=logits / GIB,
+        )
+        ref_forward = 0.0
+        if inp.reference == "offload":
+            fwd = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
+                                    inp.logprob_chunk_size, backward=False) if last else 0.0
+            fwd += layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp, False, "selective",
+                                          inp.flash_attention, inp.fp8)  # one layer's temporaries, no grad
+            states = sum(gib[k] for k in ("engine", "parameters", "gradients", "optimizer"))
+            ref_forward = states + (ref_weights + fwd) / GIB
+        stages.append(StagePlan(stage=sp_.stage, layers=sp_.layers, param_numel=n, in_flight=in_flight, gib=gib,
+                                ref_forward_gib=ref_forward))
+    worst = max(range(len(stages)), key=lambda i: stages[i].total_gib)
+    result = Plan(input=inp, stages=stages, worst=worst, fits=stages[worst].total_gib <= inp.usable_gib)
+    if not result.fits:
+        result.reason = _reason(inp, stages[worst])
+    return result
+
+
+def _reason(inp: PlanInput, stage: StagePlan) -> str:
+    """Names the first component, in allocation order, that no longer fits in what the ones before it left."""
+    budget = inp.usable_gib
+    head = (f"{inp.model.name} at {inp.describe()} does not fit: pipeline stage {stage.stage} needs "
+            f"{stage.total_gib:.1f} GiB per GPU, {budget:.1f} GiB usable ({inp.gpu_gib:.1f} GiB less the "
+            f"{inp.margin:.0%} margin)")
+    used, before = 0.0, []
+    for name in COMPONENTS:
+        need = stage.gib[name]
+        if need and used + need > budget:
+            left = max(budget - used, 0.0)
+            after = f" after {' + '.join(before)} ({used:.1f} GiB)" if before else ""
+            return f"{head}; {name} ({need:.1f} GiB) does not fit: only {left:.1f} GiB are left{after}"
+        used += need
+        if need:
+            before.append(name)
+    return (f"{head}; the offloaded reference's forward (model states + its weights + buffers = "
+            f"{stage.ref_forward_gib:.1f} GiB) does not fit")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(inp: PlanInput, batch=None) -> list[PlanInput]:
+    """Every layout of the same GPUs worth trying: tp within a node dividing heads, query groups, ffn and the
+    padded vocabulary; pp splitting the layers evenly; sequence parallel with tp > 1; each recompute;
+    micro-batch sizes from the requested one down to 1. With `batch` (a BatchConfig), only layouts whose DP
+    size splits a mini-batch (BatchConfig.check_dp)."""
+    model, out = inp.model, []
+    for tp in _divisors(inp.gpus_per_node):
+        if any(n % tp for n in (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size,
+                                model.padded_vocab_size)):
+            continue
+        for pp in _divisors(model.num_layers):
+            if inp.world_size % (tp * pp):
+                continue
+            dp = inp.world_size // (tp * pp)
+            for recompute in RECOMPUTE:
+                if recompute == "selective" and inp.flash_attention:
+                    continue  # flash attention already keeps no scores: selective recompute saves nothing
+                for mbs in range(inp.micro_batch_size, 0, -1):
+                    if batch is not None:
+                        try:
+                            replace(batch, micro_batch_size=mbs).check_dp(dp)
+                        except ValueError:
+                            continue
+                        m = batch.ppo_mini_batch_size * batch.n // (dp * mbs)
+                    else:
+                        m = None
+                    par = ParallelConfig(tp=tp, pp=pp, sequence_parallel=tp > 1, recompute=recompute)
+                    out.append(replace(inp, parallel=par, micro_batch_size=mbs, num_microbatches=m))
+    return out
+
+
+def suggest(inp: PlanInput, batch=None, limit: int = 5) -> list[Plan]:
+    """Layouts of the same GPUs that fit, cheapest first: least recompute, then least model parallelism
+    (tp * pp), then the largest micro-batch, then the smaller tp."""
+    order = {r: i for i, r in enumerate(RECOMPUTE)}
+    fits = [p for p in map(plan, candidate_layouts(inp, batch)) if p.fits]
+    fits.sort(key=lambda p: (order[p.input.parallel.recompute], p.input.parallel.tp * p.input.parallel.pp,
+                             -p.input.micro_batch_size, p.input.parallel.tp))
+    return fits[:limit]
+
+
+# ---- check against megatron ---------------------------------------------------------------------------
+
+
+def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> dict[int, dict]:
+    """Parameter numel and bytes of each pipeline stage's shard as megatron builds it, on the meta device.
+
+    For each rank in turn (until every stage is seen): a fake process group of `world_size` ranks
+    (torch.testing's FakeStore backend: collectives return at once, nothing is sent), megatron's
+    parallel_state for the layout, builder.build_gpt(meta=True) for that rank's stage, numel summed, all torn
+    down again. Megatron's gloo side groups are not created: the fake store cannot back a real gloo group.
+    Needs a process with no torch.distributed group of its own; leaves none behind.
+    Returns {stage: {"rank", "tp_rank", "numel", "bytes"}}.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from grpo_mega.conf.schema import PrecisionConfig
+    from grpo_mega.models.builder import build_gpt
+    from grpo_mega.parallel import cpu_compat
+
+    if dist.is_initialized():
+        raise RuntimeError("meta_stage_params needs a process without a torch.distributed group; run it in a fresh one")
+    from megatron.core import parallel_state as ps
+
+    parallel.check(model, world_size)
+    found: dict[int, dict] = {}
+    with cpu_compat.cpu_device_mode():
+        for rank in range(world_size):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+            try:
+                ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp,
+                                             pipeline_model_parallel_size=parallel.pp,
+                                             create_gloo_process_groups=False)
+                stage = ps.get_pipeline_model_parallel_rank()
+                if stage not in found:
+                    gpt, _ = build_gpt(model, parallel, PrecisionConfig(params_dtype="bf16"), meta=True)
+                    params = list(gpt.parameters())
+                    found[stage] = dict(rank=rank, tp_rank=ps.get_tensor_model_parallel_rank(),
+                                        numel=sum(p.numel() for p in params),
+                                        bytes=sum(p.numel() * p.element_size() for p in params))
+                    del gpt, params
+            finally:
+                ps.destroy_model_parallel()
+                dist.destroy_process_group()
+            if len(found) == parallel.pp:
+                break
+    return found
+
+
+def compare_with_meta(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> list[dict]:
+    """Per stage: the planner's parameter numel and bf16 bytes next to the meta-device build's."""
+    meta = meta_stage_params(model, parallel, world_size)
+    rows = []
+    for s in stage_params(model, parallel):
+        m = meta[s.stage]
+        rows.append(dict(stage=s.stage, rank=m["rank"], planner_numel=s.total, meta_numel=m["numel"],
+                         planner_bytes=2 * s.total, meta_bytes=m["bytes"],
+                         rel_diff=abs(2 * s.total - m["bytes"]) / m["bytes"]))
+    return rows
+
+

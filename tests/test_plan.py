@@ -1,0 +1,245 @@
+"""tools/plan.py and grpo_mega/planning.py: the parameter arithmetic against megatron's own build on the meta
+device (one rank at a time under a fake process group, no weights), the activation formula by hand, refusal
+of a layout that cannot fit with suggestions that do, and the launch scripts' overrides composed by Hydra
+into the typed configs and checked against 64 GPUs, all without allocating a weight."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_mega import planning
+from grpo_mega.conf.schema import BatchConfig, ParallelConfig, load_model_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron's, from every meta build
+
+REPO = Path(__file__).resolve().parents[1]
+PLAN = REPO / "tools" / "plan.py"
+SCRIPTS = {  # launch script -> (model, GPUs, tp, pp)
+    "qwen2.5-7b.sh": ("qwen2.5-7b", 8, 4, 1),
+    "llama-3.1-70b.sh": ("llama-3.1-70b", 64, 8, 4),
+    "qwen2.5-72b.sh": ("qwen2.5-72b", 64, 8, 4),
+}
+# The scripts read these from the environment; the tests plan their defaults.
+_SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "RECOMPUTE", "PROMPTS", "N", "MINI_BATCH",
+                "MICRO_BATCH", "PROMPT_LEN", "RESPONSE_LEN", "LR", "KL_COEF", "CKPT_INTERVAL", "JOB_NAME"}
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k not in _SCRIPT_VARS}
+
+
+def _plan_cli(*args, check_rc=None):
+    res = subprocess.run([sys.executable, str(PLAN), *args], capture_output=True, text=True, timeout=120, env=_env())
+    if check_rc is not None:
+        assert res.returncode == check_rc, res.stdout + res.stderr
+    return res
+
+
+@pytest.fixture(scope="module")
+def plan_tool():
+    spec = importlib.util.spec_from_file_location("plan_tool", PLAN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def launch_plans():
+    """plan.py --from-launch-script --json for each launch script (what it would submit, sbatch recorded)."""
+    out = {}
+    for name in SCRIPTS:
+        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--json", check_rc=0)
+        out[name] = json.loads(res.stdout)
+    return out
+
+
+# ---- parameters: planner vs megatron on the meta device ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_launch_script_layout_fits_and_params_match_meta_build(name, launch_plans):
+    model_name, gpus, tp, pp = SCRIPTS[name]
+    p = launch_plans[name]
+    assert (p["model"], p["world_size"], p["tp"], p["pp"]) == (model_name, gpus, tp, pp)
+    assert p["fits"] and p["headroom_gib"] > 0 and p["reason"] == ""
+    assert p["sequence_parallel"] and p["params_dtype"] == "bf16" and p["distributed_optimizer"]
+    assert p["engine_gib"] > 0  # the colocated engine's share is accounted (the run's rollout.gpu_memory_fraction)
+    assert set(p["per_gpu_gib"]) == set(planning.COMPONENTS)
+    model = load_model_config(model_name)
+    rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, sequence_parallel=True), gpus)
+    assert [r["stage"] for r in rows] == list(range(pp))  # first, middle and last stages all checked
+    for r, stage in zip(rows, p["stages"]):
+        assert r["planner_bytes"] == r["meta_bytes"] == stage["param_bytes"], r  # exact, well within 2%
+    worst_params = max(s["param_bytes"] for s in p["stages"])
+    assert worst_params == max(r["meta_bytes"] for r in rows)
+
+
+@pytest.mark.parametrize("model_name,world,par", [
+    ("smollm2-135m", 4, dict(tp=1, pp=2)),  # tied embeddings: the last stage keeps its own output weight
+    ("qwen2.5-0.5b", 2, dict(tp=2, pp=1)),  # tied, pp=1: one embedding matrix; qkv bias split over TP
+    ("llama-3.1-70b", 64, dict(tp=8, pp=8)),
+    ("llama-3.1-70b", 64, dict(tp=4, pp=4, num_layers_in_first_pipeline_stage=18,
+                               num_layers_in_last_pipeline_stage=18)),  # uneven: 18 + 22 + 22 + 18
+])
+def test_stage_params_equal_meta_build(model_name, world, par):
+    model = load_model_config(model_name)
+    rows = planning.compare_with_meta(model, ParallelConfig(**par), world)
+    assert all(r["planner_numel"] == r["meta_numel"] for r in rows), rows
+
+
+def test_verify_flag_on_the_70b_launch_script():
+    res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / "llama-3.1-70b.sh"), "--verify", "--json",
+                    check_rc=0)
+    rows = json.loads(res.stdout)["verify"]
+    assert len(rows) == 4 and all(r["rel_diff"] == 0 for r in rows)
+
+
+# ---- activations by hand -----------------------------------------------------------------------------
+
+
+def test_layer_activations_by_hand():
+    m = load_model_config("llama-3.1-70b")  # h 8192, q 8192, k 1024, f 28672 = 3.5h, 64 heads
+    s, b, h, t = 4096, 1, 8192, 8
+    sbh = s * b * h
+    # per token: 8h kept whole (norm inputs, QKV and fc1 inputs) + (4q + 4k + 6f) = 25.5h split over TP
+    assert planning.layer_activation_bytes(m, s, b, 1, False, "none") == sbh * 33.5
+    assert planning.layer_activation_bytes(m, s, b, t, False, "none") == sbh * (8 + 25.5 / t)
+    assert planning.layer_activation_bytes(m, s, b, t, True, "none") == sbh * 33.5 / t
+    assert planning.layer_activation_bytes(m, s, b, t, True, "selective") == sbh * 33.5 / t
+    # unfused attention without selective recompute: the paper's 5as^2b, split over TP
+    unfused = planning.layer_activation_bytes(m, s, b, t, True, "none", flash_attention=False)
+    assert unfused == sbh * 33.5 / t + 5 * 64 * s * s * b / t
+    assert planning.layer_activation_bytes(m, s, b, t, True, "selective", flash_attention=False) == sbh * 33.5 / t
+    assert planning.layer_activation_bytes(m, s, b, t, True, "full") == 2 * sbh / t
+    assert planning.layer_activation_bytes(m, s, b, t, False, "full") == 2 * sbh
+    # FP8 GEMM inputs (QKV, proj, fc1, fc2 inputs) at one byte
+    assert planning.layer_activation_bytes(m, s, b, 1, False, "none", fp8=True) == sbh * (33.5 - 1 - 1 - 1 - 3.5)
+
+
+def test_1f1b_stage_holds_pp_minus_stage_micro_batches():
+    m = load_model_config("llama-3.1-70b")
+    inp = planning.PlanInput(model=m, parallel=ParallelConfig(tp=8, pp=4, sequence_parallel=True), world_size=64)
+    p = planning.plan(inp)
+    assert [s.in_flight for s in p.stages] == [4, 3, 2, 1]
+    per_stage = [s.gib["activations"] for s in p.stages]
+    assert per_stage[0] == pytest.approx(4 * per_stage[3], rel=1e-4)  # + the token and position ids
+    assert p.stages[3].gib["logits"] > 0 and p.stages[0].gib["logits"] == 0
+    few = planning.plan(planning.PlanInput(model=m, parallel=inp.parallel, world_size=64, num_microbatches=2))
+    assert [s.in_flight for s in few.stages] == [2, 2, 2, 1]
+
+
+def test_model_states_bytes_per_parameter():
+    m = load_model_config("qwen2.5-7b")
+    par = ParallelConfig(tp=4, pp=1, sequence_parallel=True)
+    n = planning.stage_params(m, par)[0].total
+    p = planning.plan(planning.PlanInput(model=m, parallel=par, world_size=8)).stages[0].gib  # dp = 2
+    G = planning.GIB
+    assert p["parameters"] == pytest.approx(n * (2 + 4 / 2) / G)  # bf16 weights + fp32 main shard
+    assert p["gradients"] == pytest.approx(n * 4 / G)  # fp32 grad buffer
+    assert p["optimizer"] == pytest.approx(n * 8 / 2 / G)  # Adam m, v sharded over dp
+    assert p["reference"] == pytest.approx(n * 2 / G)
+    rep = planning.plan(planning.PlanInput(model=m, parallel=par, world_size=8, distributed_optimizer=False,
+                                           reference="none")).stages[0].gib
+    assert (rep["parameters"], rep["optimizer"], rep["reference"]) == pytest.approx((n * 6 / G, n * 8 / G, 0.0))
+
+
+# ---- refusal and suggestions -------------------------------------------------------------------------
+
+
+def test_refuses_70b_on_one_gpu_per_replica_and_suggests_layouts_that_fit():
+    res = _plan_cli("--model", "llama-3.1-70b", "--nodes", "8", "--tp", "1", "--pp", "1", "--engine-mem", "0.3",
+                    "--json", check_rc=1)
+    out = json.loads(res.stdout)
+    assert not out["fits"]
+    assert "parameters" in out["reason"] and "does not fit" in out["reason"]
+    assert "refused:" in res.stderr and "parameters" in res.stderr
+    assert out["suggestions"]
+    model = load_model_config("llama-3.1-70b")
+    for s in out["suggestions"]:
+        assert s["tp"] * s["pp"] * s["dp"] == 64 and s["tp"] <= 8
+        inp = planning.PlanInput(
+            model=model, world_size=64, micro_batch_size=s["micro_batch_size"], engine_gib=s["engine_gib"],
+            parallel=ParallelConfig(tp=s["tp"], pp=s["pp"], sequence_parallel=s["sequence_parallel"],
+                                    recompute=s["recompute"]),
+        )
+        again = planning.plan(inp)
+        assert again.fits and again.total_gib == pytest.approx(s["total_gib"])
+
+    table = _plan_cli("--model", "llama-3.1-70b", "--nodes", "8", "--engine-mem", "0.3", check_rc=1).stdout
+    assert "refused:" in table and "layouts of the same GPUs that fit:" in table
+
+
+def test_reason_names_activations_when_they_overflow():
+    m = load_model_config("llama-3.1-70b")
+    inp = planning.PlanInput(model=m, parallel=ParallelConfig(tp=8, pp=4, sequence_parallel=True), world_size=64,
+                             micro_batch_size=4, engine_gib=0.3 * planning.H100_GIB)
+    p = planning.plan(inp)
+    assert not p.fits and "activations" in p.reason and "stage 0" in p.reason
+    batch = BatchConfig(train_batch_size=64, n=8, ppo_mini_batch_size=16, micro_batch_size=4)
+    suggestions = planning.suggest(inp, batch)
+    assert suggestions
+    for s in suggestions:
+        assert s.fits
+        BatchConfig(train_batch_size=64, n=8, ppo_mini_batch_size=16,
+                    micro_batch_size=s.input.micro_batch_size).check_dp(s.input.dp)
+
+
+def test_invalid_layout_is_an_error_not_a_refusal():
+    res = _plan_cli("--model", "qwen2.5-7b", "--gpus", "7", "--tp", "7", check_rc=2)
+    assert "parallel.tp=7 must divide num_query_groups=4" in res.stderr  # 7 divides the 28 heads
+
+
+# ---- launch scripts: Hydra composes their overrides into valid typed configs -----------------------------
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypatch):
+    """The README's 70B overrides (and the 7B/72B ones) compose with Hydra against the real schema and pass
+    every typed config's validation, the layout check at the script's GPU count and the batch split; no
+    weights are allocated."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    import grpo_mega.train  # noqa: F401 - registers TrainConfig with Hydra's ConfigStore
+    from grpo_mega.conf import schema
+    from grpo_mega.trainer.loop import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig
+
+    for var in _SCRIPT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    model_name, gpus, tp, pp = SCRIPTS[name]
+    options, overrides, flags = plan_tool.record_launch_script(str(REPO / "launch_scripts" / name), ["run.steps=3"])
+    assert f"--nodes={gpus // 8}" in options and "--gpus-per-node=8" in options
+    assert overrides[-1] == "run.steps=3"  # "$@" is appended after the script's own overrides
+    assert flags == []  # everything the plan needs is in the run's own config
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
+        cfg = compose(config_name="config", overrides=plan_tool.sbatch_defaults(options) + overrides)
+    c = OmegaConf.to_container(cfg, resolve=True)
+    assert c["model"] == model_name and c["task"] == "prompts" and c["reward"]["name"] == "math"
+    assert c["run"]["steps"] == 3 and c["data"]["train_files"].endswith("train.parquet")
+    rollout = RolloutConfig(**c["rollout"])
+    batch = schema.BatchConfig(**{**c["batch"], "n": rollout.n})
+    parallel = schema.ParallelConfig(**c["parallel"])
+    precision = schema.PrecisionConfig(**c["precision"])
+    optim = schema.OptimConfig(**c["optim"])
+    schema.AlgoConfig(**c["algo"])
+    RunConfig(**c["run"]), EvalConfig(**c["eval"]), CheckpointConfig(**c["checkpoint"])
+    assert (parallel.tp, parallel.pp, parallel.sequence_parallel) == (tp, pp, True)
+    assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
+    assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
+    dp = parallel.check(load_model_config(model_name), world_size=gpus)
+    assert dp == gpus // (tp * pp)
+    batch.check_dp(dp)
+
+
+def test_recorder_refuses_scripts_that_do_not_submit(plan_tool, tmp_path):
+    script = tmp_path / "local.sh"
+    script.write_text("#!/bin/bash\npython -m grpo_mega.train parallel.tp=2\n")
+    with pytest.raises(ValueError, match="does not submit with sbatch"):
+        plan_tool.record_launch_script(str(script), [])
