@@ -64,6 +64,9 @@ class CheckpointConfig:
     resume: str = "auto"
     """'auto': continue from the newest checkpoint in `dir` that verifies (start fresh when there is none; an
     error when there are some and none verifies); 'never'; or the path of one step_XXXXXXXX directory."""
+    stop_file: str = ""
+    """When this file appears, checkpoint after the current step and stop (slurm/train.sbatch creates it on
+    USR1, before a time limit or preemption, and requeues the job; the restart loses nothing)."""
     export_hf: bool = False
     """Also write the actor as an HF directory (`hf/`, loadable by transformers/SGLang) into every checkpoint.
     Any checkpoint can be exported later: tools/convert_mcore_to_hf.py --ckpt DIR/step_XXXXXXXX."""
@@ -249,10 +252,24 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         history.rows.append(row)
         if log is not None:
             log(row)
-        if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps):
+        stop = ckpt is not None and bool(ckpt.stop_file) and comm.any_rank(
+            torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
+        if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps or stop):
             checkpoint.save(store, step, actor, reference,
                             {"step": step, "task": task.get_state() if task.get_state else None},
                             export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
+        if stop:
+            if torch.distributed.get_rank() == 0:  # taken: renamed, so that it is not seen again (and the
+                # launcher can tell a run that stopped early on it from one that had finished anyway)
+                stop_file = Path(ckpt.stop_file)
+                if step < run.steps:
+                    stop_file.rename(stop_file.with_name(stop_file.name + ".stopped"))
+                    saved = f"checkpoint of step {step} saved in {ckpt.dir}" if store is not None else "no checkpoint.dir: nothing saved"
+                    print(f"stop requested ({ckpt.stop_file}): stopping after step {step}; {saved}", flush=True)
+                else:
+                    stop_file.unlink(missing_ok=True)
+            if step < run.steps:
+                break
     if engine is not None:
         engine.shutdown()
     return history

@@ -3,7 +3,8 @@
 
 What a cluster user relies on: the job's exit code is the training's, metrics land in the per-job run directory,
 a second job of the same name resumes from the first one's newest checkpoint, and USR1 (what `--signal=B:USR1@...`
-sends near the time limit) requeues the job, whose restart resumes and reproduces the steps it repeats.
+sends near the time limit) makes the training checkpoint the step it is in and stop, and the job is requeued;
+its restart resumes from exactly that step.
 Only the environment differs from a GPU cluster: GRPO_MEGA_NPROC_PER_NODE or fake GPUs give the ranks per node.
 """
 
@@ -24,7 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "train.sbatch"
 TRAIN = ["parallel.tp=2", "eval.interval=2", "checkpoint.interval=2"]
 JOB_TIMEOUT = 240  # one tiny 4-rank job takes ~20 s on 2 idle cores
-TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_usr1_requeues_the_job_and_the_restart_resumes(cluster, tmp_path):
     job_root = tmp_path / "logs" / "grpo-requeue"
     metrics = job_root / str(job) / "metrics.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT
-    # Step 3 logged: the checkpoint of step 2 is complete, and the restart will run step 3 again.
+    # Step 3 logged: the run is well under way (10 steps) when the signal comes.
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         state = cluster.job(job)["JobState"]
         assert state in ("PENDING", "RUNNING"), f"job {job} {state} before step 3:\n" + \
@@ -97,17 +97,15 @@ def test_usr1_requeues_the_job_and_the_restart_resumes(cluster, tmp_path):
     # What Slurm does `--signal=B:USR1@300` before the time limit: USR1 to the batch shell only.
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
     out = _finished(cluster, tmp_path, job, restarts=1)
-    assert "requeueing job" in out
+    assert "requeueing job" in out and "stopping after step" in out
 
+    # The training checkpointed the step it was in and stopped; the restart continued from exactly there.
     before, after = _metrics(job_root / str(job)), _metrics(job_root / f"{job}.restart1")
     resumed_from = min(after) - 1
-    assert resumed_from in (2, 4, 6, 8) and resumed_from <= max(before), (sorted(before), sorted(after))
-    assert sorted(after) == list(range(resumed_from + 1, 11))
-    assert sorted(before) == list(range(1, max(before) + 1))
-    for step in sorted(set(before) & set(after)):  # steps run before the requeue and again after it
-        for key in ("reward", "val_reward", "loss", "grad_norm", "entropy", "pg_loss"):
-            assert after[step][key] == pytest.approx(before[step][key], rel=TOL, abs=TOL), (step, key)
-    print(f"requeue: first attempt ran steps 1-{max(before)}, restart resumed at step {resumed_from}; "
+    assert resumed_from == max(before) and 3 <= resumed_from < 10, (sorted(before), sorted(after))
+    assert sorted(before) == list(range(1, resumed_from + 1)) and sorted(after) == list(range(resumed_from + 1, 11))
+    assert (job_root / "checkpoints" / f"step_{resumed_from:08d}" / "manifest.json").is_file()
+    print(f"requeue: first attempt ran steps 1-{max(before)}, restart resumed after step {resumed_from}; "
           f"{time.monotonic() - t0:.1f} s submit to completion")
 
 

@@ -167,3 +167,17 @@ def test_resume_skips_a_corrupt_newest_checkpoint(uninterrupted, tmp_path):
     assert sorted(resumed) == [5]  # resumed from step 4
     _same(full, resumed, [5])
     assert list(ckpt.glob(".step_00000004.corrupt-*")) or list(ckpt.glob(".step_00000005.corrupt-*"))
+
+
+def test_a_stop_request_checkpoints_the_current_step_and_the_resume_loses_nothing(uninterrupted, tmp_path):
+    """checkpoint.stop_file (what slurm/train.sbatch creates on USR1 before a time limit or preemption): the
+    run saves after the step it is in and stops; resumed, it continues from exactly that step."""
+    full_dir, full = uninterrupted
+    ckpt, stop = tmp_path / "ckpt", tmp_path / "STOP"
+    stop.touch()  # already requested: the run stops after its first step
+    first = _train(tmp_path / "run", ckpt, 5, 1, f"checkpoint.stop_file={stop}")
+    assert sorted(first) == [1] and (ckpt / "step_00000001" / "manifest.json").is_file()
+    assert not stop.exists() and (tmp_path / "STOP.stopped").is_file()  # taken, and marked as acted on
+    resumed = _train(tmp_path / "resumed", ckpt, 5, 1, f"checkpoint.stop_file={stop}")
+    assert sorted(resumed) == [2, 3, 4, 5]
+    _same(full, {**first, **resumed}, [1, 2, 3, 4])
