@@ -243,3 +243,33 @@ def test_recorder_refuses_scripts_that_do_not_submit(plan_tool, tmp_path):
     script.write_text("#!/bin/bash\npython -m grpo_mega.train parallel.tp=2\n")
     with pytest.raises(ValueError, match="does not submit with sbatch"):
         plan_tool.record_launch_script(str(script), [])
+
+
+def test_the_readmes_70b_command_composes_validates_and_fits(plan_tool):
+    """The sbatch command in README.md's 70B section, parsed as the shell would: its overrides compose with
+    Hydra against the real schema, every typed config validates, the layout fits 64 GPUs, the batch splits
+    over DP, and the planner says it fits an H100 with the engine's share - no weights allocated."""
+    import re
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "--nodes=8" in b and "slurm/train.sbatch" in b]
+    assert len(blocks) == 1, "README.md should hold exactly one 8-node sbatch command"
+    words = shlex.split(blocks[0].replace("\\\n", " "))
+    script = words.index("slurm/train.sbatch")
+    options, overrides = words[1:script], words[script + 1:]
+    assert words[0] == "sbatch" and plan_tool.sbatch_option(options, "--nodes") == "8"
+    gpus = 8 * int(plan_tool.sbatch_option(options, "--gpus-per-node"))
+    c = plan_tool.compose(plan_tool.sbatch_defaults(options) + overrides)
+    assert c["raw"]["model"] == "/ckpts/Llama-3.1-70B-Instruct"  # a placeholder path: plan the same architecture
+    model = load_model_config("llama-3.1-70b")
+    dp = c["parallel"].check(model, world_size=gpus)
+    c["batch"].check_dp(dp)
+    assert (c["parallel"].tp, c["parallel"].pp, dp) == (8, 4, 2)
+    inp = planning.PlanInput(
+        model=model, parallel=c["parallel"], world_size=gpus, micro_batch_size=c["batch"].micro_batch_size,
+        seq_length=c["batch"].max_prompt_length + c["batch"].max_response_length,
+        params_dtype=c["precision"].params_dtype, distributed_optimizer=c["optim"].use_distributed_optimizer,
+        engine_gib=c["rollout"].gpu_memory_fraction * planning.H100_GIB)
+    result = planning.plan(inp)
+    assert result.fits, result
