@@ -249,9 +249,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             bar.update(1)
 
         history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
-                        engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg)
+                        engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg,
+                        resolved_config={k: v for k, v in c.items() if k != "hydra"})
         bar.close()
-        summary = dict(initial_val_reward=history.initial_val_reward, final_val_reward=history.rows[-1]["val_reward"],
+        summary = dict(initial_val_reward=history.initial_val_reward,
+                       final_val_reward=history.rows[-1]["val_reward"] if history.rows else history.initial_val_reward,
                        steps=len(history.rows), out_dir=str(out_dir))
         if rank0:
             jsonl.close()
@@ -282,7 +284,9 @@ def main(cfg: DictConfig) -> None:
         # was expected; a traceback through the trainer would only bury it.
         print(f"error: {e}\n(GRPO_MEGA_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
         sys.exit(2)
-    if "plots" in summary:
+    if "plots" in summary and summary["steps"] == 0:
+        print(f"nothing to do: the run resumed at run.steps={cfg.run.steps} (raise run.steps to train further)")
+    elif "plots" in summary:
         print(f"validation reward (greedy): {summary['initial_val_reward']:.2f} at step 0 -> "
               f"{summary['final_val_reward']:.2f} after {summary['steps']} steps")
         print(f"metrics: {out / 'metrics.jsonl'}; TensorBoard: {out / 'tensorboard'}")

@@ -216,6 +216,13 @@ def test_resume_from_an_older_checkpoint_into_a_dir_with_newer_ones_is_refused(s
     _refused(proc, r"already holds later checkpoints \(steps \[2\]\) that this run would overwrite")
 
 
+def test_resume_with_a_kl_term_from_a_checkpoint_without_a_reference_is_refused(saved, tmp_path):
+    """The fixture's run had kl_coef=0 (no reference model saved); a KL term needs the initial policy."""
+    ckpt = _copy(saved, tmp_path)
+    proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}", "algo.kl_coef=0.01")
+    _refused(proc, r"step_00000002 was saved without a reference model \(algo\.kl_coef=0\.0\).*Resume with algo\.kl_coef=0")
+
+
 def test_export_tool_refuses_a_corrupt_checkpoint(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     _flip(_model_file(ckpt / "step_00000002"))

@@ -15,7 +15,6 @@ import pytest
 from grpo_mega import planning
 from grpo_mega.conf.schema import BatchConfig, ParallelConfig, load_model_config
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron's, from every meta build
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "tools" / "plan.py"

@@ -164,6 +164,9 @@ class Actor:
             end_wd=optim.weight_decay,
             wd_incr_steps=1,
             wd_incr_style="constant",
+            # On resume the schedule's settings come from this run's config (a changed optim.lr takes
+            # effect; the loop prints what changed), its position (steps taken) from the checkpoint.
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         self.skipped_early_stop = 0
         self.skipped_nonfinite = 0

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.trainer.checkpoint_store import CheckpointStore
+from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore
 
 # The DistributedOptimizer's default checkpoint format needs TE/Apex on CPU ("ShardedTensor.flattened_range
 # is not supported"); fully_reshardable also lets a checkpoint load at another TP/PP/DP.
@@ -182,7 +182,8 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
     if dist.get_rank() != 0:
         return None
     with open(tmp / "loop_state.json", "w") as f:
-        json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size()}, f)
+        json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size(),
+                   "has_reference": reference is not None}, f)
     return store.seal(step, tmp, meta={"step": step})
 
 
@@ -194,11 +195,21 @@ def load(path: Path, actor, reference) -> dict:
 
     with open(path / "loop_state.json") as f:
         state = json.load(f)
+    if reference is not None and not state.get("has_reference", True):
+        kl = (state.get("config") or {}).get("algo", {}).get("kl_coef")
+        raise CheckpointError(
+            f"{path} was saved without a reference model (algo.kl_coef={kl}), and this run needs one for its KL "
+            "term: the reference is the initial policy, which the checkpoint no longer holds. Resume with "
+            "algo.kl_coef=0 (and kl_in_reward=false), or start a new run")
     _patch_distrib_optimizer_load()
     prime_optimizer(actor)
     loaded = dist_checkpointing.load(_sharded(actor, reference, loading=True), str(path / "model"))
     actor.built.gpt.load_state_dict(loaded["actor"])
     actor.optimizer.load_state_dict(loaded["optimizer"])
+    # The param groups come back with the saving run's max_lr/min_lr, which the scheduler reads per group:
+    # this run's optim.lr/min_lr must win (the loop reports the change), as for the scheduler itself.
+    for group in actor.optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = actor.optim.lr, actor.optim.min_lr
     _unshare_steps(actor)
     actor.optimizer.reload_model_params()
     if reference is not None:

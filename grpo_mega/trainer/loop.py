@@ -142,13 +142,30 @@ def evaluate(engine, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: 
     return greedy, sum(solved) / len(val)
 
 
+def config_changes(saved: Optional[dict], now: Optional[dict], prefix: str = "") -> list[str]:
+    """'key: old -> new' for every setting that differs between a checkpoint's config and this run's (a
+    resumed run may change settings on purpose; it should never do so unnoticed)."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return [] if saved == now or saved is None or now is None else [f"{prefix.rstrip('.')}: {saved!r} -> {now!r}"]
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
           algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, evaluation: EvalConfig,
           task: Task,
           engine_factory: Callable[[], object], log: Optional[Callable[[dict], None]] = None,
-          hf_dir: Optional[str] = None, ckpt: Optional[CheckpointConfig] = None) -> History:
+          hf_dir: Optional[str] = None, ckpt: Optional[CheckpointConfig] = None,
+          resolved_config: Optional[dict] = None) -> History:
     """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank).
-    With `hf_dir`, the actor (and so the reference) start from that HF checkpoint."""
+    With `hf_dir`, the actor (and so the reference) start from that HF checkpoint. `resolved_config` (the
+    run's whole config) is saved in every checkpoint and compared with on resume."""
     batch.check_dp(torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
     actor = Actor(model, parallel, precision, optim, algo_cfg, batch)
     if hf_dir is not None:
@@ -193,7 +210,10 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             state = checkpoint.load(found[1], actor, reference)
             first_step = state["step"] + 1
             if torch.distributed.get_rank() == 0:
-                print(f"resumed from {found[1]} (step {state['step']})", flush=True)
+                print(f"resumed from {found[1]} (step {state['step']}, weight version {state.get('weight_version')})",
+                      flush=True)
+                for line in config_changes(state.get("config"), resolved_config):
+                    print(f"  changed since the checkpoint: {line}", flush=True)
             if task.set_state is not None:
                 task.set_state(state["task"])
     engine = engine_factory() if torch.distributed.get_rank() == 0 else None
@@ -244,7 +264,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
             overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
             response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
-            step_seconds=time.perf_counter() - t0, sync_seconds=stats.seconds if stats else 0.0,
+            step_seconds=time.perf_counter() - t0, lr=actor.optimizer.param_groups[0]["lr"], sync_seconds=stats.seconds if stats else 0.0,
             **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
                                                                        "clip_fraction", "grad_norm")},
             skipped=sum(u["skipped"] for u in updates),
@@ -256,7 +276,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
         if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps or stop):
             checkpoint.save(store, step, actor, reference,
-                            {"step": step, "task": task.get_state() if task.get_state else None},
+                            {"step": step, "weight_version": step, "config": resolved_config,
+                             "task": task.get_state() if task.get_state else None},
                             export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
         if stop:
             if torch.distributed.get_rank() == 0:  # taken: renamed, so that it is not seen again (and the

@@ -181,3 +181,23 @@ def test_a_stop_request_checkpoints_the_current_step_and_the_resume_loses_nothin
     resumed = _train(tmp_path / "resumed", ckpt, 5, 1, f"checkpoint.stop_file={stop}")
     assert sorted(resumed) == [2, 3, 4, 5]
     _same(full, {**first, **resumed}, [1, 2, 3, 4])
+
+
+def test_resume_reports_changed_settings_and_a_changed_lr_takes_effect(uninterrupted, tmp_path):
+    """A resumed run may change settings on purpose (here optim.lr): the change is printed, takes effect
+    (Megatron's scheduler would silently keep the checkpoint's by default), and is saved in the checkpoint."""
+    full_dir, full = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(full_dir / "ckpt" / "step_00000002", ckpt / "step_00000002")
+    cmd = [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "run.steps=3", "eval.interval=2",
+           f"checkpoint.dir={ckpt}", "optim.lr=0.002"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "changed since the checkpoint: optim.lr: 0.001 -> 0.002" in proc.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [3] and rows[0]["lr"] == pytest.approx(0.002) and full[2]["lr"] == pytest.approx(0.001)
+    saved = json.loads((ckpt / "step_00000003" / "loop_state.json").read_text())
+    assert saved["config"]["optim"]["lr"] == 0.002 and saved["weight_version"] == 3
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # already at run.steps
+    assert again.returncode == 0 and "nothing to do: the run resumed at run.steps=3" in again.stdout
