@@ -19,3 +19,17 @@ def test_bench_vocab_parallel_writes_json(tmp_path):
     assert {("gathered", 4, None), ("vocab_parallel", 4, None), ("vocab_parallel", 4, 64)} <= rows
     for r in data["results"]:
         assert r["peak_above_inputs_mib"] >= 0 and r["seconds"] > 0 and "memory_vs_gathered" in r
+
+
+def test_bench_activations_writes_json(tmp_path):
+    """Measured per-layer saved activations vs the planner's formula. Under full recompute a layer keeps
+    only its input, and the measurement must equal the formula exactly; the other ratios are recorded."""
+    out = tmp_path / "act.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_activations.py"), "--model", "tiny", "--layers", "1",
+           "--seq", "32", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    data = json.loads(out.read_text())
+    rows = {r["recompute"]: r for r in data["rows"]}
+    assert set(rows) == {"none", "selective", "full"} and data["layer_spec"] in ("local", "transformer_engine")
+    assert rows["full"]["measured_over_planned"] == 1.0
+    assert rows["none"]["measured_bytes_per_layer"] > rows["selective"]["measured_bytes_per_layer"] > 0
