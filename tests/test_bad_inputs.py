@@ -223,6 +223,19 @@ def test_resume_with_a_kl_term_from_a_checkpoint_without_a_reference_is_refused(
     _refused(proc, r"step_00000002 was saved without a reference model \(algo\.kl_coef=0\.0\).*Resume with algo\.kl_coef=0")
 
 
+def test_a_checkpoint_directory_in_use_by_a_live_run_is_refused(saved, tmp_path):
+    """The same job submitted twice: the second run must not write into the first one's checkpoints."""
+    import socket
+
+    ckpt = _copy(saved, tmp_path)
+    (ckpt / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": "4242",
+                                            "since": "2026-11-22 10:00:00"}))  # this pytest process: alive
+    proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}")
+    _refused(proc, r"is in use by another run \(pid \d+ on .*, Slurm job 4242, since 2026-11-22 10:00:00\).*"
+                   r"Use another checkpoint\.dir \(or --job-name\), or, if that run is over, delete .*\.lock")
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "step_00000001", "step_00000002"]
+
+
 def test_export_tool_refuses_a_corrupt_checkpoint(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     _flip(_model_file(ckpt / "step_00000002"))

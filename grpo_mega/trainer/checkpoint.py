@@ -106,8 +106,8 @@ class _HFExport:
 
     def update_weights(self, version: int, buckets) -> None:
         for bucket in buckets:
-            for name, t in bucket.tensors():
-                self.writer.add(name, t.clone())
+            for name, t in bucket.tensors():  # to host memory: a shard waits there until it is full (2 GiB)
+                self.writer.add(name, t.to("cpu", copy=True))
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

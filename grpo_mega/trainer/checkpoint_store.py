@@ -7,6 +7,11 @@ then sealed: a manifest with the size and sha256 of every file is written last, 
 renamed into place. So a kill at any moment leaves either the previous checkpoints untouched and a
 partial directory nobody will load, or a complete, verifiable checkpoint. `latest()` (resume=auto) returns
 the newest checkpoint whose manifest verifies; `keep_last` prunes older complete ones after a save.
+
+One run writes into a root at a time: `acquire()` takes `.lock` (host, pid, Slurm job id), refreshed by
+`heartbeat()` after every step. A second run (the same job submitted twice, say) is refused while the holder
+lives; a holder that is gone (its pid dead on this host, an earlier attempt of this Slurm job, or a heartbeat
+older than `stale_after_s` on another host) is taken over.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -131,6 +139,68 @@ class CheckpointStore:
             except CheckpointError as e:
                 self.skipped.append(str(e))
         return None
+
+    # ---- one writer at a time ------------------------------------------------------------------------------
+
+    def acquire(self, stale_after_s: float = 1800.0) -> None:
+        """Take the root's lock, or CheckpointError naming the run that holds it."""
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder, why_free = self._lock_holder(path, stale_after_s)
+                if why_free is None:
+                    job = f", Slurm job {holder['job']}" if holder.get("job") else ""
+                    raise CheckpointError(
+                        f"{self.root} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}{job}, "
+                        f"since {holder.get('since')}): two runs writing one checkpoint directory would mix their "
+                        f"checkpoints. Use another checkpoint.dir (or --job-name), or, if that run is over, delete "
+                        f"{path}") from None
+                path.unlink(missing_ok=True)
+                self.taken_over = why_free
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self._lock = path
+            return
+        raise CheckpointError(f"{path}: could not take the lock (another run keeps taking it)")
+
+    def _lock_holder(self, path: Path, stale_after_s: float) -> tuple[dict, Optional[str]]:
+        """The holder, and why its lock is free to take (None: it is not)."""
+        try:
+            holder = json.loads(path.read_text())
+            age = time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            return {}, "released meanwhile"
+        except (json.JSONDecodeError, OSError):
+            return {}, "unreadable lock"
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and holder.get("job") == job:
+            return holder, f"an earlier attempt of Slurm job {job}"
+        if holder.get("host") == socket.gethostname():
+            try:
+                os.kill(int(holder["pid"]), 0)
+            except ProcessLookupError:
+                return holder, f"pid {holder['pid']} on this host has exited"
+            except (PermissionError, KeyError, ValueError, TypeError):
+                pass
+            return holder, None
+        if age > stale_after_s:
+            return holder, f"no heartbeat for {age:.0f} s"
+        return holder, None
+
+    def heartbeat(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            os.utime(self._lock)
+
+    def release(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.unlink(missing_ok=True)
 
     def remove_partials(self) -> list[Path]:
         """Delete the temporary directories of writes that never completed (a run killed mid-save). Call it

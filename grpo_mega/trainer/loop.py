@@ -5,6 +5,7 @@ are broadcast, so rewards and advantages are computed identically everywhere.
 
 from __future__ import annotations
 
+import atexit
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -185,6 +186,18 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore
 
         store = CheckpointStore(ckpt.dir, ckpt.keep_last)
+        error = None
+        if torch.distributed.get_rank() == 0:  # one run per checkpoint directory; decided on rank 0, for all
+            try:
+                store.acquire()
+                atexit.register(store.release)  # also when the run fails; a SIGKILLed holder is seen as dead
+            except CheckpointError as e:
+                error = str(e)
+            if getattr(store, "taken_over", None):
+                print(f"took over the checkpoint directory's lock ({store.taken_over})", flush=True)
+        error = comm.broadcast_object(error)
+        if error is not None:
+            raise CheckpointError(error)
         found = None
         if ckpt.resume == "auto":
             found = store.latest()
@@ -272,6 +285,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         history.rows.append(row)
         if log is not None:
             log(row)
+        if store is not None and torch.distributed.get_rank() == 0:
+            store.heartbeat()
         stop = ckpt is not None and bool(ckpt.stop_file) and comm.any_rank(
             torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
         if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps or stop):
@@ -293,4 +308,6 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
                 break
     if engine is not None:
         engine.shutdown()
+    if store is not None and torch.distributed.get_rank() == 0:
+        store.release()
     return history

@@ -74,3 +74,48 @@ def test_a_kill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path)
     step, path = store.latest()
     assert step == 1 and store.verify(path)
     assert os.listdir(path)  # still all there
+
+
+def test_one_run_per_checkpoint_directory(tmp_path, monkeypatch):
+    """A second run on a directory whose holder lives is refused, naming the holder; a holder that is gone
+    (dead pid on this host, an earlier attempt of the same Slurm job, a stale heartbeat elsewhere) is taken
+    over; release removes the lock."""
+    import json
+    import os
+    import subprocess
+    import time
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    first = CheckpointStore(str(tmp_path))
+    first.acquire()
+    lock = tmp_path / ".lock"
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    with pytest.raises(CheckpointError, match=r"is in use by another run \(pid \d+ on .*\).*delete .*\.lock"):
+        CheckpointStore(str(tmp_path)).acquire()
+    first.release()
+    assert not lock.exists()
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": __import__("socket").gethostname(), "pid": dead.pid, "job": None}))
+    s = CheckpointStore(str(tmp_path))
+    s.acquire()
+    assert "has exited" in s.taken_over
+    s.release()
+
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "77"}))
+    with pytest.raises(CheckpointError, match="Slurm job 77"):
+        CheckpointStore(str(tmp_path)).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # the same job, requeued: its earlier attempt is over
+    s = CheckpointStore(str(tmp_path))
+    s.acquire()
+    assert "earlier attempt of Slurm job 77" in s.taken_over
+    s.release()
+
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "77"}))
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    s = CheckpointStore(str(tmp_path))
+    s.acquire(stale_after_s=1800)
+    assert "no heartbeat for" in s.taken_over
