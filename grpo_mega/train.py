@@ -218,6 +218,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     with cpu_compat.cpu_device_mode():
         batch.check_dp(parallel.check(model, int(os.environ["WORLD_SIZE"])))
+        if int(os.environ["WORLD_SIZE"]) % rollout.num_engines:
+            raise ValueError(f"rollout.num_engines={rollout.num_engines} must divide the number of ranks "
+                             f"({os.environ['WORLD_SIZE']}): the engines sit on evenly spaced ranks (one per node)")
         init_distributed(tp=parallel.tp, pp=parallel.pp, seed=run_cfg.seed)
         rank0 = torch.distributed.get_rank() == 0
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 #   MODEL=/ckpts/Qwen2.5-7B-Instruct DATA=~/data/gsm8k/train.parquet launch_scripts/qwen2.5-7b.sh [OVERRIDE ...]
 # Per-GPU memory of exactly what this submits: python tools/plan.py --from-launch-script launch_scripts/qwen2.5-7b.sh
 # Slurm partition/account/time: sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
-# SGLang (engine tp=ENGINE_TP, on the first node's GPUs) keeps ENGINE_MEM of each GPU (weights 14.2 GiB + KV cache per GPU at engine tp=1).
+# SGLang: ENGINES engines (default one per GPU, engine tp=ENGINE_TP) each keep ENGINE_MEM of their GPU (weights 14.2 GiB + KV cache per GPU at engine tp=1).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -28,6 +28,7 @@ overrides=(
   batch.train_batch_size="$PROMPTS" rollout.n="$N" batch.ppo_mini_batch_size="$MINI_BATCH"
   batch.micro_batch_size="$MICRO_BATCH" batch.max_prompt_length="$PROMPT_LEN" batch.max_response_length="$RESPONSE_LEN"
   rollout.engine=sglang rollout.engine_tp="${ENGINE_TP:-1}" rollout.gpu_memory_fraction="${ENGINE_MEM:-0.3}"
+  rollout.num_engines="${ENGINES:-8}"
   rollout.temperature=1.0 run.steps="$STEPS" eval.interval=10
   checkpoint.interval="$CKPT_INTERVAL"
 )

@@ -232,6 +232,7 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     assert (parallel.tp, parallel.pp, parallel.sequence_parallel) == (tp, pp, True)
     assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
     assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
+    assert rollout.num_engines == 8 and gpus % rollout.num_engines == 0  # one per node (70B) or per GPU (7B)
     dp = parallel.check(load_model_config(model_name), world_size=gpus)
     assert dp == gpus // (tp * pp)
     batch.check_dp(dp)

@@ -77,6 +77,15 @@ def reduce_stage_metrics(sums: dict[str, float], mins: Optional[dict[str, float]
     return (dict(zip(keys_s, s.tolist())), dict(zip(keys_n, n.tolist())), dict(zip(keys_x, x.tolist())))
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable object, indexed by global rank, on every rank (e.g. each engine's samples)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     """A picklable object from global rank `src` to every rank (e.g. the engine's samples)."""
     box = [obj]

@@ -57,7 +57,7 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], seed: int) -> Generation:
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
         from transformers import DynamicCache
 
         if n < 1 or max_new_tokens < 1:
@@ -74,7 +74,7 @@ class EmbeddedEngine(RolloutEngine):
         for r, (p, _) in enumerate(rows):
             ids[r, width - len(prompts[p]):] = torch.tensor(prompts[p])
             mask[r, width - len(prompts[p]):] = 1
-        gens = [torch.Generator().manual_seed(sample_seed(seed, p, j)) for p, j in rows]
+        gens = [torch.Generator().manual_seed(sample_seed(seed, prompt_offset + p, j)) for p, j in rows]
         stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -77,8 +77,10 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], seed: int) -> Generation:
-        """n samples for each prompt (token ids in, token ids out)."""
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
+        """n samples for each prompt (token ids in, token ids out). Sample j of prompts[i] is drawn with
+        sample_seed(seed, prompt_offset + i, j): a batch split over several engines samples exactly what one
+        engine would."""
 
     @abc.abstractmethod
     def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:

@@ -176,13 +176,13 @@ class SGLangEngine(RolloutEngine):
     # ---- generation -------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], seed: int) -> Generation:
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
         input_ids, params = [], []
         for p, prompt in enumerate(prompts):
             for j in range(n):
                 input_ids.append(list(prompt))
                 params.append(dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                   stop_token_ids=list(stop_token_ids), sampling_seed=sample_seed(seed, p, j) % (2**31),
+                                   stop_token_ids=list(stop_token_ids), sampling_seed=sample_seed(seed, prompt_offset + p, j) % (2**31),
                                    skip_special_tokens=False, no_stop_trim=True))
         out = self._call("generate", self.engine.generate, input_ids=input_ids, sampling_params=params,
                          return_logprob=True)

@@ -1,6 +1,8 @@
 """The GRPO loop, as DESIGN.md's step: rollout -> reward -> advantage -> old/ref logprobs -> update ->
-weight sync -> eval/metrics. Every rank runs it; the rollout engine lives on global rank 0 and its samples
-are broadcast, so rewards and advantages are computed identically everywhere.
+weight sync -> eval/metrics. Every rank runs it; the rollout engines (one by default, on global rank 0;
+`rollout.num_engines` spreads them evenly over the ranks, e.g. one per node) each sample a contiguous share
+of the prompts, and every rank receives all the samples, so rewards and advantages are computed
+identically everywhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.parallel import comm
+from grpo_mega.rollout.engine import Generation
 from grpo_mega.rollout.weight_sync import sync_weights
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
@@ -36,12 +39,17 @@ class RolloutConfig:
     gpu_memory_fraction: Optional[float] = None
     """SGLang's mem_fraction_static: the share of each GPU the colocated engine keeps (weights + KV cache);
     null: SGLang's default. tools/plan.py counts it against the trainer's memory."""
+    num_engines: int = 1
+    """Rollout engines, on global ranks 0, W/k, 2W/k, ...: each samples a contiguous share of the prompts
+    (the samples do not depend on k). On a cluster, one per node (with engine_tp = GPUs per node)."""
     sync_bucket_mb: float = 64.0
     """Weight-sync bucket size."""
     audit_weights: bool = False
     """Checksum every synced tensor against the engine's copy."""
 
     def __post_init__(self):
+        if self.num_engines < 1:
+            raise ValueError(f"rollout.num_engines={self.num_engines} must be >= 1")
         if self.engine_tp < 1:
             raise ValueError(f"rollout.engine_tp={self.engine_tp} must be >= 1")
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction < 1:
@@ -117,27 +125,75 @@ class RolloutError(RuntimeError):
     """The rollout engine failed (it died, timed out, or refused the request); raised on every rank."""
 
 
-def _generate(engine, examples, n, temperature, top_p, max_new, stop, seed):
-    """Sample on the engine's rank and broadcast. A failing engine becomes a RolloutError on every rank
-    (the others would otherwise wait in the broadcast until the collective timeout)."""
-    gen = None
-    if engine is not None:
-        try:
-            gen = engine.generate([e.prompt_ids for e in examples], n, temperature, top_p, max_new, stop, seed)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            gen = RolloutError(f"the rollout engine ({type(engine).__name__}, on rank 0) failed: {type(e).__name__}: {e}")
-    gen = comm.broadcast_object(gen)
-    if isinstance(gen, RolloutError):
-        raise gen
-    return gen
+class Engines:
+    """The run's rollout engines: global rank `ranks[i]` hosts engine i (`local` on that rank, else None)."""
+
+    def __init__(self, factory: Callable[[], object], count: int = 1):
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        if world % count:
+            raise ValueError(f"rollout.num_engines={count} must divide the number of ranks ({world})")
+        self.ranks = [i * (world // count) for i in range(count)]
+        self.local = factory() if rank in self.ranks else None
+        if count > 1 and rank == 0:
+            print(f"rollout engines on ranks {self.ranks}", flush=True)
+
+    def generate(self, examples, n, temperature, top_p, max_new, stop, seed) -> Generation:
+        """Each engine samples its contiguous share of `examples`; every rank gets all the samples, in order.
+        A failing engine becomes a RolloutError on every rank (the others would otherwise wait in the
+        collective until its timeout)."""
+        rank, k = torch.distributed.get_rank(), len(self.ranks)
+        per = -(-len(examples) // k)
+        mine = None
+        if self.local is not None:
+            i = self.ranks.index(rank)
+            share = examples[i * per:(i + 1) * per]
+            try:
+                if share:
+                    mine = self.local.generate([e.prompt_ids for e in share], n, temperature, top_p, max_new, stop, seed,
+                                               prompt_offset=i * per)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                mine = RolloutError(f"the rollout engine ({type(self.local).__name__}, on rank {rank}) failed: "
+                                    f"{type(e).__name__}: {e}")
+        if k == 1:
+            parts = [comm.broadcast_object(mine, src=self.ranks[0])]
+        else:
+            everyone = comm.all_gather_objects(mine)
+            parts = [everyone[r] for r in self.ranks]
+        for part in parts:
+            if isinstance(part, RolloutError):
+                raise part
+        parts = [g for g in parts if g is not None]
+        versions = {g.weight_version for g in parts}
+        if len(versions) > 1:
+            raise RolloutError(f"the rollout engines answered with different weight versions {sorted(versions)}")
+        if len(parts) == 1:
+            return parts[0]
+        return Generation(token_ids=[t for g in parts for t in g.token_ids], logprobs=[lp for g in parts for lp in g.logprobs],
+                          finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version)
+
+    def sync(self, gpt, version: int, **kwargs):
+        """The trainer's weights into every engine (collective); the stats on rank 0, seconds for all engines."""
+        t0, stats = time.perf_counter(), None
+        rank = torch.distributed.get_rank()
+        for r in self.ranks:
+            s = sync_weights(gpt, engine=self.local if rank == r else None, version=version, engine_rank=r, **kwargs)
+            if r == 0:
+                stats = s
+        if stats is not None:
+            stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def shutdown(self) -> None:
+        if self.local is not None:
+            self.local.shutdown()
 
 
-def evaluate(engine, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: int) -> tuple[float, float]:
+def evaluate(engines: Engines, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: int) -> tuple[float, float]:
     """(greedy validation reward, pass@k: the fraction of prompts with a full-reward answer among k samples)."""
     val = task.validation()
-    gen = _generate(engine, val, 1, 0.0, 1.0, batch.max_response_length, task.stop_token_ids, 0)
+    gen = engines.generate(val, 1, 0.0, 1.0, batch.max_response_length, task.stop_token_ids, 0)
     greedy = sum(task.reward(e, r) for e, r in zip(val, gen.token_ids)) / len(val)
-    sampled = _generate(engine, val, k, rollout.temperature, rollout.top_p, batch.max_response_length,
+    sampled = engines.generate(val, k, rollout.temperature, rollout.top_p, batch.max_response_length,
                         task.stop_token_ids, 7)
     solved = [max(task.reward(e, sampled.token_ids[i * k + j]) for j in range(k)) >= 1.0 for i, e in enumerate(val)]
     return greedy, sum(solved) / len(val)
@@ -229,17 +285,17 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
                     print(f"  changed since the checkpoint: {line}", flush=True)
             if task.set_state is not None:
                 task.set_state(state["task"])
-    engine = engine_factory() if torch.distributed.get_rank() == 0 else None
+    engines = Engines(engine_factory, rollout.num_engines)
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=actor.params_dtype)
-    sync_weights(actor.built.gpt, engine=engine, version=first_step - 1, **sync)
+    engines.sync(actor.built.gpt, version=first_step - 1, **sync)
     if task.overlong not in ("keep", "zero", "mask"):
         raise ValueError(f"reward.overlong={task.overlong!r} must be 'keep', 'zero' or 'mask'")
-    val, pass_k = evaluate(engine, task, batch, rollout, evaluation.pass_k)
+    val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
     history = History(initial_val_reward=val)
     for step in range(first_step, run.steps + 1):
         t0 = time.perf_counter()
         examples = task.train_batch(batch.train_batch_size)
-        gen = _generate(engine, examples, batch.n, rollout.temperature, rollout.top_p, batch.max_response_length,
+        gen = engines.generate(examples, batch.n, rollout.temperature, rollout.top_p, batch.max_response_length,
                         task.stop_token_ids, run.seed * 1_000_003 + step)
         samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
         rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
@@ -268,11 +324,11 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         mismatch = algo.logprob_mismatch(engine_lp, rb.old_logp, rb.response_mask())
         rb.engine_logp = engine_lp
         updates = actor.update(rb, rollout.temperature)
-        stats = sync_weights(actor.built.gpt, engine=engine, version=step, **sync)
+        stats = engines.sync(actor.built.gpt, version=step, **sync)
         if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
             reference.load_from(actor)
         if step % evaluation.interval == 0 or step == run.steps:
-            val, pass_k = evaluate(engine, task, batch, rollout, evaluation.pass_k)
+            val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
         row = dict(
             step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
             overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
@@ -306,8 +362,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
                     stop_file.unlink(missing_ok=True)
             if step < run.steps:
                 break
-    if engine is not None:
-        engine.shutdown()
+    engines.shutdown()
     if store is not None and torch.distributed.get_rank() == 0:
         store.release()
     return history
