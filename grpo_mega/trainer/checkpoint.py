@@ -10,6 +10,7 @@ store's manifest.json over all of them.
 
 from __future__ import annotations
 
+import atexit
 import json
 from pathlib import Path
 from typing import Optional
@@ -220,3 +221,67 @@ def load(path: Path, actor, reference) -> dict:
     if state["world_size"] == dist.get_world_size() and rng.is_file():
         _set_rng_state(load_file(str(rng)))
     return state
+
+
+def config_changes(saved: Optional[dict], now: Optional[dict], prefix: str = "") -> list[str]:
+    """'key: old -> new' for every setting that differs between a checkpoint's config and this run's (a
+    resumed run may change settings on purpose; it should never do so unnoticed)."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return [] if saved == now or saved is None or now is None else [f"{prefix.rstrip('.')}: {saved!r} -> {now!r}"]
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def open_for_run(ckpt, actor, reference, resolved_config: Optional[dict] = None) -> tuple[CheckpointStore, Optional[dict]]:
+    """Collective, at the start of a run with checkpoint.dir: take the directory's lock, pick the checkpoint
+    to resume from (checkpoint.resume), clean up interrupted writes, load it. Returns the store and the
+    loop state of the checkpoint loaded (None: a fresh start)."""
+    store = CheckpointStore(ckpt.dir, ckpt.keep_last)
+    error = None
+    if dist.get_rank() == 0:  # one run per checkpoint directory; decided on rank 0, for all
+        try:
+            store.acquire()
+            atexit.register(store.release)  # also when the run fails; a SIGKILLed holder is seen as dead
+        except CheckpointError as e:
+            error = str(e)
+        if getattr(store, "taken_over", None):
+            print(f"took over the checkpoint directory's lock ({store.taken_over})", flush=True)
+    error = comm.broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
+    found = None
+    if ckpt.resume == "auto":
+        found = store.latest()
+        if found is None and store.skipped:  # never silently start over from step 0
+            raise CheckpointError(
+                f"checkpoint.resume=auto: no checkpoint in {ckpt.dir} verifies:\n  " + "\n  ".join(store.skipped)
+                + "\nmove the broken ones aside to resume from an earlier one, or set checkpoint.resume=never "
+                "to start over")
+    elif ckpt.resume != "never":
+        found = store.verified(ckpt.resume)
+        newer = [s for s, _ in store.complete() if s > found[0]]
+        if newer:
+            raise CheckpointError(
+                f"checkpoint.resume={ckpt.resume}: {ckpt.dir} already holds later checkpoints (steps {newer}) that "
+                "this run would overwrite; resume into another checkpoint.dir")
+    if dist.get_rank() == 0:
+        for reason in getattr(store, "skipped", []):
+            print(f"checkpoint skipped: {reason}", flush=True)
+        for partial in store.remove_partials():
+            print(f"removed an interrupted checkpoint write: {partial}", flush=True)
+    dist.barrier()
+    if found is None:
+        return store, None
+    state = load(found[1], actor, reference)
+    if dist.get_rank() == 0:
+        print(f"resumed from {found[1]} (step {state['step']}, weight version {state.get('weight_version')})",
+              flush=True)
+        for line in config_changes(state.get("config"), resolved_config):
+            print(f"  changed since the checkpoint: {line}", flush=True)
+    return store, state

@@ -7,7 +7,6 @@ identically everywhere.
 
 from __future__ import annotations
 
-import atexit
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -18,8 +17,7 @@ import torch
 from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.engine import Generation
-from grpo_mega.rollout.weight_sync import sync_weights
+from grpo_mega.rollout.engines import Engines
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
 
@@ -121,97 +119,16 @@ class History:
     rows: list[dict] = field(default_factory=list)
 
 
-class RolloutError(RuntimeError):
-    """The rollout engine failed (it died, timed out, or refused the request); raised on every rank."""
-
-
-class Engines:
-    """The run's rollout engines: global rank `ranks[i]` hosts engine i (`local` on that rank, else None)."""
-
-    def __init__(self, factory: Callable[[], object], count: int = 1):
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        if world % count:
-            raise ValueError(f"rollout.num_engines={count} must divide the number of ranks ({world})")
-        self.ranks = [i * (world // count) for i in range(count)]
-        self.local = factory() if rank in self.ranks else None
-        if count > 1 and rank == 0:
-            print(f"rollout engines on ranks {self.ranks}", flush=True)
-
-    def generate(self, examples, n, temperature, top_p, max_new, stop, seed) -> Generation:
-        """Each engine samples its contiguous share of `examples`; every rank gets all the samples, in order.
-        A failing engine becomes a RolloutError on every rank (the others would otherwise wait in the
-        collective until its timeout)."""
-        rank, k = torch.distributed.get_rank(), len(self.ranks)
-        per = -(-len(examples) // k)
-        mine = None
-        if self.local is not None:
-            i = self.ranks.index(rank)
-            share = examples[i * per:(i + 1) * per]
-            try:
-                if share:
-                    mine = self.local.generate([e.prompt_ids for e in share], n, temperature, top_p, max_new, stop, seed,
-                                               prompt_offset=i * per)
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                mine = RolloutError(f"the rollout engine ({type(self.local).__name__}, on rank {rank}) failed: "
-                                    f"{type(e).__name__}: {e}")
-        if k == 1:
-            parts = [comm.broadcast_object(mine, src=self.ranks[0])]
-        else:
-            everyone = comm.all_gather_objects(mine)
-            parts = [everyone[r] for r in self.ranks]
-        for part in parts:
-            if isinstance(part, RolloutError):
-                raise part
-        parts = [g for g in parts if g is not None]
-        versions = {g.weight_version for g in parts}
-        if len(versions) > 1:
-            raise RolloutError(f"the rollout engines answered with different weight versions {sorted(versions)}")
-        if len(parts) == 1:
-            return parts[0]
-        return Generation(token_ids=[t for g in parts for t in g.token_ids], logprobs=[lp for g in parts for lp in g.logprobs],
-                          finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version)
-
-    def sync(self, gpt, version: int, **kwargs):
-        """The trainer's weights into every engine (collective); the stats on rank 0, seconds for all engines."""
-        t0, stats = time.perf_counter(), None
-        rank = torch.distributed.get_rank()
-        for r in self.ranks:
-            s = sync_weights(gpt, engine=self.local if rank == r else None, version=version, engine_rank=r, **kwargs)
-            if r == 0:
-                stats = s
-        if stats is not None:
-            stats.seconds = time.perf_counter() - t0
-        return stats
-
-    def shutdown(self) -> None:
-        if self.local is not None:
-            self.local.shutdown()
-
-
 def evaluate(engines: Engines, task: Task, batch: BatchConfig, rollout: RolloutConfig, k: int) -> tuple[float, float]:
     """(greedy validation reward, pass@k: the fraction of prompts with a full-reward answer among k samples)."""
     val = task.validation()
-    gen = engines.generate(val, 1, 0.0, 1.0, batch.max_response_length, task.stop_token_ids, 0)
+    prompts = [e.prompt_ids for e in val]
+    gen = engines.generate(prompts, 1, 0.0, 1.0, batch.max_response_length, task.stop_token_ids, 0)
     greedy = sum(task.reward(e, r) for e, r in zip(val, gen.token_ids)) / len(val)
-    sampled = engines.generate(val, k, rollout.temperature, rollout.top_p, batch.max_response_length,
-                        task.stop_token_ids, 7)
+    sampled = engines.generate(prompts, k, rollout.temperature, rollout.top_p, batch.max_response_length,
+                               task.stop_token_ids, 7)
     solved = [max(task.reward(e, sampled.token_ids[i * k + j]) for j in range(k)) >= 1.0 for i, e in enumerate(val)]
     return greedy, sum(solved) / len(val)
-
-
-def config_changes(saved: Optional[dict], now: Optional[dict], prefix: str = "") -> list[str]:
-    """'key: old -> new' for every setting that differs between a checkpoint's config and this run's (a
-    resumed run may change settings on purpose; it should never do so unnoticed)."""
-    if not isinstance(saved, dict) or not isinstance(now, dict):
-        return [] if saved == now or saved is None or now is None else [f"{prefix.rstrip('.')}: {saved!r} -> {now!r}"]
-    out = []
-    for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return out
 
 
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
@@ -239,50 +156,10 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     store = None
     if ckpt is not None and ckpt.dir:
         from grpo_mega.trainer import checkpoint
-        from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore
 
-        store = CheckpointStore(ckpt.dir, ckpt.keep_last)
-        error = None
-        if torch.distributed.get_rank() == 0:  # one run per checkpoint directory; decided on rank 0, for all
-            try:
-                store.acquire()
-                atexit.register(store.release)  # also when the run fails; a SIGKILLed holder is seen as dead
-            except CheckpointError as e:
-                error = str(e)
-            if getattr(store, "taken_over", None):
-                print(f"took over the checkpoint directory's lock ({store.taken_over})", flush=True)
-        error = comm.broadcast_object(error)
-        if error is not None:
-            raise CheckpointError(error)
-        found = None
-        if ckpt.resume == "auto":
-            found = store.latest()
-            if found is None and store.skipped:  # never silently start over from step 0
-                raise CheckpointError(
-                    f"checkpoint.resume=auto: no checkpoint in {ckpt.dir} verifies:\n  " + "\n  ".join(store.skipped)
-                    + "\nmove the broken ones aside to resume from an earlier one, or set checkpoint.resume=never "
-                    "to start over")
-        elif ckpt.resume != "never":
-            found = store.verified(ckpt.resume)
-            newer = [s for s, _ in store.complete() if s > found[0]]
-            if newer:
-                raise CheckpointError(
-                    f"checkpoint.resume={ckpt.resume}: {ckpt.dir} already holds later checkpoints (steps {newer}) that "
-                    "this run would overwrite; resume into another checkpoint.dir")
-        if torch.distributed.get_rank() == 0:
-            for reason in getattr(store, "skipped", []):
-                print(f"checkpoint skipped: {reason}", flush=True)
-            for partial in store.remove_partials():
-                print(f"removed an interrupted checkpoint write: {partial}", flush=True)
-        torch.distributed.barrier()
-        if found is not None:
-            state = checkpoint.load(found[1], actor, reference)
+        store, state = checkpoint.open_for_run(ckpt, actor, reference, resolved_config)
+        if state is not None:
             first_step = state["step"] + 1
-            if torch.distributed.get_rank() == 0:
-                print(f"resumed from {found[1]} (step {state['step']}, weight version {state.get('weight_version')})",
-                      flush=True)
-                for line in config_changes(state.get("config"), resolved_config):
-                    print(f"  changed since the checkpoint: {line}", flush=True)
             if task.set_state is not None:
                 task.set_state(state["task"])
     engines = Engines(engine_factory, rollout.num_engines)
@@ -295,8 +172,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     for step in range(first_step, run.steps + 1):
         t0 = time.perf_counter()
         examples = task.train_batch(batch.train_batch_size)
-        gen = engines.generate(examples, batch.n, rollout.temperature, rollout.top_p, batch.max_response_length,
-                        task.stop_token_ids, run.seed * 1_000_003 + step)
+        gen = engines.generate([e.prompt_ids for e in examples], batch.n, rollout.temperature, rollout.top_p,
+                               batch.max_response_length, task.stop_token_ids, run.seed * 1_000_003 + step)
         samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
         rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])

@@ -1,0 +1,81 @@
+"""The run's rollout engines as the trainer sees them: where they live (one by default, on global rank 0;
+`rollout.num_engines` of them on evenly spaced ranks), how a batch of prompts is shared between them and
+the samples returned to every rank, and the weight sync into each. Collective: every rank calls every
+method."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from grpo_mega.parallel import comm
+from grpo_mega.rollout.engine import Generation
+from grpo_mega.rollout.weight_sync import sync_weights
+
+
+class RolloutError(RuntimeError):
+    """The rollout engine failed (it died, timed out, or refused the request); raised on every rank."""
+
+
+class Engines:
+    """The run's rollout engines: global rank `ranks[i]` hosts engine i (`local` on that rank, else None)."""
+
+    def __init__(self, factory: Callable[[], object], count: int = 1):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % count:
+            raise ValueError(f"rollout.num_engines={count} must divide the number of ranks ({world})")
+        self.ranks = [i * (world // count) for i in range(count)]
+        self.local = factory() if rank in self.ranks else None
+        if count > 1 and rank == 0:
+            print(f"rollout engines on ranks {self.ranks}", flush=True)
+
+    def generate(self, prompts: list[list[int]], n, temperature, top_p, max_new, stop, seed) -> Generation:
+        """Each engine samples its contiguous share of `prompts`; every rank gets all the samples, in order.
+        A failing engine becomes a RolloutError on every rank (the others would otherwise wait in the
+        collective until its timeout)."""
+        rank, k = dist.get_rank(), len(self.ranks)
+        per = -(-len(prompts) // k)
+        mine = None
+        if self.local is not None:
+            i = self.ranks.index(rank)
+            share = prompts[i * per:(i + 1) * per]
+            try:
+                if share:
+                    mine = self.local.generate(share, n, temperature, top_p, max_new, stop, seed, prompt_offset=i * per)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                mine = RolloutError(f"the rollout engine ({type(self.local).__name__}, on rank {rank}) failed: "
+                                    f"{type(e).__name__}: {e}")
+        if k == 1:
+            parts = [comm.broadcast_object(mine, src=self.ranks[0])]
+        else:
+            everyone = comm.all_gather_objects(mine)
+            parts = [everyone[r] for r in self.ranks]
+        for part in parts:
+            if isinstance(part, RolloutError):
+                raise part
+        parts = [g for g in parts if g is not None]
+        versions = {g.weight_version for g in parts}
+        if len(versions) > 1:
+            raise RolloutError(f"the rollout engines answered with different weight versions {sorted(versions)}")
+        if len(parts) == 1:
+            return parts[0]
+        return Generation(token_ids=[t for g in parts for t in g.token_ids], logprobs=[lp for g in parts for lp in g.logprobs],
+                          finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version)
+
+    def sync(self, gpt, version: int, **kwargs):
+        """The trainer's weights into every engine (collective); the stats on rank 0, seconds for all engines."""
+        t0, stats = time.perf_counter(), None
+        rank = dist.get_rank()
+        for r in self.ranks:
+            s = sync_weights(gpt, engine=self.local if rank == r else None, version=version, engine_rank=r, **kwargs)
+            if r == 0:
+                stats = s
+        if stats is not None:
+            stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def shutdown(self) -> None:
+        if self.local is not None:
+            self.local.shutdown()
