@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc import run_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +31,7 @@ def text_reward(response, ground_truth, sample):
 
 
 def _cli(out: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", *overrides],
+    return run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", *overrides],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -239,7 +241,7 @@ def test_a_checkpoint_directory_in_use_by_a_live_run_is_refused(saved, tmp_path)
 def test_export_tool_refuses_a_corrupt_checkpoint(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     _flip(_model_file(ckpt / "step_00000002"))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(ckpt / "step_00000002"),
+    proc = run_tree([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(ckpt / "step_00000002"),
                            "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
     _refused(proc, r"error: .*step_00000002: model/.*fails its checksum")
     assert not (tmp_path / "hf").exists()

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from tests.proc import run_tree
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -13,7 +15,7 @@ def test_bench_vocab_parallel_writes_json(tmp_path):
     out = tmp_path / "vp.json"
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_vocab_parallel.py"),
            "--T", "16", "--V", "256", "--vocab-size", "250", "--iters", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    run_tree(cmd, check=True, timeout=300, capture_output=True)
     data = json.loads(out.read_text())
     rows = {(r["impl"], r["tp"], r["chunk"]) for r in data["results"]}
     assert {("gathered", 4, None), ("vocab_parallel", 4, None), ("vocab_parallel", 4, 64)} <= rows
@@ -27,7 +29,7 @@ def test_bench_activations_writes_json(tmp_path):
     out = tmp_path / "act.json"
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_activations.py"), "--model", "tiny", "--layers", "1",
            "--seq", "32", "--out", str(out)]
-    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    run_tree(cmd, check=True, timeout=300, capture_output=True)
     data = json.loads(out.read_text())
     rows = {r["recompute"]: r for r in data["rows"]}
     assert set(rows) == {"none", "selective", "full"} and data["layer_spec"] in ("local", "transformer_engine")

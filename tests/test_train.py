@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.proc import run_tree
+
 # The first 10 steps of the default run (seed 1234, torch 2.13.0 CPU): mean train reward per step and the
 # mini-batch-averaged loss. Rewards are multiples of 1/256 and must match exactly; losses to 1e-5
 # relative (bit-identical here, the margin is for BLAS differences across CPUs).
@@ -16,7 +18,7 @@ GOLDEN_LOSS = [-0.010902087204158306, -0.003450653370236978, -0.0034447910729795
 
 
 def _run(tmp_path, *overrides):
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", *overrides],
+    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", *overrides],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -35,7 +37,7 @@ def test_golden_curve_first_10_steps(tmp_path):
 
 
 def test_unknown_override_names_the_field(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "algo.kl_estimator=k9"],
+    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "algo.kl_estimator=k9"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "unknown KL estimator 'k9'; valid:" in proc.stderr
 
@@ -83,7 +85,7 @@ def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
 
 
 def test_prompt_task_without_data_is_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "task=prompts"],
+    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "task=prompts"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "task=prompts needs data.train_files=PATH" in proc.stderr
 
@@ -101,7 +103,7 @@ def test_algorithm_options_wired_through_the_loop(tmp_path):
 
 
 def test_bad_overlong_mode_is_named(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "reward.overlong=drop",
+    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "reward.overlong=drop",
                            "run.steps=1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "reward.overlong='drop' must be 'keep', 'zero' or 'mask'" in proc.stderr
 
@@ -117,6 +119,6 @@ def test_verl_style_shorthands(tmp_path):
     """rollout.n= and seed= as verl users write them; rollout.n=1 is refused (GRPO needs a group)."""
     proc, rows = _run(tmp_path, "rollout.n=4", "seed=3", "run.steps=1", "eval.interval=1", "eval.pass_k=2")
     assert len(rows) == 1 and 0 <= rows[0]["val_pass_at_k"] <= 1
-    bad = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}/b", "rollout.n=1"],
+    bad = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}/b", "rollout.n=1"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "rollout.n=1 must be >= 2" in bad.stderr

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.proc import run_tree
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -18,7 +20,7 @@ def _free_port() -> int:
 def _run(out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "-m", "grpo_mega.train", f"hydra.run.dir={out}", "run.steps=3", "eval.interval=3", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
@@ -40,6 +42,6 @@ def test_two_engines_sample_what_one_engine_samples(tmp_path):
 
 
 def test_engines_that_do_not_divide_the_ranks_are_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "rollout.num_engines=2"],
+    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "rollout.num_engines=2"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "rollout.num_engines=2 must divide the number of ranks (1)" in proc.stderr

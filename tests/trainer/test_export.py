@@ -21,6 +21,8 @@ from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 
+from tests.proc import run_tree
+
 ROOT = Path(__file__).resolve().parents[2]
 LOGIT_TOL = 1e-4  # max-abs, fp32
 
@@ -74,7 +76,7 @@ def test_smollm2_example_runs_and_its_export_matches_the_trainer(tmp_path):
     from tests.models.hf_fixtures import smollm2_dir
 
     env = dict(os.environ, OUT=str(tmp_path), STEPS="2", MODEL=str(smollm2_dir()), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "launch_scripts" / "smollm2_arithmetic.sh"), "batch.train_batch_size=2",
+    proc = run_tree(["bash", str(ROOT / "launch_scripts" / "smollm2_arithmetic.sh"), "batch.train_batch_size=2",
                            "rollout.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
                            "batch.max_response_length=16"],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -112,10 +114,10 @@ def test_export_from_a_tp2_run_and_the_offline_tool_agree(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "parallel.tp=2", "run.steps=2",
            "eval.interval=2", f"checkpoint.dir={ckpt}", "checkpoint.export_hf=true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step_dir = ckpt / "step_00000002"
-    tool = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(step_dir),
+    tool = run_tree([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(step_dir),
                            "--out", str(tmp_path / "hf_tool")], capture_output=True, text=True, timeout=300)
     assert tool.returncode == 0, tool.stderr[-3000:]
     a, b = load_file(step_dir / "hf" / "model.safetensors"), load_file(tmp_path / "hf_tool" / "model.safetensors")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc import kill_tree, run_tree
+
 TOL = 1e-6
 
 
@@ -29,7 +31,7 @@ def _train(out: Path, ckpt: Path, steps: int, tp: int, *extra):
            str(_free_port()), "-m", "grpo_mega.train"] if tp > 1 else [sys.executable, "-m", "grpo_mega.train"]
     cmd += [f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}", "eval.interval=2",
             f"checkpoint.dir={ckpt}", "checkpoint.interval=2", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
 
@@ -54,19 +56,8 @@ def _start(out: Path, ckpt: Path, steps: int, tp: int, *extra) -> subprocess.Pop
 def _sigkill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every worker, as a preemption or an OOM killer would: by PID (torchrun starts
     its workers in sessions of their own, so the process group alone would miss them)."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    kill_tree(proc.pid)
     proc.wait(timeout=30)
-    psutil.wait_procs(procs, timeout=30)
 
 
 def _wait_for(proc: subprocess.Popen, found, timeout: float = 240.0, poll: float = 0.001):
@@ -192,12 +183,12 @@ def test_resume_reports_changed_settings_and_a_changed_lr_takes_effect(uninterru
     shutil.copytree(full_dir / "ckpt" / "step_00000002", ckpt / "step_00000002")
     cmd = [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "run.steps=3", "eval.interval=2",
            f"checkpoint.dir={ckpt}", "optim.lr=0.002"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "changed since the checkpoint: optim.lr: 0.001 -> 0.002" in proc.stdout
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [3] and rows[0]["lr"] == pytest.approx(0.002) and full[2]["lr"] == pytest.approx(0.001)
     saved = json.loads((ckpt / "step_00000003" / "loop_state.json").read_text())
     assert saved["config"]["optim"]["lr"] == 0.002 and saved["weight_version"] == 3
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # already at run.steps
+    again = run_tree(cmd, capture_output=True, text=True, timeout=300)  # already at run.steps
     assert again.returncode == 0 and "nothing to do: the run resumed at run.steps=3" in again.stdout
