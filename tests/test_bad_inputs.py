@@ -94,9 +94,15 @@ def test_bad_data_file(case, tmp_path):
 CONFIG_CASES = {
     "batch_mini_does_not_divide_train": (["batch.train_batch_size=16", "batch.ppo_mini_batch_size=5"],
                                          r"data\.train_batch_size=16 must be a multiple of ppo_mini_batch_size=5"),
-    "batch_micro_does_not_split_mini": (["batch.micro_batch_size=3"],
+    "batch_micro_does_not_split_mini": (["batch.packing=false", "batch.micro_batch_size=3"],
                                         r"64 responses does not split into dp=1 ranks x micro_batch_size=3; make it a multiple of 3"),
     "batch_group_of_one": (["rollout.n=1"], r"rollout\.n=1 must be >= 2 for GRPO"),
+    "batch_token_budget_below_longest": (["batch.max_tokens_per_micro_batch=100"],
+                                         r"batch\.max_tokens_per_micro_batch=100 is smaller than max_prompt_length \+ "
+                                         r"max_response_length = 256 \+ 3 = 259"),
+    "batch_token_budget_not_divisible_by_tp_under_sp": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "batch.max_tokens_per_micro_batch=259"],
+        r"batch\.max_tokens_per_micro_batch=259 is not divisible by parallel\.tp=2"),
     "batch_zero_size": (["batch.max_response_length=0"], r"batch\.max_response_length"),
     "layout_tp_does_not_divide_heads": (["parallel.tp=3"], r"parallel\.tp=3 must divide num_attention_heads=8 \(model tiny\)"),
     "layout_more_ranks_than_launched": (["parallel.tp=2"], r"world size 1 is not divisible by parallel\.tp \* parallel\.pp = 2 \* 1"),

@@ -253,3 +253,48 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         for name, t in dst.state_dict().items():
             if name in src_state and torch.is_tensor(t) and not name.endswith("_extra_state"):
                 t.copy_(src_state[name])
+
+
+def set_rope_positions(gpt: torch.nn.Module, positions: "torch.Tensor | None") -> None:
+    """RoPE at the given per-token positions ([S] int64) instead of 0..S-1 along the row, until reset (None).
+
+    Packed rows on megatron-core's local layer spec: GPTModel builds its rotary embedding for positions
+    0..S-1 of the row, so a sequence packed at offset o would be rotated as if it started at o. Attention
+    scores under RoPE depend only on relative positions, so that is the same in exact arithmetic, but not
+    in fp32 (the angle o * theta rounds differently for every o): positions restart at 0 per sequence
+    here, which gives the padded path's numbers. (Transformer Engine's THD path restarts them itself, from
+    cu_seqlens.)"""
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if rope is None:
+        return
+    if not hasattr(rope, "_unpositioned_forward"):
+        rope._unpositioned_forward = rope.forward
+
+        def forward(max_seq_len, *args, **kwargs):
+            pos = rope._positions
+            if pos is None:
+                return rope._unpositioned_forward(max_seq_len, *args, **kwargs)
+            emb = rope._unpositioned_forward(int(pos.max()) + 1, *args, **kwargs)  # [P, 1, 1, dim]
+            return emb[pos.to(emb.device)]  # [S, 1, 1, dim]
+
+        rope.forward = forward
+    rope._positions = positions
+
+
+def check_packed_attention(gpt: torch.nn.Module) -> None:
+    """Refuse packed rows where the attention mask would be ignored.
+
+    In megatron-core 0.16.1 (`fusions/fused_softmax.py`), a softmax whose mask type is `causal` runs the
+    fused upper-triangular kernel when `masked_softmax_fusion` is on and the input is bf16/fp16, and that
+    kernel ignores the mask it is given: packed sequences would silently attend to their row-mates. The
+    local spec is built with the fusion off (`transformer_config`); this keeps it that way."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+
+    for name, m in gpt.named_modules():
+        if isinstance(m, FusedScaleMaskSoftmax) and m.scaled_masked_softmax_fusion and m.attn_mask_type == AttnMaskType.causal:
+            raise ValueError(
+                f"{name}: the fused causal softmax ignores the block-diagonal attention mask that batch.packing "
+                "needs (megatron-core's fused upper-triangular kernel); build with masked_softmax_fusion=False, "
+                "use Transformer Engine (THD), or set batch.packing=false"
+            )

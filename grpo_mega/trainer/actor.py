@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -20,7 +21,7 @@ from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimCon
 from grpo_mega.models.builder import build_actor, build_reference, copy_weights, offload
 from grpo_mega.parallel import comm
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
-from grpo_mega.trainer.batch import RolloutBatch, micro_batches
+from grpo_mega.trainer.batch import RolloutBatch, micro_batches, unpack
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,64 @@ def _pad_multiple(parallel: ParallelConfig) -> int:
     return parallel.tp if parallel.sequence_parallel else 1
 
 
-def _dp_share(batch: RolloutBatch) -> tuple[int, int]:
-    ps = _ps()
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+def _dp_share(batch: RolloutBatch, dp: int, rank: int) -> tuple[int, int]:
     if batch.size % dp:
         raise ValueError(f"{batch.size} responses do not split over dp={dp} ranks")
     per = batch.size // dp
     return rank * per, (rank + 1) * per
+
+
+def _on_device(mb: dict) -> dict:
+    """The micro-batch's tensors on this rank's GPU (as they are on the CPU)."""
+    if not torch.cuda.is_available():
+        return mb
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) and k != "rows" else v for k, v in mb.items()}
+
+
+def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig) -> tuple[list[dict], int, dict]:
+    """This DP rank's micro-batches of `rollout`, their (longest) length, and the layout's figures on every
+    rank: micro_batches (per rank), computed and useful tokens (all ranks), dp_token_imbalance.
+
+    Packed (batch.packing): sequences balanced over DP ranks by tokens and packed into rows of at most
+    batch.token_budget tokens (DESIGN.md); with pipeline parallelism every row of a rank is padded to the
+    rank's longest (one tensor shape for the schedule's point-to-point sends). Padded: contiguous DP shares
+    in micro_batch_size rows, each trimmed to its share's longest. Every micro-batch carries `rows`, the
+    indices of its sequences in `rollout`."""
+    from grpo_mega.models.builder import have_transformer_engine
+    from grpo_mega.trainer.batch import packed_micro_batches, plan_packing
+
+    ps = _ps()
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    seq_lens = (rollout.prompt_lens + rollout.response_lens).tolist()
+    pad = _pad_multiple(parallel)
+    if batch.packing:
+        plan = plan_packing(seq_lens, dp, batch.token_budget, pad, same_length=parallel.pp > 1)
+        micro = packed_micro_batches(rollout, plan, rank, with_mask=not have_transformer_engine())
+        stats = dict(micro_batches=plan.micro_batches, computed_tokens=plan.computed, useful_tokens=plan.useful,
+                     dp_token_imbalance=plan.dp_token_imbalance(seq_lens))
+        return [_on_device(mb) for mb in micro], max(plan.lengths[rank]), stats
+    computed, per_rank = 0, []
+    for r in range(dp):
+        lo, hi = _dp_share(rollout, dp, r)
+        longest = max(seq_lens[lo:hi])
+        computed += (hi - lo) * max(pad, -(-longest // pad) * pad)
+        per_rank.append(sum(seq_lens[lo:hi]))
+    lo, hi = _dp_share(rollout, dp, rank)
+    micro, length = micro_batches(rollout.rows(lo, hi), batch.micro_batch_size, pad)
+    for mb in micro:
+        mb["rows"] = mb["rows"] + lo
+    mean = sum(per_rank) / dp
+    stats = dict(micro_batches=len(micro), computed_tokens=computed, useful_tokens=sum(seq_lens),
+                 dp_token_imbalance=max(per_rank) / mean if mean else 1.0)
+    return [_on_device(mb) for mb in micro], length, stats
+
+
+def _check_packing(gpt, batch: BatchConfig) -> None:
+    from grpo_mega.models.builder import check_packed_attention, have_transformer_engine
+
+    if batch.packing and not have_transformer_engine():
+        check_packed_attention(gpt)
 
 
 def run_schedule(module, micro: list[dict], length: int, forward_step, forward_only: bool) -> list:
@@ -61,28 +113,54 @@ def run_schedule(module, micro: list[dict], length: int, forward_step, forward_o
 
 
 def _forward(model, mb: dict) -> torch.Tensor:
-    """Logits [b, s, V/tp] on the last stage (hidden states elsewhere)."""
-    return model(mb["tokens"], mb["position_ids"], None)
+    """Logits [b, s, V/tp] on the last stage (hidden states elsewhere). A packed row ([1, S]) reaches the
+    model as THD with cu_seqlens under Transformer Engine, else with its block-diagonal causal mask and
+    RoPE positions restarting per sequence (megatron-core's local spec)."""
+    from grpo_mega.models.builder import set_rope_positions
+
+    gpt = model
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+    if "cu_seqlens" not in mb:
+        set_rope_positions(gpt, None)
+        return model(mb["tokens"], mb["position_ids"], None)
+    if "attention_mask" in mb:
+        set_rope_positions(gpt, mb["position_ids"][0])
+        return model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb["cu_seqlens"]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
+    set_rope_positions(gpt, None)
+    return model(mb["tokens"], mb["position_ids"], None, packed_seq_params=params)
+
+
+def _token_stats(logits: torch.Tensor, mb: dict, model_cfg: ModelConfig, batch: BatchConfig, temperature: float,
+                 ref_logits: Optional[torch.Tensor] = None):
+    """(logprob, entropy, full KL or None) of the micro-batch's response positions, in its padded [n, L']
+    layout, from vocab-parallel logits (a packed row's per-token results gathered back through
+    `unpack_index`)."""
+    logp, entropy, kl = vocab_parallel_stats(
+        logits, mb["labels"], _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
+        temperature=temperature, vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
+    )
+    return unpack(mb, logp), unpack(mb, entropy), (unpack(mb, kl) if kl is not None else None)
 
 
 def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, batch: BatchConfig,
                      rollout: RolloutBatch, temperature: float) -> torch.Tensor:
     """Position-aligned logprobs [N, L] (fp32, no grad) of every response token under `module`, on every rank.
 
-    Each DP rank runs its share in micro-batches; the last stage computes the vocab-parallel logprobs;
-    the shares are gathered over DP and sent to every pipeline stage.
+    Each DP rank runs its share in micro-batches (packed or padded, see `layout`); the last stage computes
+    the vocab-parallel logprobs; every row comes from exactly one DP rank, so one SUM over DP assembles
+    them, and the last stage sends the result to every pipeline stage.
     """
-    lo, hi = _dp_share(rollout)
-    micro, length = micro_batches(rollout.rows(lo, hi), batch.micro_batch_size, _pad_multiple(parallel))
-    tp_group = _ps().get_tensor_model_parallel_group()
+    micro, length, _ = layout(rollout, parallel, batch)
 
     def loss_func(mb, logits):
-        lp = vocab_parallel_stats(
-            logits, mb["labels"], tp_group, temperature=temperature,
-            vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
-        )[0]
-        lp = lp * mb["mask"]
-        return torch.zeros((), device=logits.device), {"logp": lp}
+        lp = _token_stats(logits, mb, model_cfg, batch, temperature)[0] * mb["mask"]
+        return torch.zeros((), device=logits.device), {"logp": lp, "rows": mb["rows"]}
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -90,11 +168,14 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
 
     with torch.no_grad():
         out = run_schedule(module, micro, length, forward_step, forward_only=True)
-    n_local, full_l = hi - lo, rollout.tokens.shape[1]
-    local = torch.zeros(n_local, full_l, dtype=torch.float32)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    full = torch.zeros(rollout.size, rollout.tokens.shape[1], dtype=torch.float32, device=dev)
     if _ps().is_pipeline_last_stage():
-        local[:, :length] = torch.cat([d["logp"] for d in out], dim=0)[:, :full_l]
-    return comm.broadcast_from_last_stage(comm.dp_all_gather_rows(local))
+        for d in out:
+            lp = d["logp"].float()
+            width = min(lp.shape[1], full.shape[1])
+            full[d["rows"].to(dev), :width] = lp[:, :width]
+    return comm.broadcast_from_last_stage(comm.dp_all_reduce(full)).cpu()
 
 
 class Reference:
@@ -105,6 +186,7 @@ class Reference:
                  offload: bool = False):
         self.model_cfg, self.parallel, self.batch = model_cfg, parallel, batch
         self.built = build_reference(model_cfg, parallel, precision)
+        _check_packing(self.built.gpt, batch)
         self.offload = offload and torch.cuda.is_available()
         if self.offload:
             offload(self.built.gpt, "cpu")
@@ -139,6 +221,7 @@ class Actor:
         self.model_cfg, self.parallel, self.precision = model_cfg, parallel, precision
         self.optim, self.algo, self.batch = optim, algo_cfg, batch
         self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
+        _check_packing(self.built.gpt, batch)
         bf16 = precision.params_dtype == "bf16"
         self.params_dtype = torch.bfloat16 if bf16 else torch.float32
         self.optimizer = get_megatron_optimizer(
@@ -178,10 +261,7 @@ class Actor:
 
     def _loss(self, mb: dict, normaliser: torch.Tensor, scale: int, temperature: float, logits: torch.Tensor):
         a = self.algo
-        logp, entropy, _ = vocab_parallel_stats(
-            logits, mb["labels"], _ps().get_tensor_model_parallel_group(), temperature=temperature,
-            vocab_size=self.model_cfg.vocab_size, chunk_size=self.batch.logprob_chunk_size,
-        )
+        logp, entropy, _ = _token_stats(logits, mb, self.model_cfg, self.batch, temperature)
         mask = mb["mask"]
         use_kl = a.kl_coef != 0 and not a.kl_in_reward
         kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator) if use_kl else None
@@ -230,7 +310,7 @@ class Actor:
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
         per_mini = self.batch.ppo_mini_batch_size * self.batch.n
-        self.batch.check_dp(dp)
+        self.batch.check_layout(self.parallel, dp)
         if rollout.size % per_mini:
             raise ValueError(f"{rollout.size} responses are not whole mini-batches of {per_mini}")
         metrics = []
@@ -242,8 +322,7 @@ class Actor:
     def _update_mini_batch(self, mini: RolloutBatch, temperature: float) -> dict:
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
-        lo, hi = _dp_share(mini)
-        micro, length = micro_batches(mini.rows(lo, hi), self.batch.micro_batch_size, _pad_multiple(self.parallel))
+        micro, length, shape = layout(mini, self.parallel, self.batch)
         # The normaliser belongs to the mini-batch: every micro-batch's share, summed over DP ranks.
         normaliser = sum(
             algo.local_normaliser(self.algo.loss_agg_mode, mb["mask"], self.batch.max_response_length) for mb in micro
@@ -280,6 +359,7 @@ class Actor:
             "ratio_max": maxs["ratio_max"],
             "tokens": sums["tokens"],
             "lr": self.optimizer.param_groups[0]["lr"],
+            **shape,
         }
         if comm.any_rank(sums["extreme"] > 0):
             self.skipped_early_stop += 1

@@ -1,4 +1,6 @@
-"""The step's responses as padded tensors, and how they are cut into DP shares and micro-batches.
+"""The step's responses as padded tensors, and how they are cut into DP shares and micro-batches: padded
+(`micro_batches`: fixed numbers of rows, each trimmed to the longest) or packed (`plan_packing`: sequences
+balanced over DP ranks by tokens, then packed back to back into rows of at most a token budget).
 
 Everything is in position space: row i holds prompt_i + response_i right-padded to L, and per-token
 quantities (logprobs, masks) sit at the position of the logits that predict the token. Response token t of
@@ -74,6 +76,15 @@ class RolloutBatch:
             engine_logp=f(self.engine_logp),
         )
 
+    def rows_at(self, index: torch.Tensor) -> "RolloutBatch":
+        """The rows `index` ([n] int64, any order), every tensor indexed alike."""
+        f = lambda t: None if t is None else t[index]  # noqa: E731
+        return replace(
+            self, tokens=self.tokens[index], prompt_lens=self.prompt_lens[index],
+            response_lens=self.response_lens[index], advantages=f(self.advantages), old_logp=f(self.old_logp),
+            ref_logp=f(self.ref_logp), in_loss=f(self.in_loss), engine_logp=f(self.engine_logp),
+        )
+
 
 def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int = 1) -> tuple[list[dict], int]:
     """Cut `batch` into micro-batch dicts for Megatron's schedule, all trimmed to one length L' (the longest
@@ -96,6 +107,7 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int 
         sl = slice(lo, lo + micro_batch_size)
         b = micro_batch_size
         mb = dict(
+            rows=torch.arange(lo, lo + b),
             tokens=tokens[sl].contiguous(),
             position_ids=torch.arange(length).expand(b, length).contiguous(),
             labels=labels[sl].contiguous(),
@@ -111,3 +123,176 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int 
             mb["engine_logp"] = fit(batch.engine_logp[sl].float())
         out.append(mb)
     return out, length
+
+
+# ---- packing: sequences balanced over DP ranks, packed into rows of at most a token budget -------------
+
+
+@dataclass
+class PackPlan:
+    """Which sequences each DP rank runs, in which packed row (micro-batch), and the rows' lengths.
+
+    `rows[r][m]` lists the batch indices of the sequences in micro-batch m of DP rank r (empty lists pad every
+    rank to the same number of micro-batches, as Megatron's schedule needs); `lengths[r][m]` is that row's
+    length in tokens (its sequences, plus padding to `pad_multiple` or, with `same_length`, to the longest row
+    of the rank)."""
+
+    rows: list[list[list[int]]]
+    lengths: list[list[int]]
+    useful: int  # prompt + response tokens of every sequence
+    computed: int  # tokens every rank's rows run through the model, padding included
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self.rows[0])
+
+    @property
+    def pad_fraction(self) -> float:
+        return 1.0 - self.useful / self.computed if self.computed else 0.0
+
+    def dp_token_imbalance(self, seq_lens: list[int]) -> float:
+        """max over mean of the ranks' useful tokens (1.0: perfectly balanced)."""
+        per_rank = [sum(seq_lens[i] for row in rank for i in row) for rank in self.rows]
+        mean = sum(per_rank) / len(per_rank)
+        return max(per_rank) / mean if mean else 1.0
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def balance_over_dp(seq_lens: Sequence[int], dp: int) -> list[list[int]]:
+    """Sequence indices per DP rank, token counts balanced: longest first, each to the least loaded rank
+    (the LPT greedy; ties by rank). Deterministic, so every rank computes the same assignment."""
+    loads, out = [0] * dp, [[] for _ in range(dp)]
+    for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
+        r = min(range(dp), key=lambda r: (loads[r], r))
+        out[r].append(i)
+        loads[r] += seq_lens[i]
+    return out
+
+
+def first_fit_decreasing(indices: Sequence[int], seq_lens: Sequence[int], budget: int, pad_multiple: int = 1) -> list[list[int]]:
+    """`indices` packed into bins of at most `budget` tokens (a bin's total rounded up to `pad_multiple`),
+    longest first, each into the first bin it fits."""
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(indices, key=lambda i: (-seq_lens[i], i)):
+        n = seq_lens[i]
+        if _round_up(n, pad_multiple) > budget:
+            raise ValueError(f"a sequence of {n} tokens does not fit batch.max_tokens_per_micro_batch={budget}")
+        for b, u in enumerate(used):
+            if _round_up(u + n, pad_multiple) <= budget:
+                bins[b].append(i)
+                used[b] += n
+                break
+        else:
+            bins.append([i])
+            used.append(n)
+    for b in bins:
+        b.sort()  # batch order inside a row: deterministic, and independent of the packing heuristic
+    return bins
+
+
+def plan_packing(seq_lens: Sequence[int], dp: int, budget: int, pad_multiple: int = 1,
+                 same_length: bool = False) -> PackPlan:
+    """Balance `seq_lens` over `dp` ranks and pack each rank's share into rows of at most `budget` tokens.
+    With `same_length` (pipeline parallelism: one tensor shape for every micro-batch of the schedule) every
+    row of a rank is padded to that rank's longest row."""
+    seq_lens = [int(n) for n in seq_lens]
+    rows = [first_fit_decreasing(share, seq_lens, budget, pad_multiple) for share in balance_over_dp(seq_lens, dp)]
+    count = max(1, max(len(r) for r in rows))
+    lengths = []
+    for r in rows:
+        r.extend([] for _ in range(count - len(r)))
+        ls = [max(_round_up(sum(seq_lens[i] for i in row), pad_multiple), pad_multiple) for row in r]
+        if same_length:
+            ls = [max(ls)] * len(ls)
+        lengths.append(ls)
+    return PackPlan(rows=rows, lengths=lengths, useful=sum(seq_lens), computed=sum(sum(ls) for ls in lengths))
+
+
+def block_causal_mask(seq_lens: Sequence[int], length: int) -> torch.Tensor:
+    """[1, 1, S, S] bool, True where attention is NOT allowed (megatron's convention): each sequence of a
+    packed row attends causally to itself only; the padding at the row's end attends causally to itself."""
+    seg = torch.full((length,), len(seq_lens), dtype=torch.long)
+    pos = 0
+    for j, n in enumerate(seq_lens):
+        seg[pos:pos + n] = j
+        pos += n
+    same = seg.unsqueeze(0) == seg.unsqueeze(1)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return ~(same & causal).view(1, 1, length, length)
+
+
+def packed_micro_batch(batch: RolloutBatch, indices: Sequence[int], length: int, with_mask: bool = True) -> dict:
+    """One packed row: the sequences `indices` of `batch` back to back, then padding to `length`.
+
+    Model inputs, [1, S]: tokens, position_ids (restarting at 0 per sequence), labels (the next token of the
+    same sequence; 0 at each sequence's last position), and, with `with_mask`, attention_mask
+    [1, 1, S, S] (block-diagonal causal, for megatron-core's local layer spec). For Transformer Engine:
+    cu_seqlens [k + 2] int32 (the padding is a segment of its own) and max_seqlen.
+    Loss inputs stay in the padded [n, L'] layout of `micro_batches` (L' the longest of the n sequences), so
+    the loss code is the same for both: mask, advantages, old/ref/engine logprobs; `unpack_index` [n, L']
+    (flat packed position of each padded position, 0 where `unpack_valid` is False) maps per-token
+    quantities of the row to that layout. `rows` [n]: the sequences' indices in `batch`."""
+    idx = torch.tensor(list(indices), dtype=torch.long)
+    lens = (batch.prompt_lens + batch.response_lens)[idx] if len(idx) else torch.zeros(0, dtype=torch.long)
+    used = int(lens.sum())
+    if used > length:
+        raise ValueError(f"{used} tokens do not fit a packed row of {length}")
+    width = int(lens.max()) if len(idx) else 1
+    tokens = torch.zeros(1, length, dtype=torch.long)
+    labels = torch.zeros(1, length, dtype=torch.long)
+    position_ids = torch.zeros(1, length, dtype=torch.long)
+    unpack_index = torch.zeros(len(idx), width, dtype=torch.long)
+    unpack_valid = torch.zeros(len(idx), width, dtype=torch.bool)
+    starts = []
+    pos = 0
+    for j, (i, n) in enumerate(zip(idx.tolist(), lens.tolist())):
+        seq = batch.tokens[i, :n]
+        tokens[0, pos:pos + n] = seq
+        labels[0, pos:pos + n - 1] = seq[1:]
+        position_ids[0, pos:pos + n] = torch.arange(n)
+        unpack_index[j, :n] = torch.arange(pos, pos + n)
+        unpack_valid[j, :n] = True
+        starts.append(pos)
+        pos += n
+    if pos < length:
+        position_ids[0, pos:] = torch.arange(length - pos)
+    sub = batch.rows_at(idx)
+
+    def fit(t: torch.Tensor) -> torch.Tensor:
+        return t[:, :width] if t.shape[1] >= width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], 1)
+
+    cu = starts + [pos] + ([length] if pos < length else [])
+    mb = dict(
+        tokens=tokens, position_ids=position_ids, labels=labels,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=int(max([n for n in lens.tolist()] + [length - pos])),
+        unpack_index=unpack_index, unpack_valid=unpack_valid, rows=idx,
+        mask=fit(sub.loss_mask()) & unpack_valid,
+    )
+    if with_mask:
+        mb["attention_mask"] = block_causal_mask(lens.tolist(), length)
+    if batch.advantages is not None:
+        mb["advantages"] = sub.advantages.float()
+    for key in ("old_logp", "ref_logp", "engine_logp"):
+        t = getattr(sub, key)
+        if t is not None:
+            mb[key] = fit(t.float())
+    return mb
+
+
+def packed_micro_batches(batch: RolloutBatch, plan: PackPlan, dp_rank: int, with_mask: bool = True) -> list[dict]:
+    """This DP rank's micro-batches of `plan`, one packed row each."""
+    return [packed_micro_batch(batch, rows, length, with_mask)
+            for rows, length in zip(plan.rows[dp_rank], plan.lengths[dp_rank])]
+
+
+def unpack(mb: dict, t: torch.Tensor) -> torch.Tensor:
+    """A per-token quantity of a micro-batch in the padded [n, L'] layout: [1, S] of a packed row gathered
+    through `unpack_index` (differentiable; 0 off the sequences); a padded micro-batch's [b, L'] as it is."""
+    if "unpack_index" not in mb:
+        return t
+    return t.reshape(-1)[mb["unpack_index"]] * mb["unpack_valid"]

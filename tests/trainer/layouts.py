@@ -21,9 +21,20 @@ TEMPERATURE = 0.8
 MAX_RESPONSE = 10
 
 
-def model_cfg(tied: bool = False):
+MAX_PROMPT = 12  # with MAX_RESPONSE: packed token budgets of micro_batch_size * 22 (22, 44, 88)
+
+
+def model_cfg(tied: bool = False, variant: str = "tiny"):
+    """The tiny model (Qwen2 family: q/k/v biases); variant 'llama3-rope': the Llama family (no biases) with
+    Llama-3.1's RoPE frequency scaling."""
+    from grpo_mega.conf.schema import RopeScaling
+
     cfg = load_model_config("tiny")
     cfg.tie_word_embeddings = tied
+    if variant == "llama3-rope":
+        cfg.family, cfg.qkv_bias, cfg.rope_scaling = "llama", False, RopeScaling(factor=8.0)
+    elif variant != "tiny":
+        raise ValueError(variant)
     return cfg
 
 
@@ -38,27 +49,37 @@ OPTIMS = {
 }
 
 
-def configs(mode: str, mbs: int, optim: str = "adam"):
+def configs(mode: str, mbs: int, optim: str = "adam", batch_kw: dict | None = None):
+    """With packing (the default), micro-batches are packed rows of mbs * (MAX_PROMPT + MAX_RESPONSE) tokens;
+    `batch_kw` overrides BatchConfig fields (e.g. packing=False)."""
     return dict(
         precision=PrecisionConfig(params_dtype="fp32"),
         optim=OptimConfig(**OPTIMS[optim]),
         algo_cfg=AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
                             clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
         batch=BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=mbs,
-                          max_response_length=MAX_RESPONSE),
+                          max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE, **(batch_kw or {})),
     )
 
 
-def rollout(seed: int = 0, vocab: int | None = None) -> RolloutBatch:
-    """8 responses (2 prompts x 4) with random lengths, tokens and rewards."""
+# Response lengths of `rollout(lengths="packing")`: with prompts of MAX_PROMPT and 4 tokens, sequence lengths
+# 22 (fills a 22-token budget alone), 14, 15, 13 | 6, 9, 5, 7; a 44-token budget packs 4 of them into one row.
+PACKING_LENGTHS = ((MAX_PROMPT, [MAX_RESPONSE, 2, 3, 1]), (4, [2, 5, 1, 3]))
+
+
+def rollout(seed: int = 0, vocab: int | None = None, lengths: str = "random") -> RolloutBatch:
+    """8 responses (2 prompts x 4) with random tokens and rewards; random lengths, or PACKING_LENGTHS."""
     g = torch.Generator().manual_seed(seed)
     vocab = vocab or model_cfg().vocab_size
     prompts, responses = [], []
     for i in range(8):
-        p = int(torch.randint(3, 9, (1,), generator=g)) if i % 4 == 0 else len(prompts[-1])
+        if lengths == "packing":
+            p, r = PACKING_LENGTHS[i // 4][0], PACKING_LENGTHS[i // 4][1][i % 4]
+        else:
+            p = int(torch.randint(3, 9, (1,), generator=g)) if i % 4 == 0 else len(prompts[-1])
+            r = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=g))
         prompt = prompts[-1] if i % 4 else torch.randint(0, vocab, (p,), generator=g).tolist()
         prompts.append(prompt)
-        r = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=g))
         responses.append(torch.randint(0, vocab, (r,), generator=g).tolist())
     batch = RolloutBatch.from_samples(prompts, responses)
     rewards = torch.randint(0, 3, (8,), generator=g).float()
@@ -83,9 +104,12 @@ def full_state(gpt) -> dict:
     return {k: v.detach().double().clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k}
 
 
-def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, optim="adam", parallel_kw=None):
+def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, optim="adam", parallel_kw=None,
+               spec=None):
     """On every rank of a tp x pp x dp layout: for each (mode, mbs), load W0, one update, save W1.
-    Returns (logprobs of W0, {combo: metrics})."""
+    Returns (logprobs of W0, {combo: metrics}); with spec["ref"], also the logprobs of W0 loaded into a
+    Reference: (logprobs, metrics, reference logprobs). `spec`: batch_kw, variant, lengths (see `rollout`)."""
+    spec = spec or {}
     from megatron.core import dist_checkpointing
 
     with cpu_compat.cpu_device_mode():
@@ -93,12 +117,16 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
         combos = combos or [(m, b) for m in MODES for b in MICRO]
         parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, **(parallel_kw or {}))
         results, first_logp = {}, None
+        cfg = model_cfg(tied, spec.get("variant", "tiny"))
         for mode, mbs in combos:
-            actor = Actor(model_cfg(tied), parallel, **configs(mode, mbs, optim))
+            kw = configs(mode, mbs, optim, spec.get("batch_kw"))
+            actor = Actor(cfg, parallel, **kw)
             _load(actor, w0_dir)
-            batch = rollout()
+            batch = rollout(lengths=spec.get("lengths", "random"))
             if first_logp is None:
                 first_logp = actor.logprobs(batch, TEMPERATURE)
+                if spec.get("ref"):
+                    ref_logp = _reference_logprobs(cfg, parallel, kw, w0_dir, batch)
             batch.old_logp, batch.ref_logp = inputs
             (m,) = actor.update(batch, TEMPERATURE)
             path = os.path.join(out_dir, f"{mode}_{mbs}")
@@ -106,30 +134,43 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
             dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), path)
             results[(mode, mbs)] = m
         destroy_distributed()
-        return first_logp, results
+        return (first_logp, results, ref_logp) if spec.get("ref") else (first_logp, results)
 
 
-def make_reference(w0_dir, tied=False, combos=None, optim="adam"):
-    """Single process: initial weights W0 (saved), logprobs, inputs, and per combo the metrics and the
-    gradient W0 - W1."""
+def _reference_logprobs(cfg, parallel, kw, w0_dir, batch):
     from megatron.core import dist_checkpointing
 
+    from grpo_mega.trainer.actor import Reference
+
+    ref = Reference(cfg, parallel, kw["precision"], kw["batch"])
+    ref.built.gpt.load_state_dict(dist_checkpointing.load(ref.built.gpt.sharded_state_dict(), w0_dir))
+    return ref.logprobs(batch, TEMPERATURE)
+
+
+def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
+    """Single process: initial weights W0 (saved), logprobs, inputs, and per combo the metrics and the
+    gradient W0 - W1. `spec` as for `run_layout` (e.g. batch_kw=dict(packing=False): the padded path)."""
+    from megatron.core import dist_checkpointing
+
+    spec = spec or {}
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=1234)
         combos = combos or [(m, b) for m in MODES for b in MICRO]
-        actor = Actor(model_cfg(tied), ParallelConfig(), **configs("token-mean", 1))
+        cfg = model_cfg(tied, spec.get("variant", "tiny"))
+        lengths = spec.get("lengths", "random")
+        actor = Actor(cfg, ParallelConfig(), **configs("token-mean", 1, optim, spec.get("batch_kw")))
         os.makedirs(w0_dir, exist_ok=True)
         dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), w0_dir)
         w0 = full_state(actor.built.gpt)
-        batch = rollout()
+        batch = rollout(lengths=lengths)
         logp = actor.logprobs(batch, TEMPERATURE)
         mask = batch.response_mask()
         inputs = (perturbed(logp, mask, 0.3, 1), perturbed(logp, mask, 0.2, 2))
         out = {}
         for mode, mbs in combos:
-            actor = Actor(model_cfg(tied), ParallelConfig(), **configs(mode, mbs, optim))
+            actor = Actor(cfg, ParallelConfig(), **configs(mode, mbs, optim, spec.get("batch_kw")))
             _load(actor, w0_dir)
-            b = rollout()
+            b = rollout(lengths=lengths)
             b.old_logp, b.ref_logp = inputs
             (m,) = actor.update(b, TEMPERATURE)
             w1 = full_state(actor.built.gpt)
@@ -138,7 +179,7 @@ def make_reference(w0_dir, tied=False, combos=None, optim="adam"):
         return w0, logp, inputs, out
 
 
-def load_many(dirs, tied=False):
+def load_many(dirs, tied=False, variant="tiny"):
     """Load checkpoints written at any layout into one single-process TP1PP1 model; return their states."""
     from megatron.core import dist_checkpointing
 
@@ -146,7 +187,7 @@ def load_many(dirs, tied=False):
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=1234)
-        gpt, _ = build_gpt(model_cfg(tied), ParallelConfig(), PrecisionConfig(params_dtype="fp32"))
+        gpt, _ = build_gpt(model_cfg(tied, variant), ParallelConfig(), PrecisionConfig(params_dtype="fp32"))
         out = {}
         for d in dirs:
             gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), d))
