@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import socket
 import sys
@@ -120,7 +121,54 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
+    if rows and "timing/step" in rows[0]:
+        from grpo_mega.trainer.timing import PHASES
+
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        steps = [r["step"] for r in rows]
+        ax.stackplot(steps, *[[r[f"timing/{p}"] for r in rows] for p in PHASES], labels=PHASES)
+        ax.plot(steps, [r["timing/step"] for r in rows], color="black", lw=1, label="step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.set_title("where each step's time went (max over ranks)")
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / "timing.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
     return paths
+
+
+def _wandb_wanted() -> bool:
+    """wandb logs the run when it is installed and has somewhere to write: WANDB_MODE=offline, or an API key
+    (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry). WANDB_MODE=disabled turns it off. Without either, a
+    run never stops to ask for a login."""
+    if importlib.util.find_spec("wandb") is None or os.environ.get("WANDB_MODE") == "disabled":
+        return False
+    if os.environ.get("WANDB_MODE") == "offline" or os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class _NotMegatronInfo(logging.Filter):
+    """Keeps megatron-core's INFO records (it logs whole configs, e.g. the OptimizerConfig) off the terminal;
+    Hydra's file handler still writes them to train.log in the run directory."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith("megatron")
+
+
+def _quiet_console() -> None:
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.addFilter(_NotMegatronInfo())
 
 
 def _task(c: dict, tok, batch, run_cfg):
@@ -170,6 +218,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     from grpo_mega.rollout.embedded import EmbeddedEngine
     from grpo_mega.trainer.loop import train
 
+    _quiet_console()
     c = OmegaConf.to_container(cfg, resolve=True)
     parallel = ParallelConfig(**c.get("parallel", {}))
     precision = PrecisionConfig(**c.get("precision", {}))
@@ -217,7 +266,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     _single_process_env()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     with cpu_compat.cpu_device_mode():
-        batch.check_dp(parallel.check(model, int(os.environ["WORLD_SIZE"])))
+        batch.check_packing(parallel)  # before the world size: it is a property of the config alone
+        batch.check_layout(parallel, parallel.check(model, int(os.environ["WORLD_SIZE"])))
         if int(os.environ["WORLD_SIZE"]) % rollout.num_engines:
             raise ValueError(f"rollout.num_engines={rollout.num_engines} must divide the number of ranks "
                              f"({os.environ['WORLD_SIZE']}): the engines sit on evenly spaced ranks (one per node)")
@@ -232,8 +282,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             writer = SummaryWriter(str(out_dir / "tensorboard"))
         bar = tqdm(total=run_cfg.steps, desc="grpo", disable=not rank0, dynamic_ncols=True)
         wandb = None
-        if rank0 and importlib.util.find_spec("wandb") is not None and os.environ.get("WANDB_MODE") != "disabled":
-            import wandb  # logged to when installed; WANDB_MODE=offline|disabled are wandb's own switches
+        if rank0 and _wandb_wanted():
+            import wandb
 
             wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-mega"), config=c, dir=str(out_dir))
 
@@ -248,7 +298,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             if wandb is not None:
                 wandb.log(row, step=row["step"])
             bar.set_postfix(reward=f"{row['reward']:.2f}", val=f"{row['val_reward']:.2f}", kl=f"{row['kl']:.3f}",
-                            step_s=f"{row['step_seconds']:.2f}")
+                            step_s=f"{row['timing/step']:.2f}", tok_s=f"{row['perf/update_tokens_per_s']:.0f}")
             bar.update(1)
 
         history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,

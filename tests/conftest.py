@@ -1,7 +1,11 @@
 """Shared test setup: import torch and megatron-core once in the pytest process, so that the multi-rank
 tests fork warm ranks (grpo_mega.parallel.forked) instead of paying megatron's 5-6 s import per rank."""
 
+import os
 import warnings
+
+# wandb is installed in the test tier: no test logs anywhere unless it asks for WANDB_MODE=offline itself.
+os.environ["WANDB_MODE"] = "disabled"
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 

@@ -17,16 +17,27 @@ GOLDEN_LOSS = [-0.010902087204158306, -0.003450653370236978, -0.0034447910729795
                -0.01164758505183272, -0.00399063341319561]
 
 
-def _run(tmp_path, *overrides):
+def _run(tmp_path, *overrides, env=None):
     proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", *overrides],
-                          capture_output=True, text=True, timeout=600)
+                    capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     return proc, rows
 
 
+PHASES = ("generate", "reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval", "checkpoint")
+
+
 def test_golden_curve_first_10_steps(tmp_path):
-    proc, rows = _run(tmp_path, "run.steps=10", "eval.interval=5")
+    """The default run (packed micro-batches), with wandb offline: the golden numbers, the per-phase profile,
+    and wandb receiving what metrics.jsonl has."""
+    import os
+
+    from tests.wandb_records import history
+
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    proc, rows = _run(tmp_path, "run.steps=10", "eval.interval=5", "checkpoint.dir=" + str(tmp_path / "ckpt"),
+                      "checkpoint.interval=5", env=env)
     assert [round(r["reward"], 6) for r in rows] == GOLDEN_REWARD
     assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS, rel=1e-5)
     for name in ("reward", "val_reward", "kl", "entropy", "response_length"):
@@ -34,6 +45,23 @@ def test_golden_curve_first_10_steps(tmp_path):
     assert "validation reward (greedy): 0.00 at step 0" in proc.stdout and "plots:" in proc.stdout
     assert list((tmp_path / "tensorboard").iterdir())
     assert all(r["logprob_mismatch"] < 1e-5 for r in rows)  # engine and trainer agree every step
+    # where the time went: every phase, adding up to the step within 5% (the rest: advantages, bookkeeping)
+    for r in rows:
+        phases = sum(r[f"timing/{p}"] for p in PHASES)
+        assert abs(phases - r["timing/step"]) <= 0.05 * r["timing/step"], (r["step"], phases, r["timing/step"])
+        assert r["perf/update_tokens_per_s"] > 0 and r["perf/generated_tokens_per_s"] > 0
+        assert 0 <= r["batch/pad_fraction"] <= 0.10 and r["batch/micro_batches"] >= 1
+    assert rows[4]["timing/checkpoint"] > 0 and rows[3]["timing/checkpoint"] == 0  # saved at steps 5 and 10
+    assert rows[4]["timing/eval"] > 0 and rows[3]["timing/eval"] == 0
+    assert (tmp_path / "timing.png").stat().st_size > 1000
+    assert "step_s=" in proc.stderr and "tok_s=" in proc.stderr  # the progress bar
+    # wandb (offline) received every key of every row, with the same values
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    logged = history(run_dir)
+    assert len(logged) == len(rows)
+    for row, w in zip(rows, logged):
+        assert {k: v for k, v in w.items() if not k.startswith("_")} == row
+        assert w["_step"] == row["step"]
 
 
 def test_unknown_override_names_the_field(tmp_path):

@@ -92,3 +92,12 @@ def broadcast_object(obj, src: int = 0):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def world_max(values: list[float]) -> list[float]:
+    """The element-wise maximum of a list of floats over every rank (one MAX all-reduce over the world),
+    e.g. each phase's seconds: a step is as slow as its slowest rank."""
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

@@ -7,7 +7,6 @@ identically everywhere.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -20,6 +19,7 @@ from grpo_mega.parallel import comm
 from grpo_mega.rollout.engines import Engines
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
+from grpo_mega.trainer.timing import StepTimer, throughput
 
 
 @dataclass(kw_only=True)
@@ -131,6 +131,30 @@ def evaluate(engines: Engines, task: Task, batch: BatchConfig, rollout: RolloutC
     return greedy, sum(solved) / len(val)
 
 
+def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
+    """[N, L] position-aligned: the rollout engine's logprob of each response token (DESIGN.md)."""
+    out = torch.zeros(rb.tokens.shape, dtype=torch.float32)
+    for i, lps in enumerate(gen.logprobs):
+        start = int(rb.prompt_lens[i]) - 1
+        out[i, start : start + len(lps)] = torch.tensor(lps)
+    return out
+
+
+def step_metrics(timer: StepTimer, updates: list[dict], rb: RolloutBatch, epochs: int) -> dict:
+    """The step's timing/* (reduced over ranks: collective), perf/* and batch/* metrics."""
+    timing = timer.metrics()
+    trained = rb.in_loss if rb.in_loss is not None else torch.ones(rb.size, dtype=torch.bool)
+    update_tokens = float(((rb.prompt_lens + rb.response_lens) * trained).sum()) * epochs
+    computed = sum(u["computed_tokens"] for u in updates)
+    return {
+        **timing,
+        **throughput(timing, update_tokens, float(rb.response_lens.sum())),
+        "batch/pad_fraction": 1.0 - sum(u["useful_tokens"] for u in updates) / computed if computed else 0.0,
+        "batch/micro_batches": sum(u["micro_batches"] for u in updates),
+        "batch/dp_token_imbalance": max(u["dp_token_imbalance"] for u in updates),
+    }
+
+
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
           algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, evaluation: EvalConfig,
           task: Task,
@@ -140,7 +164,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     """Run `run.steps` GRPO steps; returns the per-step metrics (identical on every rank).
     With `hf_dir`, the actor (and so the reference) start from that HF checkpoint. `resolved_config` (the
     run's whole config) is saved in every checkpoint and compared with on resume."""
-    batch.check_dp(torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
+    batch.check_layout(parallel, torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
     actor = Actor(model, parallel, precision, optim, algo_cfg, batch)
     if hf_dir is not None:
         from grpo_mega.models.hf_io import load_hf_into_gpt
@@ -170,19 +194,23 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
     history = History(initial_val_reward=val)
     for step in range(first_step, run.steps + 1):
-        t0 = time.perf_counter()
-        examples = task.train_batch(batch.train_batch_size)
-        gen = engines.generate([e.prompt_ids for e in examples], batch.n, rollout.temperature, rollout.top_p,
-                               batch.max_response_length, task.stop_token_ids, run.seed * 1_000_003 + step)
+        timer = StepTimer()
+        with timer("generate"):
+            examples = task.train_batch(batch.train_batch_size)
+            gen = engines.generate([e.prompt_ids for e in examples], batch.n, rollout.temperature, rollout.top_p,
+                                   batch.max_response_length, task.stop_token_ids, run.seed * 1_000_003 + step)
         samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
-        rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
+        with timer("reward"):
+            rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
         if task.overlong == "zero":
             rewards = torch.where(overlong, 0.0, rewards)
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids)
-        rb.old_logp = actor.logprobs(rb, rollout.temperature)
+        with timer("old_logprobs"):
+            rb.old_logp = actor.logprobs(rb, rollout.temperature)
         if use_ref:
-            rb.ref_logp = reference.logprobs(rb, rollout.temperature)
+            with timer("ref_logprobs"):
+                rb.ref_logp = reference.logprobs(rb, rollout.temperature)
         scores = rewards
         if algo_cfg.kl_in_reward:  # PPO-style: the KL penalty goes into the sequence reward
             kl = algo.kl_penalty(rb.old_logp, rb.ref_logp, algo_cfg.kl_estimator)
@@ -194,39 +222,40 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         if algo_cfg.dynamic_sampling:  # DAPO: groups with equal rewards teach nothing; keep them out of the loss
             in_loss &= algo.nonuniform_groups(scores, batch.n).repeat_interleave(batch.n)
         rb.in_loss = in_loss
-        engine_lp = torch.zeros_like(rb.old_logp)
-        for i, lps in enumerate(gen.logprobs):
-            start = len(samples[i].prompt_ids) - 1
-            engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
-        mismatch = algo.logprob_mismatch(engine_lp, rb.old_logp, rb.response_mask())
-        rb.engine_logp = engine_lp
-        updates = actor.update(rb, rollout.temperature)
-        stats = engines.sync(actor.built.gpt, version=step, **sync)
-        if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
-            reference.load_from(actor)
+        rb.engine_logp = engine_logprobs(gen, rb)
+        mismatch = algo.logprob_mismatch(rb.engine_logp, rb.old_logp, rb.response_mask())
+        with timer("update"):
+            updates = actor.update(rb, rollout.temperature)
+        with timer("weight_sync"):
+            engines.sync(actor.built.gpt, version=step, **sync)
+            if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
+                reference.load_from(actor)
         if step % evaluation.interval == 0 or step == run.steps:
-            val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
+            with timer("eval"):
+                val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
+        stop = ckpt is not None and bool(ckpt.stop_file) and comm.any_rank(
+            torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
+        if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps or stop):
+            with timer("checkpoint"):
+                checkpoint.save(store, step, actor, reference,
+                                {"step": step, "weight_version": step, "config": resolved_config,
+                                 "task": task.get_state() if task.get_state else None},
+                                export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
         row = dict(
             step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
             overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
             response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
-            step_seconds=time.perf_counter() - t0, lr=actor.optimizer.param_groups[0]["lr"], sync_seconds=stats.seconds if stats else 0.0,
+            lr=actor.optimizer.param_groups[0]["lr"],
             **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
                                                                        "clip_fraction", "grad_norm")},
             skipped=sum(u["skipped"] for u in updates),
+            **step_metrics(timer, updates, rb, algo_cfg.ppo_epochs),
         )
         history.rows.append(row)
         if log is not None:
             log(row)
         if store is not None and torch.distributed.get_rank() == 0:
             store.heartbeat()
-        stop = ckpt is not None and bool(ckpt.stop_file) and comm.any_rank(
-            torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
-        if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps or stop):
-            checkpoint.save(store, step, actor, reference,
-                            {"step": step, "weight_version": step, "config": resolved_config,
-                             "task": task.get_state() if task.get_state else None},
-                            export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
         if stop:
             if torch.distributed.get_rank() == 0:  # taken: renamed, so that it is not seen again (and the
                 # launcher can tell a run that stopped early on it from one that had finished anyway)
