@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from grpo_mega.parallel import comm
 from grpo_mega.rollout.engine import Generation
-from grpo_mega.rollout.weight_sync import SyncRoute, WeightSyncError, sync_weights
+from grpo_mega.rollout.weight_sync import SyncRoute, sync_weights
 
 
 class RolloutError(RuntimeError):
@@ -28,7 +28,15 @@ class Engines:
         if world % count:
             raise ValueError(f"rollout.num_engines={count} must divide the number of ranks ({world})")
         self.ranks = [i * (world // count) for i in range(count)]
-        self.local = factory() if rank in self.ranks else None
+        self.local, error = None, None
+        if rank in self.ranks:
+            try:
+                self.local = factory()
+            except Exception as e:  # noqa: BLE001 - reported on every rank below, before any training
+                error = f"the rollout engine on rank {rank} did not start: {type(e).__name__}: {e}"
+        errors = [e for e in comm.all_gather_objects(error) if e is not None]
+        if errors:
+            raise RolloutError(errors[0])
         self._route = None
         if count > 1 and rank == 0:
             print(f"rollout engines on ranks {self.ranks}", flush=True)
@@ -80,7 +88,7 @@ class Engines:
             error = f"weight sync into the rollout engine on rank {dist.get_rank()} failed: {type(e).__name__}: {e}"
         errors = [e for e in comm.all_gather_objects(error) if e is not None]
         if errors:
-            raise WeightSyncError(errors[0] + (f" (and {len(errors) - 1} more engines)" if len(errors) > 1 else ""))
+            raise RolloutError(errors[0] + (f" (and {len(errors) - 1} more engines)" if len(errors) > 1 else ""))
         if stats is not None:
             stats.seconds = time.perf_counter() - t0
         return stats if dist.get_rank() == self.ranks[0] else None

@@ -13,7 +13,7 @@ from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 from grpo_mega.rollout import weight_sync as ws
 from grpo_mega.rollout.embedded import EmbeddedEngine
-from grpo_mega.rollout.engines import Engines
+from grpo_mega.rollout.engines import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
 from tests.trainer import layouts as L
 
@@ -92,7 +92,7 @@ def _two_engines(tp, pp):
             engines.local.weight_checksums = wrong
         try:
             engines.sync(gpt, version=4, **kwargs)
-        except ws.WeightSyncError as e:
+        except RolloutError as e:
             out["audit_error"] = str(e)
         destroy_distributed()
         return out
