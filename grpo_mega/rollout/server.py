@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     src.add_argument("--hf-dir", help="an HF checkpoint directory")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--vocab-size", type=int, default=None, help="with --model: override its vocabulary "
+                    "(the toy task's run uses its tokenizer's: python -c 'from grpo_mega.data.toy import "
+                    "make_tokenizer; print(len(make_tokenizer()))')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="for joining and using the update group")
     args = ap.parse_args(argv)
@@ -181,7 +184,10 @@ def main(argv=None) -> int:
     else:
         from grpo_mega.conf import load_model_config
 
-        engine = EmbeddedEngine.from_model_config(load_model_config(args.model), seed=args.seed)
+        cfg = load_model_config(args.model)
+        if args.vocab_size:
+            cfg.vocab_size = args.vocab_size
+        engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
     httpd = ThreadingHTTPServer((args.host, args.port), make_handler(EngineServer(engine, args.hf_dir or args.model,
                                                                                   args.timeout_s)))
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)

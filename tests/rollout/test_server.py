@@ -140,3 +140,36 @@ def test_outstanding_tokens_not_counts_decide():
     shares = client.assign([[1] * 10, [1] * 10, [1] * 10], n=2, max_new_tokens=20)
     # each prompt costs 2 * (10 + 20) = 60 tokens: b takes the first two (0 -> 60 -> 120), a the third
     assert shares == [[2], [0, 1]]
+
+
+def test_a_dedicated_run_trains_against_a_server(tmp_path):
+    """`python -m grpo_mega.train rollout.placement=dedicated rollout.servers=[URL]` on 2 ranks: the run
+    samples from the server, and the server generates with the trainer's weights after every sync."""
+    import json
+
+    from grpo_mega.data.toy import make_tokenizer
+    from tests.proc import run_tree
+    from tests.trainer.test_engines import _free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port", "0",
+                             "--vocab-size", str(len(make_tokenizer()))], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+        assert "ready on " in line, "the rollout server did not start"
+        url = line.split("ready on ")[1].strip()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+               "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "run.steps=2", "eval.interval=2",
+               "rollout.placement=dedicated", f"rollout.servers=[{url}]", "rollout.audit_weights=true"]
+        done = run_tree(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                        env={**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(r) for r in open(tmp_path / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(r["logprob_mismatch"] < LOGP_TOL for r in rows)
+    finally:
+        _stop(proc)
