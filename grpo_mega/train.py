@@ -249,6 +249,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     task.overlong = c.get("reward", {}).get("overlong", "keep")
 
     def engine_factory():
+        if rollout.placement == "dedicated":
+            from grpo_mega.rollout.client import ServerClient
+
+            return ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp)
         if rollout.engine == "embedded":
             if hf_dir is not None:
                 return EmbeddedEngine.from_hf_dir(hf_dir)

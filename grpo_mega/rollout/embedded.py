@@ -57,7 +57,10 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0,
+                 row_seeds: Optional[list[int]] = None) -> Generation:
+        """As RolloutEngine.generate; with `row_seeds` (n=1, one per prompt) sample i is drawn with generator
+        seed row_seeds[i] instead (the server's path: SGLang's per-request sampling_seed)."""
         from transformers import DynamicCache
 
         if n < 1 or max_new_tokens < 1:
@@ -74,7 +77,11 @@ class EmbeddedEngine(RolloutEngine):
         for r, (p, _) in enumerate(rows):
             ids[r, width - len(prompts[p]):] = torch.tensor(prompts[p])
             mask[r, width - len(prompts[p]):] = 1
-        gens = [torch.Generator().manual_seed(sample_seed(seed, prompt_offset + p, j)) for p, j in rows]
+        if row_seeds is not None and (n != 1 or len(row_seeds) != len(prompts)):
+            raise ValueError(f"row_seeds needs n=1 and one seed per prompt; got n={n}, {len(row_seeds)} seeds for "
+                             f"{len(prompts)} prompts")
+        gens = [torch.Generator().manual_seed(row_seeds[p] if row_seeds is not None else
+                                              sample_seed(seed, prompt_offset + p, j)) for p, j in rows]
         stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -112,17 +119,23 @@ class EmbeddedEngine(RolloutEngine):
     # ---- weights ---------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def load_bucket(self, bucket: Bucket) -> list[str]:
+        """Copy one bucket's tensors into the model; returns their names."""
+        names = []
+        for name, t in bucket.tensors():
+            param = self.params.get(name)
+            if param is None:
+                raise KeyError(f"weight sync sent {name!r}, which this engine's model does not have")
+            if tuple(t.shape) != tuple(param.shape):
+                raise ValueError(f"weight sync sent {name} with shape {tuple(t.shape)}; the engine has {tuple(param.shape)}")
+            param.copy_(t.to(device=param.device, dtype=param.dtype))
+            names.append(name)
+        return names
+
     def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
         seen: set[str] = set()
         for bucket in buckets:
-            for name, t in bucket.tensors():
-                param = self.params.get(name)
-                if param is None:
-                    raise KeyError(f"weight sync sent {name!r}, which this engine's model does not have")
-                if tuple(t.shape) != tuple(param.shape):
-                    raise ValueError(f"weight sync sent {name} with shape {tuple(t.shape)}; the engine has {tuple(param.shape)}")
-                param.copy_(t.to(device=param.device, dtype=param.dtype))
-                seen.add(name)
+            seen.update(self.load_bucket(bucket))
         missing = sorted(set(self.params) - seen)
         if missing:
             raise ValueError(f"weight sync version {version} did not update {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,6 +1,7 @@
 """The run's rollout engines as the trainer sees them: where they live (one by default, on global rank 0;
 `rollout.num_engines` of them on evenly spaced ranks), how a batch of prompts is shared between them and
-the samples returned to every rank, and the weight sync into each. Collective: every rank calls every
+the samples returned to every rank, and the weight sync into all of them at once (grpo_mega.rollout.
+weight_sync: one gather per bucket, one broadcast to every engine). Collective: every rank calls every
 method."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from grpo_mega.parallel import comm
 from grpo_mega.rollout.engine import Generation
-from grpo_mega.rollout.weight_sync import sync_weights
+from grpo_mega.rollout.weight_sync import SyncRoute, sync_weights
 
 
 class RolloutError(RuntimeError):
@@ -27,7 +28,16 @@ class Engines:
         if world % count:
             raise ValueError(f"rollout.num_engines={count} must divide the number of ranks ({world})")
         self.ranks = [i * (world // count) for i in range(count)]
-        self.local = factory() if rank in self.ranks else None
+        self.local, error = None, None
+        if rank in self.ranks:
+            try:
+                self.local = factory()
+            except Exception as e:  # noqa: BLE001 - reported on every rank below, before any training
+                error = f"the rollout engine on rank {rank} did not start: {type(e).__name__}: {e}"
+        errors = [e for e in comm.all_gather_objects(error) if e is not None]
+        if errors:
+            raise RolloutError(errors[0])
+        self._route = None
         if count > 1 and rank == 0:
             print(f"rollout engines on ranks {self.ranks}", flush=True)
 
@@ -65,16 +75,23 @@ class Engines:
                           finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version)
 
     def sync(self, gpt, version: int, **kwargs):
-        """The trainer's weights into every engine (collective); the stats on rank 0, seconds for all engines."""
-        t0, stats = time.perf_counter(), None
-        rank = dist.get_rank()
-        for r in self.ranks:
-            s = sync_weights(gpt, engine=self.local if rank == r else None, version=version, engine_rank=r, **kwargs)
-            if r == 0:
-                stats = s
+        """The trainer's weights into every engine (collective): each bucket gathered once and broadcast to
+        all engines. A failure on any engine (or an audit mismatch) raises on every rank. Returns the
+        stats on rank 0 (an engine rank), seconds for all engines."""
+        t0 = time.perf_counter()
+        if self._route is None:
+            self._route = SyncRoute(self.ranks)  # collective: creates the broadcast groups, once
+        stats, error = None, None
+        try:
+            stats = sync_weights(gpt, engine=self.local, version=version, route=self._route, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"weight sync into the rollout engine on rank {dist.get_rank()} failed: {type(e).__name__}: {e}"
+        errors = [e for e in comm.all_gather_objects(error) if e is not None]
+        if errors:
+            raise RolloutError(errors[0] + (f" (and {len(errors) - 1} more engines)" if len(errors) > 1 else ""))
         if stats is not None:
             stats.seconds = time.perf_counter() - t0
-        return stats
+        return stats if dist.get_rank() == self.ranks[0] else None
 
     def shutdown(self) -> None:
         if self.local is not None:

@@ -1,13 +1,15 @@
-"""Weight sync: the trainer's sharded Megatron weights -> full HF-named tensors -> buckets -> the engine.
+"""Weight sync: the trainer's sharded Megatron weights -> full HF-named tensors -> buckets -> every engine.
 
 Owns the path every engine is fed by. On the first DP replica, each pipeline stage walks its own
 parameters in a fixed order, all-gathers each TP-sharded one over its TP group, merges the shards through
 the bridge (which knows the fused QKV and gate/up layouts), renames it to HF, casts it to the engine's
 dtype and packs it into flat buckets of at most `bucket_mb` (a single larger tensor gets a bucket of its
-own). The stage's TP rank 0 sends its buckets to the rank that hosts the engine, stage after stage, so the
-trainer's TP/PP need not match anything on the engine side. With `audit`, the sending ranks also checksum
-every tensor they pack and the engine's `weight_checksums()` is compared after the update: a mismatch names
-the tensor.
+own). Each bucket is gathered and packed once per sync, however many engines there are: the stage's TP
+rank 0 broadcasts it, in one collective, to every engine rank outside its TP group (an engine inside it
+packs the same bucket from the same gathered shards), stage after stage, so the trainer's TP/PP need not
+match anything on the engine side. The next bucket is gathered while the last one is on the wire. With
+`audit`, the sending ranks also checksum every tensor they pack and each engine's `weight_checksums()` is
+compared after the update: a mismatch names the tensor.
 """
 
 from __future__ import annotations
@@ -102,69 +104,117 @@ class SyncStats:
     shapes: Optional[dict] = None  # HF name -> shape of everything sent
 
 
-def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[RolloutEngine], version: int,
-                 bucket_mb: float = 512, audit: bool = False, engine_rank: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Optional[SyncStats]:
-    """Send the trainer's weights to `engine`, which lives on global rank `engine_rank` (None elsewhere).
+class SyncRoute:
+    """Who gathers each pipeline stage and how its buckets reach the engines; built once per set of engine
+    ranks (collective over the whole world: it all-gathers every rank's position and creates the groups).
 
-    Collective over the whole world: every rank calls it. Returns the stats on the engine's rank."""
-    ps = _ps()
+    Stage s is gathered by the TP group of its first DP replica (`tp_ranks[s]`); its TP rank 0 (`senders[s]`)
+    packs the buckets. An engine rank inside that TP group packs the same buckets itself from the same
+    all-gathered shards; every other engine rank receives them, one broadcast per bucket over `groups[s]`
+    (the sender and those engines), with the bucket's header (names, shapes, checksums) on a second group of
+    the same ranks so that it does not queue behind the previous bucket's bytes."""
+
+    def __init__(self, engine_ranks):
+        ps = _ps()
+        self.engine_ranks = sorted(set(int(r) for r in engine_ranks))
+        world = dist.get_world_size()
+        if not self.engine_ranks or not all(0 <= r < world for r in self.engine_ranks):
+            raise ValueError(f"engine ranks {list(engine_ranks)} must be global ranks in [0, {world})")
+        info = torch.tensor([ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                             ps.get_data_parallel_rank()], dtype=torch.long)
+        gathered = [torch.empty_like(info) for _ in range(world)]
+        dist.all_gather(gathered, info)
+        tp_ranks: dict[int, dict[int, int]] = {}
+        for r, t in enumerate(gathered):
+            stage, tp_rank, dp_rank = t.tolist()
+            if dp_rank == 0:
+                tp_ranks.setdefault(stage, {})[tp_rank] = r
+        self.tp_ranks = [sorted(tp_ranks[s].values()) for s in sorted(tp_ranks)]
+        self.senders = [tp_ranks[s][0] for s in sorted(tp_ranks)]
+        self.receivers = [[r for r in self.engine_ranks if r not in ranks] for ranks in self.tp_ranks]
+        self.groups, self.header_groups = [], []
+        for sender, receivers in zip(self.senders, self.receivers):  # the same order on every rank
+            members = [sender] + receivers
+            self.groups.append(dist.new_group(members) if receivers else None)
+            self.header_groups.append(dist.new_group(members) if receivers else None)
+
+
+def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[RolloutEngine], version: int,
+                 bucket_mb: float = 512, audit: bool = False, engine_ranks=(0,),
+                 dtype: torch.dtype = torch.float32, route: Optional[SyncRoute] = None) -> Optional[SyncStats]:
+    """Send the trainer's weights to every engine: `engine` lives on each global rank of `engine_ranks`
+    (None elsewhere). Each bucket is gathered and packed once, whatever the number of engines.
+
+    Collective over the whole world: every rank calls it (with the same `route`, or none: then one is
+    built, itself a collective). Returns the stats on the engine ranks, None elsewhere. If the engine
+    fails part-way, this rank still takes part in every remaining collective before raising, so that the
+    other ranks are not left waiting."""
+    route = route or SyncRoute(engine_ranks)
     rank = dist.get_rank()
+    hosts = rank in route.engine_ranks
+    if hosts and engine is None:
+        raise ValueError(f"rank {rank} hosts an engine but got none")
     bucket_bytes = int(bucket_mb * 2**20)
+    device = next(gpt.parameters()).device
     t0 = time.perf_counter()
-    senders = _first_replica_pp_ranks()  # collective: every rank learns who sends each stage
-    pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    first_replica = ps.get_data_parallel_rank() == 0
-    sender = first_replica and ps.get_tensor_model_parallel_rank() == 0
     trainer_sums: dict[str, str] = {}
     sent_shapes: dict[str, tuple] = {}
     stats = dict(bytes=0, buckets=0, largest=0)
 
-    def deliver(bucket: Bucket):
+    def deliver(bucket: Bucket) -> Bucket:
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1
         stats["largest"] = max(stats["largest"], bucket.nbytes)
         if bucket.checksums:
             trainer_sums.update(bucket.checksums)
         sent_shapes.update({m.name: m.shape for m in bucket.metas})
-        yield bucket
+        return bucket
 
-    def engine_buckets():
-        for stage in range(pp):
-            src = senders[stage]
-            if src == rank:  # the engine's own stage: straight from the gather
-                for bucket in pack_buckets(stage_hf_tensors(gpt, cfg, dtype), bucket_bytes, audit):
-                    yield from deliver(bucket)
-            else:
+    def flow() -> Iterator[Bucket]:
+        """Every stage in order: gather (and send) our own, receive the others'; yields what this rank's
+        engine loads."""
+        for stage, (sender, group, headers) in enumerate(zip(route.senders, route.groups, route.header_groups)):
+            if rank in route.tp_ranks[stage]:
+                tensors = stage_hf_tensors(gpt, cfg, dtype)
+                if rank != sender and not hosts:
+                    for _ in tensors:  # take part in the TP gathers
+                        pass
+                    continue
+                in_flight = None
+                for bucket in pack_buckets(tensors, bucket_bytes, audit):
+                    if rank == sender and group is not None:
+                        dist.broadcast_object_list([(bucket.metas, bucket.checksums, bucket.nbytes)], src=sender,
+                                                   group=headers)
+                        if in_flight is not None:  # at most two buckets in flight
+                            in_flight.wait()
+                        in_flight = dist.broadcast(bucket.flat, src=sender, group=group, async_op=True)
+                    if hosts:  # the local engine copies this bucket while the next one is gathered
+                        yield deliver(bucket)
+                if in_flight is not None:
+                    in_flight.wait()
+                if rank == sender and group is not None:
+                    dist.broadcast_object_list([None], src=sender, group=headers)
+            elif rank in route.receivers[stage]:
                 while True:
                     header = [None]
-                    dist.recv_object_list(header, src=src)
+                    dist.broadcast_object_list(header, src=sender, group=headers)
                     if header[0] is None:
                         break
                     metas, sums, nbytes = header[0]
-                    flat = torch.empty(nbytes, dtype=torch.uint8)
-                    dist.recv(flat, src=src)
-                    yield from deliver(Bucket(metas, flat, sums))
+                    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    dist.broadcast(flat, src=sender, group=group)
+                    yield deliver(Bucket(metas, flat, sums))
 
-    if rank == engine_rank:
-        if engine is None:
-            raise ValueError(f"rank {rank} hosts the engine but got none")
-        engine.update_weights(version, engine_buckets())
-    elif first_replica:
-        for stage in range(pp):
-            if stage != my_stage:
-                continue
-            tensors = stage_hf_tensors(gpt, cfg, dtype)
-            if sender:
-                for bucket in pack_buckets(tensors, bucket_bytes, audit):
-                    dist.send_object_list([(bucket.metas, bucket.checksums, bucket.nbytes)], dst=engine_rank)
-                    dist.send(bucket.flat.contiguous(), dst=engine_rank)
-                dist.send_object_list([None], dst=engine_rank)
-            else:
-                for _ in tensors:  # take part in the TP gathers
-                    pass
-    if rank != engine_rank:
+    if not hosts:
+        for _ in flow():
+            pass
         return None
+    buckets = flow()
+    try:
+        engine.update_weights(version, buckets)
+    finally:
+        for _ in buckets:  # the engine stopped early (it raised): finish the collectives for the others
+            pass
     seconds = time.perf_counter() - t0
     if audit:
         check_audit(trainer_sums, engine.weight_checksums(sent_shapes))
@@ -172,22 +222,6 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
              stats["bytes"] / 2**20, stats["buckets"], stats["largest"] / 2**20, seconds, ", audited" if audit else "")
     return SyncStats(version, stats["bytes"], stats["buckets"], stats["largest"], seconds, audit,
                      trainer_sums if audit else None, sent_shapes)
-
-
-def _first_replica_pp_ranks() -> list[int]:
-    """Global ranks of each pipeline stage's (tp rank 0, dp rank 0) process, in stage order."""
-    ps = _ps()
-    world = dist.get_world_size()
-    info = torch.tensor([ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                         ps.get_data_parallel_rank()], dtype=torch.long)
-    gathered = [torch.empty_like(info) for _ in range(world)]
-    dist.all_gather(gathered, info)
-    out = {}
-    for r, t in enumerate(gathered):
-        stage, tp_rank, dp_rank = t.tolist()
-        if tp_rank == 0 and dp_rank == 0:
-            out[stage] = r
-    return [out[s] for s in sorted(out)]
 
 
 def check_audit(trainer: dict[str, str], engine: dict[str, str]) -> None:

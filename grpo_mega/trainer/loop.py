@@ -44,8 +44,28 @@ class RolloutConfig:
     """Weight-sync bucket size."""
     audit_weights: bool = False
     """Checksum every synced tensor against the engine's copy."""
+    placement: str = "colocated"
+    """'colocated': engines inside trainer ranks, phases in turn. 'dedicated': the engines are the servers
+    in `servers` (SGLang's HTTP API; `python -m grpo_mega.rollout.server` is the CPU stand-in), spoken to
+    from global rank 0."""
+    servers: list[str] = field(default_factory=list)
+    """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""
+    server_timeout_s: float = 300.0
+    """Dedicated placement: the longest a server may take to answer one request (a generate included)."""
 
     def __post_init__(self):
+        if self.placement not in ("colocated", "dedicated"):
+            raise ValueError(f"rollout.placement={self.placement!r} must be 'colocated' or 'dedicated'")
+        if self.placement == "dedicated" and not self.servers:
+            raise ValueError("rollout.placement=dedicated needs rollout.servers=[http://host:port,...]")
+        if self.placement == "colocated" and self.servers:
+            raise ValueError(f"rollout.servers={list(self.servers)} is for rollout.placement=dedicated; "
+                             "set it, or drop the servers")
+        if self.placement == "dedicated" and self.num_engines != 1:
+            raise ValueError(f"rollout.num_engines={self.num_engines} must be 1 with placement=dedicated "
+                             "(one client on rank 0 spreads the prompts over rollout.servers)")
+        if self.server_timeout_s <= 0:
+            raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
         if self.num_engines < 1:
             raise ValueError(f"rollout.num_engines={self.num_engines} must be >= 1")
         if self.engine_tp < 1:

@@ -1,0 +1,207 @@
+"""The client of dedicated rollout servers (`rollout.placement=dedicated`): the RolloutEngine interface over
+SGLang's HTTP API, spoken to `python -m sglang.launch_server` on GPUs that do not train, or to the embedded
+engine's server (grpo_mega.rollout.server) on CPU.
+
+Owns the requests, not the servers: health at start-up (an unreachable server is named before training
+starts), spreading prompts over servers by outstanding tokens (prompt plus n * max_new_tokens, not by
+count), and the weight update: one update group set up once through /init_weights_update_group with this
+process at rank 0 and server i at rank 1 + i * tp (gloo on CPU, NCCL on GPUs), then for each bucket one
+/update_weights_from_distributed request per server and a single broadcast of the bucket's bytes to all of
+them. Every call has a timeout; a server that dies or stops answering raises ServerError naming its URL.
+Where the client lives and how samples reach the ranks is grpo_mega.rollout.engines'.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.rollout.engine import Bucket, Generation, RolloutEngine, sample_seed
+
+
+class ServerError(RuntimeError):
+    """A rollout server failed, died or did not answer in time (the message names its URL)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _in_threads(calls: list) -> list:
+    """Run (fn, args) pairs at once; the results in order, or the first exception raised again."""
+    results: list = [None] * len(calls)
+
+    def run(i, fn, args):
+        try:
+            results[i] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, fn, args), daemon=True) for i, (fn, args) in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class ServerClient(RolloutEngine):
+    """Samples from, and weights into, the servers at `urls` (e.g. ["http://10.0.0.5:30000"])."""
+
+    def __init__(self, urls: list[str], timeout_s: float = 60.0, server_tp: int = 1,
+                 group_name: str = "grpo_mega_weights"):
+        if not urls:
+            raise ValueError("rollout.servers is empty: dedicated placement needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s, self.server_tp, self.group_name = timeout_s, server_tp, group_name
+        self.outstanding = {u: 0 for u in self.urls}  # tokens asked of each server and not yet answered
+        self._group = None
+        self.weight_version = 0
+        for url in self.urls:  # named before any training starts
+            self._call(url, "/health", None, what="the start-up health check")
+
+    # ---- HTTP -------------------------------------------------------------------------------------
+
+    def _call(self, url: str, path: str, body: Optional[dict], what: str = "", timeout: Optional[float] = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise ServerError(f"rollout server {url} refused {path} (HTTP {e.code}): {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} within "
+                              f"{timeout or self.timeout_s:.0f} s: {reason}; is it running? (rollout.servers)") from None
+        return json.loads(raw) if raw else {}
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    def assign(self, prompts: list[list[int]], n: int, max_new_tokens: int) -> list[list[int]]:
+        """Prompt indices per server: each prompt, longest first, to the server with the fewest outstanding
+        tokens (its prompt plus n * max_new_tokens counted for each sample)."""
+        load = dict(self.outstanding)
+        out: dict[str, list[int]] = {u: [] for u in self.urls}
+        for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+            url = min(self.urls, key=lambda u: load[u])
+            out[url].append(i)
+            load[url] += n * (len(prompts[i]) + max_new_tokens)
+        return [sorted(out[u]) for u in self.urls]
+
+    def _generate_on(self, url: str, prompts, idx: list[int], n, temperature, top_p, max_new, stop, seed, offset):
+        if not idx:
+            return []
+        tokens = sum(n * (len(prompts[i]) + max_new) for i in idx)
+        input_ids, params = [], []
+        for i in idx:
+            for j in range(n):
+                input_ids.append(list(prompts[i]))
+                params.append(dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
+                                   stop_token_ids=list(stop), sampling_seed=sample_seed(seed, offset + i, j) % (2**31),
+                                   skip_special_tokens=False, no_stop_trim=True))
+        self.outstanding[url] += tokens
+        try:
+            out = self._call(url, "/generate", dict(input_ids=input_ids, sampling_params=params, return_logprob=True))
+        finally:
+            self.outstanding[url] -= tokens
+        if not isinstance(out, list) or len(out) != len(input_ids):
+            raise ServerError(f"rollout server {url} answered /generate with {type(out).__name__}, not "
+                              f"{len(input_ids)} outputs")
+        return out
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
+        stop = list(stop_token_ids)
+        shares = self.assign(prompts, n, max_new_tokens)
+        answers = _in_threads([(self._generate_on, (u, prompts, idx, n, temperature, top_p, max_new_tokens, stop, seed,
+                                                    prompt_offset)) for u, idx in zip(self.urls, shares)])
+        rows: dict[int, list] = {}
+        for url, idx, out in zip(self.urls, shares, answers):
+            for k, i in enumerate(idx):
+                rows[i] = [(url, o) for o in out[k * n:(k + 1) * n]]
+        tokens, logps, finish, versions = [], [], [], set()
+        for i in range(len(prompts)):
+            for url, o in rows[i]:
+                meta = o["meta_info"]
+                ids = list(o["output_ids"])
+                tokens.append(ids)
+                logps.append([float(x[0]) for x in meta["output_token_logprobs"]][: len(ids)])
+                finish.append("length" if (meta.get("finish_reason") or {}).get("type") == "length" else "stop")
+                versions.add(int(meta.get("weight_version", self.weight_version)))
+        if len(versions) > 1:
+            raise ServerError(f"the rollout servers {self.urls} answered with different weight versions {sorted(versions)}")
+        return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish,
+                          weight_version=versions.pop() if versions else self.weight_version)
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def _ensure_group(self) -> None:
+        """One update group, once: this process at rank 0 (it hosts the store), server i's TP ranks after."""
+        if self._group is not None:
+            return
+        port, world = _free_port(), 1 + len(self.urls) * self.server_tp
+        host = socket.gethostbyname(socket.gethostname()) if any("127.0.0.1" not in u and "localhost" not in u
+                                                                for u in self.urls) else "127.0.0.1"
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+
+        def host_group():
+            store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout)
+            if backend == "nccl":
+                return dist.ProcessGroupNCCL(store, 0, world)  # untested here: no GPUs on this machine
+            return dist.ProcessGroupGloo(store, 0, world, timeout)
+
+        joins = [(self._call, (u, "/init_weights_update_group", dict(
+            master_address=host, master_port=port, rank_offset=1 + i * self.server_tp, world_size=world,
+            group_name=self.group_name, backend=backend))) for i, u in enumerate(self.urls)]
+        self._group = _in_threads([(host_group, ())] + joins)[0]
+
+    def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
+        self._ensure_group()
+        for bucket in buckets:
+            body = dict(names=[m.name for m in bucket.metas], dtypes=[str(m.dtype).replace("torch.", "") for m in bucket.metas],
+                        shapes=[list(m.shape) for m in bucket.metas], group_name=self.group_name, flush_cache=False,
+                        load_format="flattened_bucket", weight_version=str(version))
+            flat = bucket.flat.cuda() if torch.cuda.is_available() else bucket.flat
+
+            def send():
+                self._group.broadcast(flat, 0).wait()
+
+            _in_threads([(send, ())] + [(self._call, (u, "/update_weights_from_distributed", body)) for u in self.urls])
+        _in_threads([(self._call, (u, "/flush_cache", {})) for u in self.urls])
+        self.weight_version = version
+
+    def weight_checksums(self, shapes: Optional[dict[str, tuple]] = None) -> dict[str, str]:
+        """The servers' checksums by HF name; a tensor on which the servers disagree is reported with a
+        value naming them, so that the audit names it."""
+        body = {"names": sorted(shapes)} if shapes else {}
+        answers = _in_threads([(self._call, (u, "/grpo_mega/weight_checksums", body)) for u in self.urls])
+        out = dict(answers[0])
+        for url, sums in zip(self.urls[1:], answers[1:]):
+            for name in set(out) | set(sums):
+                if sums.get(name) != out.get(name):
+                    out[name] = f"differs between {self.urls[0]} and {url}"
+        return out
+
+    def health(self) -> dict:
+        try:
+            versions = [self._call(u, "/get_weight_version", None)["weight_version"] for u in self.urls]
+            return {"ok": True, "weight_version": self.weight_version, "servers": dict(zip(self.urls, versions))}
+        except ServerError as e:
+            return {"ok": False, "error": str(e), "weight_version": self.weight_version}

@@ -1,0 +1,199 @@
+"""The embedded engine as an HTTP server: the CPU stand-in for `python -m sglang.launch_server`.
+
+Owns only the translation between SGLang's HTTP API (the subset grpo_mega.rollout.client speaks, with
+SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /get_model_info, /get_weight_version;
+POST /generate (input_ids, sampling_params with sampling_seed, return_logprob -> output_ids and meta_info's
+output_token_logprobs, finish_reason, weight_version), /init_weights_update_group, /update_weights_from_distributed
+(load_format "flattened_bucket": one broadcast of the bucket's bytes from rank 0 of the update group),
+/update_weight_version, /flush_cache. One extension of ours, POST /grpo_mega/weight_checksums, serves the
+weight audit (SGLang's /get_weights_by_name would send every tensor's values as JSON). Requests run one
+at a time; sampling, logprobs and loading are the embedded engine's.
+
+    python -m grpo_mega.rollout.server --model tiny --port 30000     (or --hf-dir DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.rollout.embedded import EmbeddedEngine
+from grpo_mega.rollout.engine import Bucket, TensorMeta
+
+
+def _join_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                       timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of its own (not the default group) with the trainer's sender at rank 0: what SGLang's
+    init_custom_process_group builds. The trainer hosts the store."""
+    store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(store, int(rank), int(world_size), datetime.timedelta(seconds=timeout_s))
+
+
+class EngineServer:
+    """What the HTTP handlers call; one request at a time (the lock)."""
+
+    def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0):
+        self.engine, self.model_path, self.timeout_s = engine, model_path, timeout_s
+        self.lock = threading.Lock()
+        self.groups: dict[str, dist.ProcessGroup] = {}
+
+    def generate(self, req: dict):
+        """SGLang's /generate for token ids: one output per input; each input's sampling_params carry its
+        own sampling_seed."""
+        ids = req.get("input_ids")
+        if not ids or not isinstance(ids, list):
+            raise ValueError("/generate needs input_ids (a list of token-id lists; text is not supported)")
+        single = isinstance(ids[0], int)
+        ids = [ids] if single else ids
+        params = req.get("sampling_params") or {}
+        params = [params] * len(ids) if isinstance(params, dict) else params
+        if len(params) != len(ids):
+            raise ValueError(f"/generate got {len(ids)} input_ids and {len(params)} sampling_params")
+        outs: list[Optional[dict]] = [None] * len(ids)
+        groups: dict[tuple, list[int]] = {}  # inputs with the same settings are sampled together
+        for i, p in enumerate(params):
+            key = (float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), int(p.get("max_new_tokens", 128)),
+                   tuple(p.get("stop_token_ids") or ()))
+            groups.setdefault(key, []).append(i)
+        for (temperature, top_p, max_new, stop), rows in groups.items():
+            seeds = [int(params[i].get("sampling_seed", 0)) for i in rows]
+            gen = self.engine.generate([ids[i] for i in rows], 1, temperature, top_p, max_new, stop, 0, row_seeds=seeds)
+            for k, i in enumerate(rows):
+                meta = dict(finish_reason={"type": gen.finish_reasons[k]}, weight_version=str(gen.weight_version),
+                            prompt_tokens=len(ids[i]), completion_tokens=len(gen.token_ids[k]))
+                if req.get("return_logprob"):
+                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(gen.logprobs[k], gen.token_ids[k])]
+                outs[i] = dict(output_ids=gen.token_ids[k], meta_info=meta)
+        return outs[0] if single else outs
+
+    def init_weights_update_group(self, req: dict) -> dict:
+        name = req.get("group_name", "weight_update_group")
+        if req.get("backend", "gloo") != "gloo":
+            return dict(success=False, message=f"backend={req.get('backend')!r}: this CPU server speaks gloo only")
+        self.groups[name] = _join_update_group(req["master_address"], req["master_port"], req.get("rank_offset", 1),
+                                               req["world_size"], self.timeout_s)
+        return dict(success=True, message=f"joined {name} as rank {req.get('rank_offset', 1)}")
+
+    def update_weights_from_distributed(self, req: dict) -> dict:
+        group = self.groups.get(req.get("group_name", "weight_update_group"))
+        if group is None:
+            return dict(success=False, message="no weight update group: call /init_weights_update_group first")
+        if req.get("load_format") != "flattened_bucket":
+            return dict(success=False, message=f"load_format={req.get('load_format')!r}: only 'flattened_bucket'")
+        metas, offset = [], 0
+        for name, dtype, shape in zip(req["names"], req["dtypes"], req["shapes"]):
+            dt = getattr(torch, dtype)
+            nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+            metas.append(TensorMeta(name, dt, tuple(shape), offset, nbytes))
+            offset += nbytes
+        flat = torch.empty(offset, dtype=torch.uint8)
+        group.broadcast(flat, 0).wait()
+        bucket = Bucket(metas, flat)
+        self.engine.load_bucket(bucket)
+        if req.get("weight_version") is not None:
+            self.engine.weight_version = int(req["weight_version"])
+        return dict(success=True, message=f"loaded {len(metas)} tensors")
+
+    def update_weight_version(self, req: dict) -> dict:
+        self.engine.weight_version = int(req["new_version"])
+        return dict(success=True, message="ok")
+
+    def weight_checksums(self, req: dict) -> dict:
+        sums = self.engine.weight_checksums()
+        names = req.get("names")
+        return {n: sums[n] for n in names if n in sums} if names else sums
+
+
+def make_handler(server: EngineServer):
+    posts = {"/generate": server.generate, "/init_weights_update_group": server.init_weights_update_group,
+             "/update_weights_from_distributed": server.update_weights_from_distributed,
+             "/update_weight_version": server.update_weight_version, "/flush_cache": lambda req: {"success": True},
+             "/grpo_mega/weight_checksums": server.weight_checksums}
+    gets = {"/health": lambda: {},
+            "/get_model_info": lambda: {"model_path": server.model_path, "is_generation": True},
+            "/get_weight_version": lambda: {"weight_version": str(server.engine.weight_version)}}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _reply(self, code: int, body) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _run(self, fn, *args) -> None:
+            try:
+                with server.lock:
+                    out = fn(*args)
+            except Exception as e:  # noqa: BLE001 - every failure is the client's to report
+                return self._reply(400, {"error": {"message": f"{type(e).__name__}: {e}"}})
+            ok = not (isinstance(out, dict) and out.get("success") is False)
+            self._reply(200 if ok else 400, out)
+
+        def do_GET(self):
+            fn = gets.get(self.path.split("?")[0])
+            if fn is None:
+                return self._reply(404, {"error": {"message": f"no GET {self.path}"}})
+            self._run(fn)
+
+        def do_POST(self):
+            fn = posts.get(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                req = json.loads(self.rfile.read(length) or b"{}")
+            except json.JSONDecodeError as e:
+                return self._reply(400, {"error": {"message": f"the body of POST {self.path} is not JSON: {e}"}})
+            if fn is None:
+                return self._reply(404, {"error": {"message": f"no POST {self.path}"}})
+            self._run(fn, req)
+
+        def log_message(self, fmt, *args):  # quiet: the trainer's logs are the ones to read
+            pass
+
+    return Handler
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a model config name (model_configs/NAME.yaml); weights arrive by sync")
+    src.add_argument("--hf-dir", help="an HF checkpoint directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--vocab-size", type=int, default=None, help="with --model: override its vocabulary "
+                    "(the toy task's run uses its tokenizer's: python -c 'from grpo_mega.data.toy import "
+                    "make_tokenizer; print(len(make_tokenizer()))')")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="for joining and using the update group")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.hf_dir:
+        engine = EmbeddedEngine.from_hf_dir(args.hf_dir)
+    else:
+        from grpo_mega.conf import load_model_config
+
+        cfg = load_model_config(args.model)
+        if args.vocab_size:
+            cfg.vocab_size = args.vocab_size
+        engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(EngineServer(engine, args.hf_dir or args.model,
+                                                                                  args.timeout_s)))
+    print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
+    httpd.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
