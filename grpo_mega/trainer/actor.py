@@ -60,6 +60,14 @@ def run_schedule(module, micro: list[dict], length: int, forward_step, forward_o
     )
 
 
+def _on_device(mb: dict) -> dict:
+    """A micro-batch's tensors (built in host memory) on the model's device: the current GPU, or the CPU."""
+    if not torch.cuda.is_available():
+        return mb
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {k: v.to(dev, non_blocking=True) for k, v in mb.items()}
+
+
 def _forward(model, mb: dict) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last stage (hidden states elsewhere)."""
     return model(mb["tokens"], mb["position_ids"], None)
@@ -85,7 +93,7 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
         return torch.zeros((), device=logits.device), {"logp": lp}
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = _on_device(next(data_iterator))
         return _forward(model, mb), partial(loss_func, mb)
 
     with torch.no_grad():
@@ -252,7 +260,7 @@ class Actor:
         scale = algo.megatron_loss_scale(len(micro), dp)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = _on_device(next(data_iterator))
             return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature)
 
         module = self.built.module
