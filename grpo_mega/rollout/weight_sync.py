@@ -142,7 +142,9 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
                     if header[0] is None:
                         break
                     metas, sums, nbytes = header[0]
-                    flat = torch.empty(nbytes, dtype=torch.uint8)
+                    # On the device the sender packed on (its weights'): a CUDA bucket travels by NCCL, and a
+                    # host-memory receive would wait for it on gloo forever.
+                    flat = torch.empty(nbytes, dtype=torch.uint8, device=_bucket_device())
                     dist.recv(flat, src=src)
                     yield from deliver(Bucket(metas, flat, sums))
 
@@ -172,6 +174,11 @@ def sync_weights(gpt: torch.nn.Module, cfg: ModelConfig, engine: Optional[Rollou
              stats["bytes"] / 2**20, stats["buckets"], stats["largest"] / 2**20, seconds, ", audited" if audit else "")
     return SyncStats(version, stats["bytes"], stats["buckets"], stats["largest"], seconds, audit,
                      trainer_sums if audit else None, sent_shapes)
+
+
+def _bucket_device() -> torch.device:
+    """Where buckets are packed: next to the trainer's weights (the current GPU, or the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _first_replica_pp_ranks() -> list[int]:
