@@ -88,7 +88,7 @@ def test_reference_offload_frees_gpu_memory(tmp_path):
     on, off = res[True], res[False]
     weights = on["param_bytes"]
     assert weights > 200 * 2**20  # 135M parameters in bf16
-    slack = 16 * 2**20  # rotary tables, the allocator's rounding
+    slack = 32 * 2**20  # rotary tables, the allocator's rounding: well under the weights' 257 MiB
     assert on["param_device"] == "cpu" and on["finite"] and off["finite"]
     assert on["after_build"] - on["base"] <= slack, on
     assert on["after_use"] - on["base"] <= slack, on
