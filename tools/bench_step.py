@@ -12,11 +12,12 @@ same torch.set_num_threads for both; the median of --steps timed steps after --w
 losses are recorded, and must agree (they start from the same weights), so the two sides do the same work.
 
 --gpu (on one CUDA device, TP1, bf16, random weights): the update's tokens/s and MFU (6 x parameters x
-tokens plus attention 12 x layers x hidden x seq^2 per sequence, against the GPU's dense bf16 peak), the
-embedded engine's generated tokens/s, weight sync's bytes/s against a device-to-device copy of the same
-bytes, and torch.cuda.max_memory_allocated above the baseline around each phase against tools/plan.py's
-prediction for the same layout (grpo_mega.planning). --gpu-path-on-cpu runs that same code on the CPU with
-the memory and MFU figures left null (the tests use it to keep the GPU path from rotting unseen).
+tokens, the untied input embedding not counted, plus attention 12 x layers x hidden x seq^2 per sequence,
+against the GPU's dense bf16 peak), the embedded engine's generated tokens/s, weight sync's bytes/s against
+a device-to-device copy of the same bytes, and torch.cuda.max_memory_allocated above the baseline around
+each phase against tools/plan.py's prediction for the same layout (grpo_mega.planning). --gpu-path-on-cpu
+runs that same code on the CPU with the memory and MFU figures left null (the tests use it to keep the GPU
+path from rotting unseen).
 """
 
 from __future__ import annotations
@@ -311,7 +312,9 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     params = sum(p.numel() for p in actor.built.gpt.parameters())
     tokens = rb.size * seq
     med = statistics.median(times)
-    flops = step_flops(params, cfg, rb.size, seq)
+    # The input embedding is a lookup, not a matmul: counted only when it is also the (tied) output layer.
+    matmul_params = params - (0 if cfg.tie_word_embeddings else cfg.padded_vocab_size * cfg.hidden_size)
+    flops = step_flops(matmul_params, cfg, rb.size, seq)
     name_dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     peak = peak_bf16_flops(name_dev) if cuda else None
 
@@ -354,7 +357,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
                    optimizer=pg["optimizer"], activations_and_logits=pg["activations"] + pg["logits"],
                    update_peak_total=plan.total_gib)
     return dict(
-        model=name, dtype=dtype, params=params, responses=rb.size, seq_len=seq, micro_batch_size=micro,
+        model=name, dtype=dtype, params=params, matmul_params=matmul_params, responses=rb.size, seq_len=seq, micro_batch_size=micro,
         tokens_per_update=tokens, update_seconds=times, update_median_s=med, update_tokens_per_s=tokens / med,
         update_model_flops=flops, achieved_tflops=flops / med / 1e12, peak_bf16_tflops=peak / 1e12 if peak else None,
         mfu=flops / med / peak if peak else None, logprob_forwards_s=t["logprobs_s"],
