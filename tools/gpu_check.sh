@@ -12,7 +12,7 @@
 # Every step runs (a failure does not hide the next ones' results); the exit status is 1 if any failed.
 #
 # Environment: PYTHON (python3), SITE (/tmp/site), OUT (where logs and results are copied; default
-# outputs/gpu_check), DEMO_STEPS (20).
+# outputs/gpu_check), DEMO_STEPS (20), WANDB_MODE (disabled).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DRY=0
@@ -26,6 +26,7 @@ SITE=${SITE:-/tmp/site}
 DEST=${OUT:-$ROOT/outputs/gpu_check}
 DEMO_STEPS=${DEMO_STEPS:-20}
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export WANDB_MODE=${WANDB_MODE:-disabled}  # the demo logs to wandb when it is importable; never prompt for a key
 cd "$ROOT"
 
 # name | time limit (s) | command. The limits add up to 570 s: a device call may run 600.
