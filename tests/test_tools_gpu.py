@@ -59,7 +59,8 @@ def test_bench_step_gpu_path_runs_on_cpu(tmp_path):
     """The --gpu report's code on the CPU: throughput, engine, sync and the plan's figures (memory measured
     only on CUDA: null here)."""
     data = _bench(tmp_path, "--gpu-path-on-cpu", "--models", "tiny", "--steps", "1", "--warmup", "0",
-                  "--groups", "2", "--prompt-len", "8", "--response-len", "8", "--micro-batch", "4", "--gen-tokens", "4")
+                  "--groups", "2", "--prompt-len", "8", "--response-len", "8", "--micro-batch", "4",
+                  "--gen-tokens", "4")
     (r,) = data["results"]
     assert r["tokens_per_update"] == 8 * 16 and r["update_tokens_per_s"] > 0 and r["mfu"] is None
     assert r["engine_generated_tokens"] == 8 * 4 and r["engine_tokens_per_s"] > 0

@@ -357,7 +357,8 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
                    optimizer=pg["optimizer"], activations_and_logits=pg["activations"] + pg["logits"],
                    update_peak_total=plan.total_gib)
     return dict(
-        model=name, dtype=dtype, params=params, matmul_params=matmul_params, responses=rb.size, seq_len=seq, micro_batch_size=micro,
+        model=name, dtype=dtype, params=params, matmul_params=matmul_params, responses=rb.size, seq_len=seq,
+        micro_batch_size=micro,
         tokens_per_update=tokens, update_seconds=times, update_median_s=med, update_tokens_per_s=tokens / med,
         update_model_flops=flops, achieved_tflops=flops / med / 1e12, peak_bf16_tflops=peak / 1e12 if peak else None,
         mfu=flops / med / peak if peak else None, logprob_forwards_s=t["logprobs_s"],
@@ -365,8 +366,8 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         weight_sync_bytes=stats.bytes, weight_sync_seconds=min(sync_s), weight_sync_gb_per_s=sync_rate / 1e9,
         device_copy_gb_per_s=copy_rate / 1e9, weight_sync_over_copy=sync_rate / copy_rate,
         memory_gib=dict(measured=measured, planned=planned,
-                        measured_over_planned={k: (measured[k] / planned[k] if measured.get(k) is not None and planned[k]
-                                                   else None) for k in planned}),
+                        measured_over_planned={k: (measured[k] / planned[k] if measured.get(k) is not None
+                                                   and planned[k] else None) for k in planned}),
     )
 
 
@@ -438,8 +439,8 @@ def main() -> int:
             if args.cpu:
                 r = compare_cpu(name, args.steps, args.warmup, **shape)
                 print(f"{name}: megatron {r['megatron_median_s']:.3f} s, plain {r['plain_median_s']:.3f} s, "
-                      f"ratio {r['ratio_megatron_over_plain']:.2f} (first losses {r['first_step_loss']['megatron']:.6f} "
-                      f"/ {r['first_step_loss']['plain']:.6f})", flush=True)
+                      f"ratio {r['ratio_megatron_over_plain']:.2f} (first losses "
+                      f"{r['first_step_loss']['megatron']:.6f} / {r['first_step_loss']['plain']:.6f})", flush=True)
             else:
                 r = gpu_report(name, args.steps, args.warmup, micro=args.micro_batch, gen_tokens=args.gen_tokens,
                                dtype=args.dtype if args.gpu else "fp32", **shape)
@@ -467,7 +468,8 @@ def main() -> int:
                warmup=args.warmup, batch=shape, results=rows)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} on {os.cpu_count()} cpus)")
+    print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} "
+          f"on {os.cpu_count()} cpus)")
     return 0
 
 

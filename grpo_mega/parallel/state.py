@@ -1,8 +1,9 @@
 """Process groups for the trainer: a thin layer over `megatron.core.parallel_state`.
 
-Owns: starting torch.distributed (NCCL for CUDA tensors and gloo for host tensors on GPU, gloo on CPU), checking the TP x PP x DP layout against the
-world size, creating megatron's groups and seeding its RNG tracker. Everything else reads the groups from
-megatron's parallel_state; nothing here knows about models or the loss.
+Owns: starting torch.distributed (on GPU NCCL for CUDA tensors and gloo for host tensors; gloo on CPU),
+checking the TP x PP x DP layout against the world size, creating megatron's groups and seeding its RNG
+tracker. Everything else reads the groups from megatron's parallel_state; nothing here knows about models or
+the loss.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def job_update(w0_path: str, out: str, dtype: str) -> None:
     batch = _batch(w0)
     logp = actor.logprobs(batch, L.TEMPERATURE)
     (metrics,) = actor.update(batch, L.TEMPERATURE)
-    grads = {name: p.main_grad.detach().float().cpu().clone() for name, p in actor.built.module.module.named_parameters()}
+    grads = {name: p.main_grad.detach().float().cpu().clone()
+             for name, p in actor.built.module.module.named_parameters()}
     torch.save(dict(device=_device(), dtype=dtype, logp=logp.cpu(), mask=batch.response_mask(), metrics=metrics,
                     grads=grads, param_dtype=str(next(actor.built.gpt.parameters()).dtype),
                     param_device=str(next(actor.built.gpt.parameters()).device)), out)
