@@ -83,8 +83,15 @@ demo: $(VENV)/.installed
 
 test: test-main test-sglang
 
+# On a GPU machine the CPU tier runs with CUDA hidden (its forked gloo ranks cannot share the GPU; they test the
+# CPU path) and the tests marked gpu run after it; without a GPU they are collected and skip ("no CUDA").
 test-main: $(VENV)/.installed smollm2 slurm-packages
+ifeq ($(HAVE_GPU),1)
+	CUDA_VISIBLE_DEVICES= GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang and not gpu"
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m gpu
+else
 	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang"
+endif
 
 test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_ENV) GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(SGLANG_PY) -m pytest -q -m sglang -p no:warnings

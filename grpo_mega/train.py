@@ -254,9 +254,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
 
             return ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp)
         if rollout.engine == "embedded":
+            # On the rank's own GPU where there is one (colocated, as SGLang would be), else the CPU.
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
             if hf_dir is not None:
-                return EmbeddedEngine.from_hf_dir(hf_dir)
-            return EmbeddedEngine.from_model_config(model, seed=run_cfg.seed)
+                return EmbeddedEngine.from_hf_dir(hf_dir, device=device)
+            return EmbeddedEngine.from_model_config(model, seed=run_cfg.seed, device=device)
         if rollout.engine == "sglang":
             from grpo_mega.rollout.sglang_engine import SGLangEngine
 

@@ -15,3 +15,17 @@ cpu_compat.apply()
 import megatron.core  # noqa: E402,F401
 import megatron.core.models.gpt  # noqa: E402,F401
 import megatron.core.optimizer  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are collected everywhere and skipped, with the reason "no CUDA", only where torch
+    sees no GPU."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

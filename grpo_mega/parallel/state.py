@@ -1,8 +1,9 @@
 """Process groups for the trainer: a thin layer over `megatron.core.parallel_state`.
 
-Owns: starting torch.distributed (NCCL on GPU, gloo on CPU), checking the TP x PP x DP layout against the
-world size, creating megatron's groups and seeding its RNG tracker. Everything else reads the groups from
-megatron's parallel_state; nothing here knows about models or the loss.
+Owns: starting torch.distributed (on GPU NCCL for CUDA tensors and gloo for host tensors; gloo on CPU),
+checking the TP x PP x DP layout against the world size, creating megatron's groups and seeding its RNG
+tracker. Everything else reads the groups from megatron's parallel_state; nothing here knows about models or
+the loss.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def check_layout(world_size: int, tp: int, pp: int) -> int:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo on CPU. On GPU both: NCCL carries CUDA tensors, gloo the host tensors the trainer also sends
+    (the logprobs gathered over DP and PP, weight-sync buckets and their headers, the rank table): under
+    plain "nccl" every collective on a host tensor fails ("No backend type associated with device type cpu")."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> Layout:

@@ -43,14 +43,6 @@ def _dp_share(batch: RolloutBatch, dp: int, rank: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _on_device(mb: dict) -> dict:
-    """The micro-batch's tensors on this rank's GPU (as they are on the CPU)."""
-    if not torch.cuda.is_available():
-        return mb
-    dev = torch.device("cuda", torch.cuda.current_device())
-    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) and k != "rows" else v for k, v in mb.items()}
-
-
 def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig) -> tuple[list[dict], int, dict]:
     """This DP rank's micro-batches of `rollout`, their (longest) length, and the layout's figures on every
     rank: micro_batches (per rank), computed and useful tokens (all ranks), dp_token_imbalance.
@@ -72,7 +64,7 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig) 
         micro = packed_micro_batches(rollout, plan, rank, with_mask=not have_transformer_engine())
         stats = dict(micro_batches=plan.micro_batches, computed_tokens=plan.computed, useful_tokens=plan.useful,
                      dp_token_imbalance=plan.dp_token_imbalance(seq_lens))
-        return [_on_device(mb) for mb in micro], max(plan.lengths[rank]), stats
+        return micro, max(plan.lengths[rank]), stats
     computed, per_rank = 0, []
     for r in range(dp):
         lo, hi = _dp_share(rollout, dp, r)
@@ -86,7 +78,7 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig) 
     mean = sum(per_rank) / dp
     stats = dict(micro_batches=len(micro), computed_tokens=computed, useful_tokens=sum(seq_lens),
                  dp_token_imbalance=max(per_rank) / mean if mean else 1.0)
-    return [_on_device(mb) for mb in micro], length, stats
+    return micro, length, stats
 
 
 def _check_packing(gpt, batch: BatchConfig) -> None:
@@ -110,6 +102,15 @@ def run_schedule(module, micro: list[dict], length: int, forward_step, forward_o
         micro_batch_size=micro[0]["tokens"].shape[0],
         forward_only=forward_only,
     )
+
+
+def _on_device(mb: dict) -> dict:
+    """A micro-batch's tensors (built in host memory) on the model's device: the current GPU, or the CPU.
+    Moved one micro-batch at a time, as the schedule asks for it."""
+    if not torch.cuda.is_available():
+        return mb
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
 def _forward(model, mb: dict) -> torch.Tensor:
@@ -163,7 +164,7 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
         return torch.zeros((), device=logits.device), {"logp": lp, "rows": mb["rows"]}
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = _on_device(next(data_iterator))
         return _forward(model, mb), partial(loss_func, mb)
 
     with torch.no_grad():
@@ -331,7 +332,7 @@ class Actor:
         scale = algo.megatron_loss_scale(len(micro), dp)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = _on_device(next(data_iterator))
             return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature)
 
         module = self.built.module

@@ -63,6 +63,8 @@ def _rng_state() -> dict[str, torch.Tensor]:
     from megatron.core.tensor_parallel import random as mrandom
 
     states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda"] = torch.cuda.get_rng_state()
     for name, s in mrandom.get_cuda_rng_tracker().get_states().items():
         states[f"tracker/{name}"] = s
     return states
@@ -72,6 +74,8 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.set_rng_state(states["torch"])
+    if "torch_cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["torch_cuda"])
     mrandom.get_cuda_rng_tracker().set_states({k.split("/", 1)[1]: v for k, v in states.items() if k.startswith("tracker/")})
 
 
@@ -85,6 +89,12 @@ def prime_optimizer(actor) -> None:
             if not inner.state[p]:
                 inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
                                   "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _rng_device() -> str:
+    """What the RNG tracker's states are: CUDA generator states on a GPU, the CPU generator's (cpu_compat's
+    tracker) without one. They differ in size and cannot be restored across: "RNG state is wrong size"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _unshare_steps(actor) -> None:
@@ -184,13 +194,14 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
         return None
     with open(tmp / "loop_state.json", "w") as f:
         json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size(),
-                   "has_reference": reference is not None}, f)
+                   "rng_device": _rng_device(), "has_reference": reference is not None}, f)
     return store.seal(step, tmp, meta={"step": step})
 
 
 def load(path: Path, actor, reference) -> dict:
     """Load a verified checkpoint into this layout; returns the loop state. RNG states are restored when
-    the world size matches the saving run's (at another layout the streams cannot correspond)."""
+    the world size and the device kind match the saving run's (at another layout the streams cannot
+    correspond; a GPU's generator states do not fit the CPU's): a checkpoint moves between GPU and CPU."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
@@ -218,7 +229,8 @@ def load(path: Path, actor, reference) -> dict:
                                              for k, v in loaded["reference"].items()})
     actor.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank_{dist.get_rank():05d}.safetensors"
-    if state["world_size"] == dist.get_world_size() and rng.is_file():
+    same_device = state.get("rng_device", "cpu") == _rng_device()
+    if state["world_size"] == dist.get_world_size() and same_device and rng.is_file():
         _set_rng_state(load_file(str(rng)))
     return state
 

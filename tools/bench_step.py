@@ -1,0 +1,477 @@
+"""Benchmark: what one GRPO training step costs. Writes JSON.
+
+    python tools/bench_step.py --cpu [--models tiny,smollm2-135m] [--steps 3] [--out bench_results/step_cpu.json]
+    python tools/bench_step.py --gpu [--models qwen2.5-0.5b,qwen2.5-1.5b] [--out bench_results/gpu_<device>.json]
+
+--cpu: the framework's overhead. The Megatron path's update step (grpo_mega.trainer.actor.Actor.update on one
+mini-batch: the pipeline schedule, vocab-parallel GRPO loss, DDP grad buffer, DistributedOptimizer) against
+a plain-PyTorch step doing the same work: the transformers model of the same architecture holding the same
+weights (copied through the bridge), the same batch, the same GRPO loss from grpo_mega.algo on
+torch.log_softmax logprobs, grad clipping and torch.optim.AdamW. fp32, random weights, one process, the
+same torch.set_num_threads for both; the median of --steps timed steps after --warmup. Both paths' first
+losses are recorded, and must agree (they start from the same weights), so the two sides do the same work.
+
+--gpu (on one CUDA device, TP1, bf16, random weights): the update's tokens/s and MFU (6 x parameters x
+tokens, the untied input embedding not counted, plus attention 12 x layers x hidden x seq^2 per sequence,
+against the GPU's dense bf16 peak), the embedded engine's generated tokens/s, weight sync's bytes/s against
+a device-to-device copy of the same bytes, and torch.cuda.max_memory_allocated above the baseline around
+each phase against tools/plan.py's prediction for the same layout (grpo_mega.planning). --gpu-path-on-cpu
+runs that same code on the CPU with the memory and MFU figures left null (the tests use it to keep the GPU
+path from rotting unseen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Dense bf16 tensor-core peaks (NVIDIA datasheets), matched against torch.cuda.get_device_name in this order.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                   ("A100", 312e12))
+GIB = 2**30
+
+
+def _single_process_env() -> None:
+    if "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def synthetic_rollout(vocab: int, groups: int, n: int, prompt_len: int, response_len: int, seed: int = 0):
+    """groups x n responses, every prompt `prompt_len` and every response `response_len` tokens (no padding,
+    so every token counts), random tokens and rewards, advantages from grpo_mega.algo."""
+    import torch
+
+    from grpo_mega import algo
+    from grpo_mega.trainer.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for _ in range(groups):
+        p = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        for _ in range(n):
+            prompts.append(p)
+            responses.append(torch.randint(0, vocab, (response_len,), generator=g).tolist())
+    rb = RolloutBatch.from_samples(prompts, responses)
+    rb.advantages = algo.group_advantages(torch.randint(0, 2, (groups * n,), generator=g).float(), n=n).float()
+    return rb
+
+
+def _configs(groups: int, n: int, response_len: int, micro: int, dtype: str):
+    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, PrecisionConfig
+
+    return dict(
+        precision=PrecisionConfig(params_dtype=dtype),
+        # No weight decay: megatron exempts biases and norms from it, torch's AdamW does not.
+        optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0),
+        algo_cfg=AlgoConfig(kl_coef=0.01, kl_estimator="k3", entropy_coef=0.01, loss_agg_mode="token-mean",
+                            clip_ratio_low=0.2, clip_ratio_high=0.28),
+        batch=BatchConfig(train_batch_size=groups, n=n, ppo_mini_batch_size=groups, micro_batch_size=micro,
+                          max_response_length=response_len),
+    )
+
+
+def _with_logprob_inputs(actor, rb, temperature: float):
+    """old/ref logprobs: the actor's own, perturbed (ratios and KL away from their trivial values)."""
+    import torch
+
+    logp = actor.logprobs(rb, temperature)
+    mask = rb.response_mask()
+    g = torch.Generator().manual_seed(1)
+    rb.old_logp = (logp + 0.05 * torch.randn(logp.shape, generator=g)) * mask
+    rb.ref_logp = (logp + 0.05 * torch.randn(logp.shape, generator=g)) * mask
+    return rb
+
+
+# ---- --cpu: Megatron against plain PyTorch ------------------------------------------------------------------
+
+
+def hf_model_like(actor, cfg):
+    """The transformers model of `cfg`'s architecture with the actor's current weights (through the bridge)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_mega.models.bridge import FAMILIES
+    from grpo_mega.rollout.weight_sync import stage_hf_tensors
+
+    hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
+    config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights = dict(stage_hf_tensors(actor.built.gpt, cfg, torch.float32))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF model and bridge disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response: int) -> float:
+    """One GRPO step in plain PyTorch: HF forward, torch.log_softmax logprobs, grpo_mega.algo's loss,
+    backward, clip, AdamW. Returns the loss."""
+    import torch
+
+    from grpo_mega import algo
+
+    labels, mask = rb.labels(), rb.loss_mask()
+    logits = model(input_ids=rb.tokens).logits.float() / temperature  # [B, L, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * mask
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    kl = algo.kl_penalty(logp, rb.ref_logp, a.kl_estimator)
+    token_loss, _ = algo.grpo_token_loss(logp, rb.old_logp, rb.advantages, a.clip_ratio_low, a.clip_ratio_high,
+                                         a.dual_clip, kl=kl, kl_coef=a.kl_coef, entropy=entropy,
+                                         entropy_coef=a.entropy_coef)
+    loss = algo.aggregate(token_loss, mask, a.loss_agg_mode, algo.local_normaliser(a.loss_agg_mode, mask, max_response))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int) -> dict:
+    import torch
+
+    from grpo_mega.conf import ParallelConfig, load_model_config
+    from grpo_mega.trainer.actor import Actor
+
+    cfg = load_model_config(name)
+    c = _configs(groups, n, response_len, micro=groups * n, dtype="fp32")
+    actor = Actor(cfg, ParallelConfig(), **c)
+    rb = _with_logprob_inputs(actor, synthetic_rollout(cfg.vocab_size, groups, n, prompt_len, response_len), 1.0)
+    model = hf_model_like(actor, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr, betas=(c["optim"].adam_beta1, c["optim"].adam_beta2),
+                            eps=c["optim"].adam_eps, weight_decay=0.0)
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    mega_s, plain_s, first = [], [], {}
+    for i in range(warmup + steps):  # alternate, so load from other processes falls on both alike
+        dt, m = timed(lambda: actor.update(rb, 1.0)[0])
+        dp, loss = timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len))
+        if i == 0:
+            first = dict(megatron=m["loss"], plain=loss)
+        if i >= warmup:
+            mega_s.append(dt)
+            plain_s.append(dp)
+    tokens = int((rb.prompt_lens + rb.response_lens).sum())
+    med_m, med_p = statistics.median(mega_s), statistics.median(plain_s)
+    return dict(
+        model=name, params=sum(p.numel() for p in actor.built.gpt.parameters()), responses=rb.size,
+        tokens_per_step=tokens, megatron_seconds=mega_s, plain_seconds=plain_s, megatron_median_s=med_m,
+        plain_median_s=med_p, ratio_megatron_over_plain=med_m / med_p,
+        megatron_tokens_per_s=tokens / med_m, plain_tokens_per_s=tokens / med_p,
+        first_step_loss=first, first_step_loss_abs_diff=abs(first["megatron"] - first["plain"]),
+        plain_attention=model.config._attn_implementation,
+    )
+
+
+# ---- --gpu: throughput, MFU, engine, weight sync and memory against the plan -------------------------------
+
+
+def peak_bf16_flops(device_name: str):
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+def step_flops(params: int, cfg, sequences: int, seq_len: int) -> float:
+    """Model FLOPs of one forward+backward: 6 x parameters x tokens, plus attention's QK^T and AV
+    (2 x 2 x s^2 x hidden forward per layer per sequence, x3 with the backward)."""
+    return 6.0 * params * sequences * seq_len + 12.0 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels \
+        * seq_len**2 * sequences
+
+
+class _Mem:
+    """torch.cuda.memory_allocated / max_memory_allocated in GiB (None on the CPU)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def now(self):
+        import torch
+
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() / GIB
+
+    def reset_peak(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self):
+        import torch
+
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / GIB
+
+
+def _diff(a, b):
+    return None if a is None or b is None else a - b
+
+
+def _d2d_bytes_per_s(nbytes: int, device, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
+               micro: int, gen_tokens: int, dtype: str) -> dict:
+    import torch
+
+    from grpo_mega import planning
+    from grpo_mega.conf import ParallelConfig, load_model_config
+    from grpo_mega.rollout.embedded import EmbeddedEngine
+    from grpo_mega.rollout.weight_sync import sync_weights
+    from grpo_mega.trainer.actor import Actor, Reference
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mem = _Mem(cuda)
+    cfg = load_model_config(name)
+    c = _configs(groups, n, response_len, micro, dtype)
+    seq = prompt_len + response_len
+    measured, t = {}, {}
+
+    base = mem.now()
+    actor = Actor(cfg, ParallelConfig(), **c)
+    after_actor = mem.now()
+    measured["parameters_and_gradients"] = _diff(after_actor, base)  # weights, fp32 main weights, grad buffer
+    reference = Reference(cfg, ParallelConfig(), c["precision"], c["batch"])
+    reference.load_from(actor)
+    after_ref = mem.now()
+    measured["reference"] = _diff(after_ref, after_actor)
+
+    rb = synthetic_rollout(cfg.vocab_size, groups, n, prompt_len, response_len)
+    mem.reset_peak()
+    t0 = time.perf_counter()
+    _with_logprob_inputs(actor, rb, 1.0)
+    rb.ref_logp = reference.logprobs(rb, 1.0)
+    if cuda:
+        torch.cuda.synchronize()
+    t["logprobs_s"] = time.perf_counter() - t0
+    measured["logprob_forward_peak_above_states"] = _diff(mem.peak(), after_ref)
+
+    times, first_peak, after_first = [], None, None
+    for i in range(warmup + steps):
+        mem.reset_peak()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        actor.update(rb, 1.0)
+        if cuda:
+            torch.cuda.synchronize()
+        if i == 0:
+            first_peak, after_first = mem.peak(), mem.now()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    measured["optimizer"] = _diff(after_first, after_ref)  # Adam's m and v, allocated by the first step
+    # The update's transient peak above what stays allocated: activations, logits and the loss's buffers.
+    measured["activations_and_logits"] = _diff(first_peak, after_first)
+    measured["update_peak_total"] = _diff(first_peak, base)
+
+    params = sum(p.numel() for p in actor.built.gpt.parameters())
+    tokens = rb.size * seq
+    med = statistics.median(times)
+    # The input embedding is a lookup, not a matmul: counted only when it is also the (tied) output layer.
+    matmul_params = params - (0 if cfg.tie_word_embeddings else cfg.padded_vocab_size * cfg.hidden_size)
+    flops = step_flops(matmul_params, cfg, rb.size, seq)
+    name_dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    peak = peak_bf16_flops(name_dev) if cuda else None
+
+    # Weight sync into an embedded engine on the same device, against a plain copy of the same bytes.
+    engine_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    before_engine = mem.now()
+    engine = EmbeddedEngine.from_model_config(cfg, dtype=engine_dtype, device=str(device))
+    measured["embedded_engine"] = _diff(mem.now(), before_engine)
+    sync_s, stats = [], None
+    for v in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = sync_weights(actor.built.gpt, cfg, engine, version=v + 1, bucket_mb=512, dtype=engine_dtype)
+        if cuda:
+            torch.cuda.synchronize()
+        sync_s.append(time.perf_counter() - t0)
+    sync_rate = stats.bytes / min(sync_s)
+    copy_rate = _d2d_bytes_per_s(stats.bytes, device)
+
+    prompts = [rb.tokens[g * n, :prompt_len].tolist() for g in range(groups)]
+    engine.generate(prompts[:1], 1, 1.0, 1.0, 4, [], seed=0)  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gen = engine.generate(prompts, n, 1.0, 1.0, gen_tokens, [], seed=1)  # no stop token: every row runs to the end
+    if cuda:
+        torch.cuda.synchronize()
+    gen_s = time.perf_counter() - t0
+    generated = sum(len(x) for x in gen.token_ids)
+    engine.shutdown()
+
+    plan = planning.plan(planning.PlanInput(
+        model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
+        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=False,
+        logprob_chunk_size=c["batch"].logprob_chunk_size,
+    ))
+    pg = plan.stages[0].gib
+    planned = dict(parameters_and_gradients=pg["parameters"] + pg["gradients"], reference=pg["reference"],
+                   optimizer=pg["optimizer"], activations_and_logits=pg["activations"] + pg["logits"],
+                   update_peak_total=plan.total_gib)
+    return dict(
+        model=name, dtype=dtype, params=params, matmul_params=matmul_params, responses=rb.size, seq_len=seq,
+        micro_batch_size=micro,
+        tokens_per_update=tokens, update_seconds=times, update_median_s=med, update_tokens_per_s=tokens / med,
+        update_model_flops=flops, achieved_tflops=flops / med / 1e12, peak_bf16_tflops=peak / 1e12 if peak else None,
+        mfu=flops / med / peak if peak else None, logprob_forwards_s=t["logprobs_s"],
+        engine_generated_tokens=generated, engine_seconds=gen_s, engine_tokens_per_s=generated / gen_s,
+        weight_sync_bytes=stats.bytes, weight_sync_seconds=min(sync_s), weight_sync_gb_per_s=sync_rate / 1e9,
+        device_copy_gb_per_s=copy_rate / 1e9, weight_sync_over_copy=sync_rate / copy_rate,
+        memory_gib=dict(measured=measured, planned=planned,
+                        measured_over_planned={k: (measured[k] / planned[k] if measured.get(k) is not None
+                                                   and planned[k] else None) for k in planned}),
+    )
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (for the file name)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
+
+
+def _machine() -> dict:
+    import megatron.core
+    import torch
+    import transformers
+
+    out = dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
+               torch=torch.__version__, megatron_core=megatron.core.__version__, transformers=transformers.__version__)
+    if torch.cuda.is_available():
+        out.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
+    mode.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
+    mode.add_argument("--gpu-path-on-cpu", action="store_true", help="the --gpu code on the CPU (a smoke test)")
+    ap.add_argument("--models", default=None, help="model_configs names, comma-separated")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads, for both paths")
+    ap.add_argument("--groups", type=int, default=None, help="prompts per step")
+    ap.add_argument("--n", type=int, default=4, help="responses per prompt")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--response-len", type=int, default=None)
+    ap.add_argument("--micro-batch", type=int, default=4, help="--gpu: responses per micro-batch")
+    ap.add_argument("--gen-tokens", type=int, default=128, help="--gpu: tokens the engine generates per sample")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="--gpu: params dtype")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+
+    import warnings
+
+    warnings.simplefilter("ignore", FutureWarning)
+    import torch
+
+    if args.gpu and not torch.cuda.is_available():
+        print("error: --gpu needs CUDA (torch.cuda.is_available() is False); use --cpu here", file=sys.stderr)
+        return 2
+    from grpo_mega.parallel import cpu_compat
+    from grpo_mega.parallel.state import destroy_distributed, init_distributed
+
+    torch.set_num_threads(args.threads)
+    _single_process_env()
+    load_start = os.getloadavg()
+    if args.cpu:
+        models = (args.models or "tiny,smollm2-135m").split(",")
+        shape = dict(groups=args.groups or 2, n=args.n, prompt_len=args.prompt_len or 32,
+                     response_len=args.response_len or 32)
+    else:
+        models = (args.models or ("qwen2.5-0.5b,qwen2.5-1.5b" if args.gpu else "tiny")).split(",")
+        shape = dict(groups=args.groups or 16, n=args.n, prompt_len=args.prompt_len or 256,
+                     response_len=args.response_len or 768)
+    rows = []
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=1234)
+        for name in models:
+            if args.cpu:
+                r = compare_cpu(name, args.steps, args.warmup, **shape)
+                print(f"{name}: megatron {r['megatron_median_s']:.3f} s, plain {r['plain_median_s']:.3f} s, "
+                      f"ratio {r['ratio_megatron_over_plain']:.2f} (first losses "
+                      f"{r['first_step_loss']['megatron']:.6f} / {r['first_step_loss']['plain']:.6f})", flush=True)
+            else:
+                r = gpu_report(name, args.steps, args.warmup, micro=args.micro_batch, gen_tokens=args.gen_tokens,
+                               dtype=args.dtype if args.gpu else "fp32", **shape)
+                mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
+                print(f"{name}: update {r['update_tokens_per_s']:.0f} tok/s (MFU {mfu}), engine "
+                      f"{r['engine_tokens_per_s']:.0f} tok/s, sync {r['weight_sync_gb_per_s']:.2f} GB/s "
+                      f"({r['weight_sync_over_copy']:.3f} of a device copy)", flush=True)
+            rows.append(r)
+        destroy_distributed()
+    machine = _machine()
+    if args.out:
+        out_path = Path(args.out)
+    elif args.cpu:
+        out_path = REPO / "bench_results" / "step_cpu.json"
+    elif args.gpu:
+        out_path = REPO / "bench_results" / f"gpu_{device_slug(machine['device'])}.json"
+    else:
+        out_path = REPO / "bench_results" / "gpu_path_on_cpu.json"
+    what = ("Megatron update step vs plain PyTorch (HF model, same weights, batch and GRPO loss, AdamW), fp32, CPU"
+            if args.cpu else "one GPU, TP1, random weights: update throughput/MFU, embedded engine, weight sync, "
+            "memory vs tools/plan.py")
+    out = dict(what=what, mode="cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu"),
+               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine, threads=args.threads,
+               loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()), steps=args.steps,
+               warmup=args.warmup, batch=shape, results=rows)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} "
+          f"on {os.cpu_count()} cpus)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
