@@ -117,3 +117,22 @@ def test_checkpoint_moves_between_gpu_and_cpu(w0, tmp_path, save_on, load_on):
         assert torch.allclose(r["w2"][k], s["w2"][k], rtol=0, atol=1e-6), k
     for key in ("loss", "grad_norm"):
         assert r["metrics2"][key] == pytest.approx(s["metrics2"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_packed_rows_on_cuda_match_padded(tmp_path):
+    """batch.packing on the GPU: Transformer Engine's THD path (PackedSeqParams, cu_seqlens) where TE is
+    installed, else the local spec's block-diagonal mask; old logprobs and the update's gradient against the
+    padded path in the same process, fp32 (FP32_TOL: another kernel order, TF32 off)."""
+    out = tmp_path / "packing.pt"
+    _job("packing", str(out), cuda=True)
+    res = torch.load(out)
+    print("packed path:", "Transformer Engine THD" if res["transformer_engine"] else "local spec, block mask")
+    padded, packed = res[False], res[True]
+    mask = padded["mask"]
+    assert (packed["logp"] - padded["logp"]).abs()[mask].max() <= FP32_TOL["logp_max"]
+    names = sorted(padded["grads"])
+    g = _flat(padded["grads"], names)
+    assert g.norm() > 0
+    assert (_flat(packed["grads"], names) - g).norm() / g.norm() <= FP32_TOL["grad_rel"]
+    assert packed["metrics"]["loss"] == pytest.approx(padded["metrics"]["loss"], rel=FP32_TOL["loss_rel"], abs=1e-7)
+    assert packed["metrics"]["computed_tokens"] < padded["metrics"]["computed_tokens"]

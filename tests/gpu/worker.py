@@ -5,7 +5,7 @@ so that cpu_compat applies, and the GPU side with the GPU visible) and writes it
 host tensors only, for the test to compare. Jobs: `init` (the tiny model's initial weights and the update's
 inputs, made once on the CPU), `update` (logprobs, one GRPO update and its gradient), `offload` (the
 reference's GPU memory across a use), `ckpt-save` / `ckpt-load` (a checkpoint written on one device and
-resumed on the other).
+resumed on the other), `packing` (packed rows against padded ones: THD under Transformer Engine).
 """
 
 from __future__ import annotations
@@ -166,9 +166,35 @@ def job_ckpt_load(w0_path: str, ckpt_path: str, out: str) -> None:
                     param_device=str(next(actor.built.gpt.parameters()).device)), out)
 
 
+def job_packing(out: str) -> None:
+    """Packed against padded on this device, one model in one process (fp32): old logprobs and one update's
+    gradient of the packing rollout (a sequence that fills a 22-token row alone, a row of four). With Transformer
+    Engine installed the packed rows run as THD with cu_seqlens (PackedSeqParams); without it, the local spec's
+    block-diagonal mask on the GPU. Records which ran."""
+    from dataclasses import replace
+
+    from grpo_mega.models.builder import have_transformer_engine
+    from grpo_mega.trainer.actor import Actor
+
+    kw = _configs("fp32", GRAD_OPTIM)
+    kw["batch"] = replace(kw["batch"], max_prompt_length=L.MAX_PROMPT, micro_batch_size=1)
+    actor = Actor(L.model_cfg(), ParallelConfig(), **kw)
+    res = dict(device=_device(), transformer_engine=have_transformer_engine())
+    for packing in (False, True):
+        actor.batch = replace(kw["batch"], packing=packing)
+        batch = L.rollout(lengths="packing")
+        logp = actor.logprobs(batch, L.TEMPERATURE)
+        batch.old_logp, batch.ref_logp = logp + 0.1 * batch.response_mask(), logp
+        (metrics,) = actor.update(batch, L.TEMPERATURE)
+        grads = {name: p.main_grad.detach().float().cpu().clone()
+                 for name, p in actor.built.module.module.named_parameters()}
+        res[packing] = dict(logp=logp.cpu(), mask=batch.response_mask(), metrics=metrics, grads=grads)
+    torch.save(res, out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job", choices=("init", "update", "offload", "ckpt-save", "ckpt-load"))
+    ap.add_argument("job", choices=("init", "update", "offload", "ckpt-save", "ckpt-load", "packing"))
     ap.add_argument("args", nargs="*")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--model", default="smollm2-135m")
@@ -186,6 +212,8 @@ def main(argv=None) -> int:
             job_offload(*a.args, model=a.model)
         elif a.job == "ckpt-save":
             job_ckpt_save(*a.args)
+        elif a.job == "packing":
+            job_packing(*a.args)
         else:
             job_ckpt_load(*a.args)
         destroy_distributed()
