@@ -22,6 +22,7 @@ from grpo_mega.parallel.state import destroy_distributed, init_distributed
 from grpo_mega.rollout.client import ServerClient, ServerError
 from grpo_mega.rollout.engines import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
+from grpo_mega.trainer.loop import engine_logprobs
 from tests.trainer import layouts as L
 
 LOGP_TOL = 1e-5  # mean absolute difference, fp32
@@ -87,10 +88,7 @@ def _trainer(urls, kill_pid, dp):
             gen = engines.generate(prompts, 2, 1.0, 1.0, 8, [3], 11 + version)
             rb = RolloutBatch.from_samples([prompts[i // 2] for i in range(8)], gen.token_ids)
             trainer = actor.logprobs(rb, 1.0)
-            engine_lp = torch.zeros_like(trainer)
-            for i, lps in enumerate(gen.logprobs):
-                start = len(prompts[i // 2]) - 1
-                engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
+            engine_lp = engine_logprobs(gen, rb)
             out["mismatch"].append(algo.logprob_mismatch(engine_lp, trainer, rb.response_mask()))
             out["versions"].append(gen.weight_version)
         if engines.local is not None:

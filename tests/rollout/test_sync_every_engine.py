@@ -15,6 +15,7 @@ from grpo_mega.rollout import weight_sync as ws
 from grpo_mega.rollout.embedded import EmbeddedEngine
 from grpo_mega.rollout.engines import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
+from grpo_mega.trainer.loop import engine_logprobs
 from tests.trainer import layouts as L
 
 LOGP_TOL = 1e-5  # mean absolute difference, fp32
@@ -65,10 +66,7 @@ def _two_engines(tp, pp):
         gen = engines.generate(prompts, 2, 1.0, 1.0, 8, [3], 11)  # two prompts on each engine
         rb = RolloutBatch.from_samples([prompts[i // 2] for i in range(8)], gen.token_ids)
         trainer = actor.logprobs(rb, 1.0)
-        engine_lp = torch.zeros_like(trainer)
-        for i, lps in enumerate(gen.logprobs):
-            start = len(prompts[i // 2]) - 1
-            engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
+        engine_lp = engine_logprobs(gen, rb)
         out["mismatch"], out["gen_version"] = algo.logprob_mismatch(engine_lp, trainer, rb.response_mask()), gen.weight_version
         out["gathered"] = list(seen)
 
