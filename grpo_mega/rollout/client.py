@@ -205,3 +205,51 @@ class ServerClient(RolloutEngine):
             return {"ok": True, "weight_version": self.weight_version, "servers": dict(zip(self.urls, versions))}
         except ServerError as e:
             return {"ok": False, "error": str(e), "weight_version": self.weight_version}
+
+
+def wait_healthy(urls: list[str], limit_s: float, step_pid: Optional[int] = None) -> list[str]:
+    """Poll every server's /health until all answer or `limit_s` passes (or the process `step_pid`, the
+    servers' launcher, ends); returns the URLs still not answering."""
+    import os
+    import time
+
+    deadline, waiting = time.monotonic() + limit_s, set(urls)
+    while waiting and time.monotonic() < deadline:
+        if step_pid is not None:
+            try:
+                os.kill(step_pid, 0)
+            except OSError:
+                break
+        for url in sorted(waiting):
+            try:
+                with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
+                    resp.read()
+                waiting.discard(url)
+            except OSError:
+                pass
+        if waiting:
+            time.sleep(1)
+    return sorted(waiting)
+
+
+def main(argv=None) -> int:
+    """`python -m grpo_mega.rollout.client --wait-healthy SECONDS [--step-pid PID] URL...`: slurm/train.sbatch
+    waits with it for the rollout servers before it starts the trainer."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--wait-healthy", type=float, required=True, metavar="SECONDS")
+    ap.add_argument("--step-pid", type=int, default=None, help="stop waiting when this process (the servers) ends")
+    ap.add_argument("urls", nargs="+")
+    a = ap.parse_args(argv)
+    missing = wait_healthy(a.urls, a.wait_healthy, a.step_pid)
+    if missing:
+        print(f"error: rollout servers not answering /health after {a.wait_healthy:.0f} s (or their step "
+              f"ended): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

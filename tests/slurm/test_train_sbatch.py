@@ -116,3 +116,30 @@ def test_a_failing_training_fails_the_job_with_its_exit_code(cluster, tmp_path):
     code = info["ExitCode"].split(":")[0]  # torchrun's status when a rank fails, passed on by srun and the script
     assert info["JobState"] == "FAILED" and code != "0", out[-4000:]
     assert "parallel.tp=3" in out and f"training exited with {code}" in out, out[-4000:]
+
+
+def test_one_node_trains_and_one_serves(cluster, tmp_path):
+    """GRPO_MEGA_ROLLOUT_NODES=1: the allocation's last node runs a rollout server (the embedded engine's HTTP
+    server, the CPU stand-in for sglang.launch_server) as a step of its own, the first node trains (2 ranks,
+    TP2) against it once it is healthy, and the server is stopped when the training ends."""
+    from grpo_mega.data.toy import make_tokenizer
+
+    vocab = len(make_tokenizer())
+    env = {"GRPO_MEGA_LOG_ROOT": str(tmp_path / "logs"), "GRPO_MEGA_PYTHON": sys.executable,
+           "MASTER_PORT": str(free_ports(1)[0]), "OMP_NUM_THREADS": "1", "GRPO_MEGA_NPROC_PER_NODE": "2",
+           "GRPO_MEGA_ROLLOUT_NODES": "1", "GRPO_MEGA_SERVER_PORT": str(free_ports(1)[0]),
+           "GRPO_MEGA_SERVER_CMD": f"{sys.executable} -m grpo_mega.rollout.server --model tiny --vocab-size {vocab} "
+                                   "--host 0.0.0.0 --port $GRPO_MEGA_SERVER_PORT"}
+    args = ["--nodes=2", "--gpus-per-node=2", "--job-name=grpo-dedicated", f"--output={tmp_path}/slurm-%j.out",
+            str(SBATCH), "parallel.tp=2", "eval.interval=2", "run.steps=3"]
+    t0 = time.monotonic()
+    job = cluster.sbatch(args, env=env, cwd=tmp_path)
+    info = cluster.wait(job, JOB_TIMEOUT)
+    out = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
+    tail = "\n".join(line for line in out.splitlines() if not line.startswith("grpo:"))[-4000:]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), tail
+    assert "1 x 2 ranks" in out and "rollout servers healthy" in out, tail
+    rows = _metrics(tmp_path / "logs" / "grpo-dedicated" / str(job))
+    assert sorted(rows) == [1, 2, 3]
+    assert all(r["logprob_mismatch"] < 1e-5 for r in rows.values())  # the server had the trainer's weights
+    print(f"dedicated: {time.monotonic() - t0:.1f} s submit to completion")
