@@ -40,19 +40,37 @@ class DataConfig:
     """Validation prompts (default: the training file)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RewardConfig:
-    """The reward (task=prompts): a registered name (math, format, mix) or a dotted path."""
+    """The reward (task=prompts): a registered name (math, format, mix, reward_model) or a dotted path.
+    Rule rewards run in a process pool, each sample on one rank (grpo_mega/rewards/scoring.py)."""
 
     name: str = "math"
     on_error: str = "zero"
-    """'zero': score a failing sample 0 and report it; 'raise': stop."""
+    """'zero': score a failing or timed-out sample 0 and report it; 'raise': stop."""
     weights: dict = field(default_factory=dict)
     """For name=mix: {reward name: weight}."""
     path: str = ""
     """For name=reward_model: an HF sequence-classification checkpoint."""
     overlong: str = "keep"
     """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
+    num_workers: Optional[int] = None
+    """Reward worker processes per rank; null: the node's cores divided among its ranks (at least 1)."""
+    timeout_s: float = 30.0
+    """Per-sample time limit: a sample still being scored is cut (its worker killed) and handled by on_error."""
+    start_method: str = "forkserver"
+    """How workers start: 'forkserver' (forked from a clean server, never from a rank's gloo/NCCL threads),
+    'spawn', or 'fork'."""
+
+    def __post_init__(self):
+        if self.on_error not in ("zero", "raise"):
+            raise ValueError(f"reward.on_error={self.on_error!r} must be 'zero' or 'raise'")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1 (or null: cores per rank)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
+        if self.start_method not in ("forkserver", "spawn", "fork"):
+            raise ValueError(f"reward.start_method={self.start_method!r} must be 'forkserver', 'spawn' or 'fork'")
 
 
 @dataclass
@@ -135,9 +153,9 @@ def _task(c: dict, tok, batch, run_cfg):
     if c["task"] != "prompts":
         raise ValueError(f"task={c['task']!r} must be 'successor' or 'prompts'")
     from grpo_mega.data.dataset import PromptStream, load_prompts
-    from grpo_mega.rewards import RewardStats, build_reward, score_samples
+    from grpo_mega.rewards.scoring import PromptReward
 
-    data, rew = c.get("data", {}), c.get("reward", {})
+    data, rew = c.get("data", {}), RewardConfig(**c.get("reward", {}))
     if not data.get("train_files"):
         raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
     train, dropped = load_prompts(data["train_files"], tok, batch.max_prompt_length)
@@ -145,15 +163,9 @@ def _task(c: dict, tok, batch, run_cfg):
     if dropped:
         print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
     stream = PromptStream(train, run_cfg.seed)
-    kwargs = {k: rew[k] for k in ("weights", "path") if rew.get(k)}
-    fn = build_reward(rew.get("name", "math"), **kwargs)
-    stats = RewardStats()
-
-    def reward(example, response_ids):
-        text = tok.decode(response_ids, skip_special_tokens=True)
-        sample = {"data_source": example.data_source, "extra_info": example.extra_info,
-                  "prompt_text": tok.decode(example.prompt_ids, skip_special_tokens=True)}
-        return score_samples(fn, [text], [example.ground_truth], [sample], rew.get("on_error", "zero"), stats)[0]
+    kwargs = {k: getattr(rew, k) for k in ("weights", "path") if getattr(rew, k)}
+    reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
+                          timeout_s=rew.timeout_s, start_method=rew.start_method)
 
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
                 stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state)
@@ -251,9 +263,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                             step_s=f"{row['step_seconds']:.2f}")
             bar.update(1)
 
-        history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
-                        engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg,
-                        resolved_config={k: v for k, v in c.items() if k != "hydra"})
+        try:
+            history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
+                            engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg,
+                            resolved_config={k: v for k, v in c.items() if k != "hydra"})
+        finally:  # the reward's worker processes end with the run, also when it fails
+            getattr(task.reward, "close", lambda: None)()
         bar.close()
         summary = dict(initial_val_reward=history.initial_val_reward,
                        final_val_reward=history.rows[-1]["val_reward"] if history.rows else history.initial_val_reward,

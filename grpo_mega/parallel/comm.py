@@ -92,3 +92,15 @@ def broadcast_object(obj, src: int = 0):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def world_all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """SUM over every rank of the world, in place (moved to the collective's device and back): e.g. per-sample
+    scores where exactly one rank holds each entry and the others hold 0, which sums exactly."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    dev = _device()
+    buf = t.to(dev)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    t.copy_(buf.to(t.device))
+    return t

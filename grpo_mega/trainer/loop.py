@@ -17,6 +17,7 @@ import torch
 from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.parallel import comm
+from grpo_mega.rewards.scoring import score_step
 from grpo_mega.rollout.engines import Engines
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
@@ -105,6 +106,7 @@ class Task:
     train_batch: Callable[[int], list]  # size -> examples with .prompt_ids
     validation: Callable[[], list]
     reward: Callable[[object, list[int]], float]
+    """Per sample (validation); a rewards.scoring.StepScorer also scores a step's samples, once each."""
     stop_token_ids: list[int]
     overlong: str = "keep"
     """A response cut at max_response_length: 'keep' its reward, score it 'zero', or 'mask' it out of the loss."""
@@ -175,7 +177,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         gen = engines.generate([e.prompt_ids for e in examples], batch.n, rollout.temperature, rollout.top_p,
                                batch.max_response_length, task.stop_token_ids, run.seed * 1_000_003 + step)
         samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
-        rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
+        rewards, reward_metrics = score_step(task.reward, samples, gen.token_ids, step)  # once each, same everywhere
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
         if task.overlong == "zero":
             rewards = torch.where(overlong, 0.0, rewards)
@@ -213,7 +215,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             step_seconds=time.perf_counter() - t0, lr=actor.optimizer.param_groups[0]["lr"], sync_seconds=stats.seconds if stats else 0.0,
             **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
                                                                        "clip_fraction", "grad_norm")},
-            skipped=sum(u["skipped"] for u in updates),
+            skipped=sum(u["skipped"] for u in updates), **reward_metrics,
         )
         history.rows.append(row)
         if log is not None:
