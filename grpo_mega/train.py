@@ -51,7 +51,11 @@ class RewardConfig:
     weights: dict = field(default_factory=dict)
     """For name=mix: {reward name: weight}."""
     path: str = ""
-    """For name=reward_model: an HF sequence-classification checkpoint."""
+    """For name=reward_model: an HF sequence-classification checkpoint (scored in batches on rank 0)."""
+    device: str = ""
+    """For name=reward_model: where it runs ('cuda:1', 'cpu'); '': the trainer's device (bf16 on GPUs)."""
+    rm_batch_size: int = 64
+    """For name=reward_model: samples per forward."""
     overlong: str = "keep"
     """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
     num_workers: Optional[int] = None
@@ -71,6 +75,8 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
         if self.start_method not in ("forkserver", "spawn", "fork"):
             raise ValueError(f"reward.start_method={self.start_method!r} must be 'forkserver', 'spawn' or 'fork'")
+        if self.rm_batch_size < 1:
+            raise ValueError(f"reward.rm_batch_size={self.rm_batch_size} must be >= 1")
 
 
 @dataclass
@@ -164,8 +170,13 @@ def _task(c: dict, tok, batch, run_cfg):
         print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
     stream = PromptStream(train, run_cfg.seed)
     kwargs = {k: getattr(rew, k) for k in ("weights", "path") if getattr(rew, k)}
-    reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
-                          timeout_s=rew.timeout_s, start_method=rew.start_method)
+    if rew.name == "reward_model":
+        from grpo_mega.rewards.reward_model import RewardModelReward
+
+        reward = RewardModelReward(tok, rew.path, rew.device, rew.rm_batch_size)
+    else:
+        reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
+                              timeout_s=rew.timeout_s, start_method=rew.start_method)
 
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
                 stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state)

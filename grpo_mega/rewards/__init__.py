@@ -72,20 +72,16 @@ def mix_reward(weights: Optional[dict[str, float]] = None, **kwargs) -> RewardFn
 def reward_model(path: str = "", device: str = "cpu", **_) -> RewardFn:
     """A learned reward model: an HF sequence-classification checkpoint at `path`, scoring the prompt and
     response re-tokenised with the reward model's own tokenizer (its vocabulary need not be the policy's).
-    The score is the first logit."""
+    The score is the first logit at the last token. Per sample; a run scores a step's samples in batches
+    (rewards/reward_model.py)."""
     if not path:
         raise ValueError("reward=reward_model needs reward.path=DIR (an HF AutoModelForSequenceClassification)")
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from grpo_mega.rewards.reward_model import RewardModel
 
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    rm = RewardModel(path, device)
 
     def score(response: str, ground_truth: Any = None, sample: Optional[dict] = None) -> float:
-        text = (sample or {}).get("prompt_text", "") + response
-        ids = tok(text, return_tensors="pt").to(device)
-        with torch.no_grad():
-            return float(model(**ids).logits[0, 0])
+        return rm.score_texts([(sample or {}).get("prompt_text", "") + response])[0]
 
     return score
 
