@@ -125,9 +125,10 @@ def check_reward_value(value) -> float:
 
 
 def report_failure(name: str, where: str, detail: str, on_error: str, stats: RewardStats,
-                   timeout: bool = False, cause: Optional[BaseException] = None) -> None:
-    """One failed sample: raise RewardError (on_error=raise) or count it, keep the message and log it."""
-    msg = f"reward function {name!r} failed on {where}: {detail}"
+                   timeout: bool = False, cause: Optional[BaseException] = None, what: str = "reward function") -> None:
+    """One failed sample: raise RewardError (on_error=raise) or count it, keep the message and log it.
+    `what` names the role of the function ('reward function', 'label source')."""
+    msg = f"{what} {name!r} failed on {where}: {detail}"
     if on_error == "raise":
         raise RewardError(msg) from cause
     stats.errors += 1

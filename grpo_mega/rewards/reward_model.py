@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -101,18 +101,35 @@ class RewardModel:
 
 
 class RewardModelReward:
-    """`reward.name=reward_model` for a run: the reward model, loaded on first use, scores a step's samples in
-    batches on rank 0 (StepScorer, on_one_rank); called per sample (validation) it scores one sample."""
+    """`reward.name=reward_model` for a run: the reward model, loaded on first use on rank 0, scores a step's
+    samples there in batches (StepScorer, on_one_rank). With `rm_train` (its interval > 0) and a `labeler`,
+    it also labels them and trains the model every interval steps (rewards/rm_train.py), after scoring: the
+    step's rewards come from the model as it was. Called per sample (validation) it scores with `validate`
+    when given (e.g. the rule verifier, so that validation judges the policy and not the reward model)."""
 
     on_one_rank = True
-    metric_keys: tuple[str, ...] = ()
 
-    def __init__(self, tokenizer, path: str, device: str = "", batch_size: int = 64):
+    def __init__(self, tokenizer, path: str, device: str = "", batch_size: int = 64, rm_train=None,
+                 labeler: Optional[Callable] = None, label_name: str = "", validate: Optional[Callable] = None,
+                 owned: Sequence = ()):
         if not path:
             raise ValueError("reward.name=reward_model needs reward.path=DIR (an HF AutoModelForSequenceClassification)")
         check_reward_model_dir(path)
         self.tok, self.path, self.device, self.batch_size = tokenizer, path, device, batch_size
+        self.rm_train = rm_train if rm_train is not None and rm_train.interval > 0 else None
+        if self.rm_train is not None and labeler is None:
+            raise ValueError("reward.rm_train.interval > 0 needs a label source (reward.rm_train.labels)")
+        self.labeler, self.label_name, self.validate = labeler, label_name, validate
+        self.owned = list(owned)  # things to close with this one (the label source's worker pool)
         self._rm: Optional[RewardModel] = None
+        self._trainer = None
+        self._resume_from: Optional[Path] = None
+
+    @property
+    def metric_keys(self) -> tuple[str, ...]:
+        from grpo_mega.rewards.rm_train import RMTrainer
+
+        return RMTrainer.METRICS if self.rm_train is not None else ()
 
     @property
     def rm(self) -> RewardModel:
@@ -120,18 +137,57 @@ class RewardModelReward:
             self._rm = RewardModel(self.path, self.device, batch_size=self.batch_size)
         return self._rm
 
+    @property
+    def trainer(self):
+        if self._trainer is None:
+            from grpo_mega.rewards.rm_train import RMTrainer
+
+            self._trainer = RMTrainer(self.rm_train, self.rm)
+            if self._resume_from is not None:
+                self._trainer.load(self._resume_from)
+        return self._trainer
+
     def text(self, example, response_ids) -> str:
         """What the reward model reads: the prompt and the response, decoded by the policy's tokenizer."""
         return (self.tok.decode(example.prompt_ids, skip_special_tokens=True)
                 + self.tok.decode(response_ids, skip_special_tokens=True))
 
     def __call__(self, example, response_ids) -> float:
+        if self.validate is not None:
+            return self.validate(example, response_ids)
         return self.rm.score_texts([self.text(example, response_ids)])[0]
 
     def score_batch(self, examples, response_ids, indices, step):
-        if not indices:
-            return [], {}
-        return self.rm.score_texts([self.text(examples[i], response_ids[i]) for i in indices]), {}
+        if not indices:  # not the scoring rank: zeros for the counts rank 0 reports
+            return [], dict.fromkeys(self.metric_keys, 0.0)
+        ids = self.rm.encode([self.text(examples[i], response_ids[i]) for i in indices])
+        values = self.rm.score_ids(ids)
+        if self.rm_train is None:
+            return values, {}
+        from grpo_mega.rewards.rm_train import check_label
+
+        labels = self.labeler([examples[i] for i in indices], [response_ids[i] for i in indices])
+        labels = [check_label(v, self.label_name, f"sample {i} (response={self.tok.decode(response_ids[i])[:80]!r})")
+                  for i, v in zip(indices, labels)]
+        self.trainer.add(ids, labels)
+        if step % self.rm_train.interval == 0:
+            self.trainer.update()
+            return values, self.trainer.metrics(updated=True)
+        return values, self.trainer.metrics(updated=False)
+
+    # ---- checkpoint (rank 0 saves; every rank is told where to load from, rank 0 loads on first use) -------
+
+    def save_files(self, d: Path) -> None:
+        if self.rm_train is not None:
+            self.trainer.save(Path(d) / "reward_model")
+
+    def load_files(self, d: Path) -> None:
+        if self.rm_train is not None:
+            self._resume_from = Path(d) / "reward_model"
+            if self._trainer is not None:
+                self._trainer.load(self._resume_from)
 
     def close(self) -> None:
-        self._rm = None
+        for thing in self.owned:
+            thing.close()
+        self._rm = self._trainer = None

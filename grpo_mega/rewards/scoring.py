@@ -112,14 +112,14 @@ class RewardPool:
     """
 
     def __init__(self, name: str, kwargs: Optional[dict] = None, *, num_workers: int = 1, timeout_s: float = 30.0,
-                 start_method: str = "forkserver"):
+                 start_method: str = "forkserver", what: str = "reward function"):
         if num_workers < 1:
             raise ValueError(f"reward.num_workers={num_workers} must be >= 1")
         if not timeout_s > 0:
             raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
         if start_method not in ("forkserver", "spawn", "fork"):
             raise ValueError(f"reward.start_method={start_method!r} must be 'forkserver', 'spawn' or 'fork'")
-        self.name, self.kwargs = name, dict(kwargs or {})
+        self.name, self.kwargs, self.what = name, dict(kwargs or {}), what
         self.num_workers, self.timeout_s, self.start_method = num_workers, timeout_s, start_method
         self._workers: list[_Worker] = []
         self.started_pids: list[int] = []  # every worker ever started (tests check that all are gone)
@@ -172,7 +172,7 @@ class RewardPool:
                     f"response={responses[k][:80]!r})")
 
         def fail(k: int, detail: str, timeout: bool = False) -> None:
-            report_failure(self.fn_name, where(k), detail, on_error, stats, timeout=timeout)
+            report_failure(self.fn_name, where(k), detail, on_error, stats, timeout=timeout, what=self.what)
             out[k] = 0.0
 
         try:
@@ -247,20 +247,22 @@ class PromptReward:
     metric_keys = ("reward/errors", "reward/timeouts")
 
     def __init__(self, tokenizer, name: str, kwargs: Optional[dict] = None, *, on_error: str = "zero",
-                 num_workers: Optional[int] = None, timeout_s: float = 30.0, start_method: str = "forkserver"):
+                 num_workers: Optional[int] = None, timeout_s: float = 30.0, start_method: str = "forkserver",
+                 what: str = "reward function"):
         if on_error not in ("zero", "raise"):
             raise ValueError(f"reward.on_error={on_error!r} must be 'zero' or 'raise'")
         self.tok, self.on_error = tokenizer, on_error
         build_reward(name, **(kwargs or {}))  # fail at start-up, in this process, on a bad name or path
         self.pool = RewardPool(name, kwargs, num_workers=num_workers or default_num_workers(), timeout_s=timeout_s,
-                               start_method=start_method)
+                               start_method=start_method, what=what)
         self.stats = RewardStats()
 
     def _inputs(self, example, response_ids) -> tuple[str, Any, dict]:
+        """(response text, ground truth, sample row); a toy example's `answer` is its ground truth."""
         text = self.tok.decode(response_ids, skip_special_tokens=True)
-        sample = {"data_source": example.data_source, "extra_info": example.extra_info,
+        sample = {"data_source": getattr(example, "data_source", ""), "extra_info": getattr(example, "extra_info", {}),
                   "prompt_text": self.tok.decode(example.prompt_ids, skip_special_tokens=True)}
-        return text, example.ground_truth, sample
+        return text, getattr(example, "ground_truth", getattr(example, "answer", None)), sample
 
     def __call__(self, example, response_ids) -> float:
         text, gt, sample = self._inputs(example, response_ids)

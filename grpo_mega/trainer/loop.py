@@ -113,6 +113,10 @@ class Task:
     get_state: Optional[Callable[[], object]] = None
     """The task's own state (data cursor, sampler RNG) for checkpoints; JSON-serialisable."""
     set_state: Optional[Callable[[object], None]] = None
+    save_files: Optional[Callable[[Path], None]] = None
+    """Rank 0 writes the task's non-JSON state (a reward model in training) into a checkpoint's directory."""
+    load_files: Optional[Callable[[Path], None]] = None
+    """Every rank is given that directory on resume."""
 
 
 @dataclass
@@ -164,6 +168,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             first_step = state["step"] + 1
             if task.set_state is not None:
                 task.set_state(state["task"])
+            if task.load_files is not None:
+                task.load_files(Path(state["path"]) / "task")
     engines = Engines(engine_factory, rollout.num_engines)
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=actor.params_dtype)
     engines.sync(actor.built.gpt, version=first_step - 1, **sync)
@@ -228,7 +234,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             checkpoint.save(store, step, actor, reference,
                             {"step": step, "weight_version": step, "config": resolved_config,
                              "task": task.get_state() if task.get_state else None},
-                            export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
+                            export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf),
+                            task_files=task.save_files)
         if stop:
             if torch.distributed.get_rank() == 0:  # taken: renamed, so that it is not seen again (and the
                 # launcher can tell a run that stopped early on it from one that had finished anyway)
