@@ -160,6 +160,7 @@ class RewardModelReward:
     def score_batch(self, examples, response_ids, indices, step):
         if not indices:  # not the scoring rank: zeros for the counts rank 0 reports
             return [], dict.fromkeys(self.metric_keys, 0.0)
+        trainer = self.trainer if self.rm_train is not None else None  # first use after a resume: loads its state
         ids = self.rm.encode([self.text(examples[i], response_ids[i]) for i in indices])
         values = self.rm.score_ids(ids)
         if self.rm_train is None:
@@ -169,11 +170,11 @@ class RewardModelReward:
         labels = self.labeler([examples[i] for i in indices], [response_ids[i] for i in indices])
         labels = [check_label(v, self.label_name, f"sample {i} (response={self.tok.decode(response_ids[i])[:80]!r})")
                   for i, v in zip(indices, labels)]
-        self.trainer.add(ids, labels)
+        trainer.add(ids, labels)
         if step % self.rm_train.interval == 0:
-            self.trainer.update()
-            return values, self.trainer.metrics(updated=True)
-        return values, self.trainer.metrics(updated=False)
+            trainer.update()
+            return values, trainer.metrics(updated=True)
+        return values, trainer.metrics(updated=False)
 
     # ---- checkpoint (rank 0 saves; every rank is told where to load from, rank 0 loads on first use) -------
 

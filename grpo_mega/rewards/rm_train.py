@@ -99,6 +99,12 @@ def reservoir_add(buffer: list, seen: int, item, capacity: int, rng: random.Rand
     return seen
 
 
+def replay_count(n_new: int, n_buffer: int, fraction: float) -> int:
+    """How many buffered samples to mix with `n_new` new ones so that they are `fraction` of the mix (at most
+    the buffer's size): n_new * f / (1 - f), rounded."""
+    return min(n_buffer, round(n_new * fraction / (1 - fraction)))
+
+
 class RMTrainer:
     """Holds the labelled samples and trains `model` (a reward_model.RewardModel) every `cfg.interval` steps."""
 
@@ -131,7 +137,7 @@ class RMTrainer:
     def update(self) -> dict[str, float]:
         """`cfg.steps` BCE steps on the pending samples plus a replay share; the pending ones then join the buffer."""
         new = self.pending
-        n_replay = min(len(self.buffer), round(len(new) * self.cfg.replay_fraction / (1 - self.cfg.replay_fraction)))
+        n_replay = replay_count(len(new), len(self.buffer), self.cfg.replay_fraction)
         data = new + self.rng.sample(self.buffer, n_replay)
         before = self.accuracy(self.heldout)
         losses = []
@@ -148,7 +154,7 @@ class RMTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
             self.rm.model.eval()
         after = self.accuracy(self.heldout)
         for item in new:
