@@ -76,9 +76,13 @@ def _worker(conn, name: str, kwargs: dict) -> None:
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", i, fn(response, ground_truth, sample)))
+            reply = ("ok", i, fn(response, ground_truth, sample))
         except Exception as e:  # noqa: BLE001 - user code: reported with the sample
-            conn.send(("error", i, f"{type(e).__name__}: {e}"))
+            reply = ("error", i, f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):  # the pool closed while this sample ran (an error elsewhere): done
+            return
 
 
 class _Worker:
@@ -225,6 +229,8 @@ class RewardPool:
         """End every worker (closing its pipe ends an idle one; a busy or stuck one is killed by PID)."""
         workers, self._workers = self._workers, []
         for w in workers:
+            if w.busy is not None:  # mid-sample (the pool is closing on an error): no result is wanted
+                w.kill()
             w.conn.close()
         for w in workers:
             w.proc.join(2)
