@@ -54,6 +54,12 @@ def math_samples(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     return responses, truths
 
 
+def _cpu_seconds(pids) -> float:
+    import psutil
+
+    return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+
+
 def bench_pool(n: int, repeats: int) -> dict:
     from grpo_mega.rewards import build_reward
     from grpo_mega.rewards.scoring import RewardPool
@@ -73,9 +79,12 @@ def bench_pool(n: int, repeats: int) -> dict:
             pool.score(responses[:4], truths[:4], rows[:4])  # warm each worker's caches a little
         for _ in range(repeats):  # interleaved, best of `repeats`: other load on the cores comes and goes
             for workers, pool in pools.items():
+                cpu0 = _cpu_seconds(pool.pids())
                 t0 = time.perf_counter()
                 got = pool.score(responses, truths, rows)
                 seconds = time.perf_counter() - t0
+                # the workers' CPU time over the wall time: how many cores the machine actually gave them
+                out.setdefault(f"workers_{workers}_cores_used", []).append((_cpu_seconds(pool.pids()) - cpu0) / seconds)
                 key = f"workers_{workers}_seconds"
                 out[key] = min(out.get(key, float("inf")), seconds)
                 out.setdefault(f"workers_{workers}_all_seconds", []).append(seconds)
