@@ -31,6 +31,7 @@ def test_batched_scores_equal_one_at_a_time_transformers_forward(tmp_path):
 
     from grpo_mega.rewards.reward_model import RewardModel
 
+    torch.set_num_threads(1)  # tiny matmuls: more threads only contend with the other tests for the cores
     tiny_rm(tmp_path)
     g = torch.Generator().manual_seed(1)
     texts = ["".join(str(int(d)) for d in torch.randint(0, 10, (int(n),), generator=g)) + ">"

@@ -206,3 +206,38 @@ def test_a_hanging_verifier_on_one_rank_is_cut_and_the_step_goes_on(tmp_path):
         assert seconds < 60
         assert _gone(pids)
     assert len(results[1][4]) == 2  # sample 5 is rank 1's (5 % 4): its worker was killed and replaced
+
+
+def pid_label(response, ground_truth, sample):
+    """A label source that records its worker's PID (and raises when asked to), for the orphan check."""
+    with open(os.environ["GRPO_TEST_PID_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    if os.environ.get("GRPO_TEST_LABEL_RAISES"):
+        raise RuntimeError("label source failed on purpose")
+    return 1.0 if response.startswith(str(ground_truth)) else 0.0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_run_leaves_no_reward_worker_behind(tmp_path, fails):
+    """End to end (the CLI, one step, labels from a pool worker): when the run ends, normally or on an error,
+    every worker that scored is gone."""
+    import sys
+    from pathlib import Path
+
+    from tests.proc import run_tree
+    from tests.rewards.test_reward_model import tiny_rm
+
+    root = Path(__file__).resolve().parents[2]
+    pid_file = tmp_path / "pids"
+    env = {**os.environ, "WANDB_MODE": "disabled", "GRPO_TEST_PID_FILE": str(pid_file),
+           **({"GRPO_TEST_LABEL_RAISES": "1"} if fails else {})}
+    cmd = [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "reward.name=reward_model",
+           f"reward.path={tiny_rm(tmp_path / 'rm')}", "reward.rm_train.interval=1", "reward.num_workers=2",
+           "reward.rm_train.labels=tests.rewards.test_scoring:pid_label", "batch.train_batch_size=4", "batch.n=2",
+           "batch.ppo_mini_batch_size=4", "batch.micro_batch_size=8", "eval.pass_k=1", "run.steps=1"]
+    proc = run_tree(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == (2 if fails else 0), proc.stderr[-3000:]
+    if fails:
+        assert "label source 'pid_label' failed on sample" in proc.stderr
+    pids = {int(p) for p in pid_file.read_text().split()}
+    assert pids and _gone(pids)
