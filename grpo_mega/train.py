@@ -28,6 +28,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.rewards.rm_train import RMTrainConfig
 from grpo_mega.trainer.loop import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig
 
 
@@ -41,19 +42,53 @@ class DataConfig:
     """Validation prompts (default: the training file)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RewardConfig:
-    """The reward (task=prompts): a registered name (math, format, mix) or a dotted path."""
+    """The reward (task=prompts): a registered name (math, format, mix, reward_model) or a dotted path.
+    Rule rewards run in a process pool, each sample on one rank (grpo_mega/rewards/scoring.py)."""
 
     name: str = "math"
     on_error: str = "zero"
-    """'zero': score a failing sample 0 and report it; 'raise': stop."""
+    """'zero': score a failing or timed-out sample 0 and report it; 'raise': stop."""
     weights: dict = field(default_factory=dict)
     """For name=mix: {reward name: weight}."""
     path: str = ""
-    """For name=reward_model: an HF sequence-classification checkpoint."""
+    """For name=reward_model: an HF sequence-classification checkpoint (scored in batches on rank 0)."""
+    device: str = ""
+    """For name=reward_model: where it runs ('cuda:1', 'cpu'); '': the trainer's device (bf16 on GPUs)."""
+    rm_batch_size: int = 64
+    """For name=reward_model: samples per forward."""
+    rm_train: RMTrainConfig = field(default_factory=RMTrainConfig)
+    """For name=reward_model: keep training it on the policy's labelled samples (iterative RL)."""
+    val_reward: str = ""
+    """What scores validation: '' the training reward; 'task' the task's own verifier (task=successor); or a
+    rule / dotted path. With a learned reward model, a rule judges the policy rather than the model."""
     overlong: str = "keep"
     """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
+    num_workers: Optional[int] = None
+    """Reward worker processes per rank; null: the node's cores divided among its ranks (at least 1)."""
+    timeout_s: float = 30.0
+    """Per-sample time limit: a sample still being scored is cut (its worker killed) and handled by on_error."""
+    start_method: str = "forkserver"
+    """How workers start: 'forkserver' (forked from a clean server, never from a rank's gloo/NCCL threads),
+    'spawn', or 'fork'."""
+
+    def __post_init__(self):
+        if self.on_error not in ("zero", "raise"):
+            raise ValueError(f"reward.on_error={self.on_error!r} must be 'zero' or 'raise'")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1 (or null: cores per rank)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
+        if self.start_method not in ("forkserver", "spawn", "fork"):
+            raise ValueError(f"reward.start_method={self.start_method!r} must be 'forkserver', 'spawn' or 'fork'")
+        if isinstance(self.rm_train, dict):
+            self.rm_train = RMTrainConfig(**self.rm_train)
+        if self.rm_train.interval and self.name != "reward_model":
+            raise ValueError(f"reward.rm_train.interval={self.rm_train.interval} trains a learned reward model: it "
+                             f"needs reward.name=reward_model (got {self.name!r})")
+        if self.rm_batch_size < 1:
+            raise ValueError(f"reward.rm_batch_size={self.rm_batch_size} must be >= 1")
 
 
 @dataclass
@@ -171,21 +206,53 @@ def _quiet_console() -> None:
             h.addFilter(_NotMegatronInfo())
 
 
+def _reward_model(rew: RewardConfig, tok, verifier):
+    """reward.name=reward_model: the batched reward model, with its label source and validation judge.
+    `verifier`: the task's own rule reward (task=successor), or None."""
+    from grpo_mega.rewards.reward_model import RewardModelReward
+    from grpo_mega.rewards.scoring import PromptReward
+
+    pool = dict(num_workers=rew.num_workers, timeout_s=rew.timeout_s, start_method=rew.start_method)
+    owned = []
+
+    def rule(name: str, what: str, on_error: str):
+        if name == "task":
+            if verifier is None:
+                raise ValueError(f"{what}=task needs task=successor (a task with its own verifier); with prompt "
+                                 "files name a rule such as math, or a dotted path")
+            return lambda examples, ids: [verifier(e, r) for e, r in zip(examples, ids)]
+        r = PromptReward(tok, name, on_error=on_error, what="label source" if "labels" in what else "reward function",
+                         **pool)
+        owned.append(r)
+        return lambda examples, ids: r.score_batch(examples, ids, list(range(len(examples))), 0)[0]
+
+    labeler = rule(rew.rm_train.labels, "reward.rm_train.labels", "raise") if rew.rm_train.interval else None
+    validate = None
+    if rew.val_reward:
+        judge = rule(rew.val_reward, "reward.val_reward", rew.on_error)
+        validate = lambda example, ids: judge([example], [ids])[0]  # noqa: E731
+    return RewardModelReward(tok, rew.path, rew.device, rew.rm_batch_size, rm_train=rew.rm_train, labeler=labeler,
+                             label_name=rew.rm_train.labels, validate=validate, owned=owned)
+
+
 def _task(c: dict, tok, batch, run_cfg):
     """The Task the loop trains on: the toy successor task, or prompt files scored by a reward."""
     from grpo_mega.data.toy import SuccessorTask
     from grpo_mega.trainer.loop import Task
 
+    rew = RewardConfig(**c.get("reward", {}))
     if c["task"] == "successor":
         t = SuccessorTask(tok, seed=run_cfg.seed)
-        return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward, stop_token_ids=[tok.eos_token_id],
-                    get_state=t.get_state, set_state=t.set_state)
+        reward = _reward_model(rew, tok, t.reward) if rew.name == "reward_model" else t.reward
+        return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
+                    get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
+                    load_files=getattr(reward, "load_files", None))
     if c["task"] != "prompts":
         raise ValueError(f"task={c['task']!r} must be 'successor' or 'prompts'")
     from grpo_mega.data.dataset import PromptStream, load_prompts
-    from grpo_mega.rewards import RewardStats, build_reward, score_samples
+    from grpo_mega.rewards.scoring import PromptReward
 
-    data, rew = c.get("data", {}), c.get("reward", {})
+    data = c.get("data", {})
     if not data.get("train_files"):
         raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
     train, dropped = load_prompts(data["train_files"], tok, batch.max_prompt_length)
@@ -193,18 +260,16 @@ def _task(c: dict, tok, batch, run_cfg):
     if dropped:
         print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
     stream = PromptStream(train, run_cfg.seed)
-    kwargs = {k: rew[k] for k in ("weights", "path") if rew.get(k)}
-    fn = build_reward(rew.get("name", "math"), **kwargs)
-    stats = RewardStats()
-
-    def reward(example, response_ids):
-        text = tok.decode(response_ids, skip_special_tokens=True)
-        sample = {"data_source": example.data_source, "extra_info": example.extra_info,
-                  "prompt_text": tok.decode(example.prompt_ids, skip_special_tokens=True)}
-        return score_samples(fn, [text], [example.ground_truth], [sample], rew.get("on_error", "zero"), stats)[0]
+    kwargs = {k: getattr(rew, k) for k in ("weights", "path") if getattr(rew, k)}
+    if rew.name == "reward_model":
+        reward = _reward_model(rew, tok, None)
+    else:
+        reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
+                              timeout_s=rew.timeout_s, start_method=rew.start_method)
 
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
-                stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state)
+                stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state,
+                save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None))
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -246,6 +311,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         model = load_model_config(c["model"])
         model.vocab_size = len(tok)  # the toy task's own vocabulary
     task = _task(c, tok, batch, run_cfg)
+    rm_interval = c.get("reward", {}).get("rm_train", {}).get("interval", 0)
+    if rm_interval and algo_cfg.ref_update_interval is None:  # Algorithm 1: the reference follows the RM update
+        algo_cfg.ref_update_interval = rm_interval
     task.overlong = c.get("reward", {}).get("overlong", "keep")
 
     def engine_factory():
@@ -307,9 +375,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                             step_s=f"{row['timing/step']:.2f}", tok_s=f"{row['perf/update_tokens_per_s']:.0f}")
             bar.update(1)
 
-        history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
-                        engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg,
-                        resolved_config={k: v for k, v in c.items() if k != "hydra"})
+        try:
+            history = train(model, parallel, precision, optim, algo_cfg, batch, rollout, run_cfg, eval_cfg, task,
+                            engine_factory, log, hf_dir=hf_dir, ckpt=ckpt_cfg,
+                            resolved_config={k: v for k, v in c.items() if k != "hydra"})
+        finally:  # the reward's worker processes end with the run, also when it fails
+            getattr(task.reward, "close", lambda: None)()
         bar.close()
         summary = dict(initial_val_reward=history.initial_val_reward,
                        final_val_reward=history.rows[-1]["val_reward"] if history.rows else history.initial_val_reward,

@@ -264,6 +264,42 @@ REWARD_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def tiny_rm_dir(tmp_path_factory):
+    from tests.rewards.test_reward_model import tiny_rm
+
+    return tiny_rm(tmp_path_factory.mktemp("rm"))
+
+
+RM_ARGS = ["reward.name=reward_model", "reward.rm_train.interval=1", "batch.train_batch_size=4", "batch.n=2",
+           "batch.ppo_mini_batch_size=4", "batch.micro_batch_size=8", "eval.pass_k=1", "run.steps=1"]
+REWARD_MODEL_CASES = {
+    "rm_dir_without_a_classification_head": (
+        lambda rm: ["reward.rm_train.interval=0", f"reward.path={smollm2_dir_str()}"],
+        r"reward\.path=.*SmolLM2-135M-Instruct: architectures \['LlamaForCausalLM'\] has no sequence-classification head"),
+    "rm_replay_fraction_one": (lambda rm: [f"reward.path={rm}", "reward.rm_train.labels=task", "reward.rm_train.replay_fraction=1"],
+                               r"reward\.rm_train\.replay_fraction=1\.0 must be in \[0, 1\)"),
+    "rm_label_source_raises": (lambda rm: [f"reward.path={rm}", "reward.rm_train.labels=tests.test_bad_inputs.raising_reward"],
+                               r"label source 'raising_reward' failed on sample \d+ \(data_source='', response=.*\): KeyError"),
+    "rm_label_source_returns_a_non_number": (
+        lambda rm: [f"reward.path={rm}", "reward.rm_train.labels=tests.test_bad_inputs.text_reward"],
+        r"label source 'text_reward' failed on sample \d+ .*returned 'correct'; a reward must be a finite number"),
+}
+
+
+def smollm2_dir_str() -> str:
+    from tests.models.hf_fixtures import smollm2_dir
+
+    return str(smollm2_dir())
+
+
+@pytest.mark.parametrize("case", sorted(REWARD_MODEL_CASES))
+def test_bad_reward_model_input(case, tiny_rm_dir, tmp_path):
+    """A learned reward model on the toy task: its directory, its training settings, its label source."""
+    overrides, pattern = REWARD_MODEL_CASES[case]
+    _refused(_cli(tmp_path / "run", *RM_ARGS, *overrides(tiny_rm_dir)), pattern)
+
+
 @pytest.mark.parametrize("case", sorted(REWARD_CASES))
 def test_bad_reward_function(case, tmp_path):
     """With reward.on_error=raise (the default 'zero' scores the sample 0 and reports it)."""
@@ -337,8 +373,8 @@ def test_a_dying_rollout_engine_is_an_error_on_every_rank():
 
 
 def test_the_corpus_has_at_least_25_cases():
-    cases = (len(DATA_CASES) + len(CONFIG_CASES) + len(CHECKPOINT_CASES) + len(REWARD_CASES)
+    cases = (len(DATA_CASES) + len(CONFIG_CASES) + len(CHECKPOINT_CASES) + len(REWARD_CASES) + len(REWARD_MODEL_CASES)
              + sum(1 for name in globals() if name.startswith("test_") and name not in (
                  "test_bad_data_file", "test_bad_configuration", "test_bad_checkpoint_to_resume_from",
-                 "test_bad_reward_function", "test_the_corpus_has_at_least_25_cases")))
+                 "test_bad_reward_function", "test_bad_reward_model_input", "test_the_corpus_has_at_least_25_cases")))
     assert cases >= 25, cases

@@ -101,3 +101,15 @@ def world_max(values: list[float]) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def world_all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """SUM over every rank of the world, in place (moved to the collective's device and back): e.g. per-sample
+    scores where exactly one rank holds each entry and the others hold 0, which sums exactly."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    dev = _device()
+    buf = t.to(dev)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    t.copy_(buf.to(t.device))
+    return t

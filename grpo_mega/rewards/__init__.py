@@ -72,20 +72,16 @@ def mix_reward(weights: Optional[dict[str, float]] = None, **kwargs) -> RewardFn
 def reward_model(path: str = "", device: str = "cpu", **_) -> RewardFn:
     """A learned reward model: an HF sequence-classification checkpoint at `path`, scoring the prompt and
     response re-tokenised with the reward model's own tokenizer (its vocabulary need not be the policy's).
-    The score is the first logit."""
+    The score is the first logit at the last token. Per sample; a run scores a step's samples in batches
+    (rewards/reward_model.py)."""
     if not path:
         raise ValueError("reward=reward_model needs reward.path=DIR (an HF AutoModelForSequenceClassification)")
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from grpo_mega.rewards.reward_model import RewardModel
 
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    rm = RewardModel(path, device)
 
     def score(response: str, ground_truth: Any = None, sample: Optional[dict] = None) -> float:
-        text = (sample or {}).get("prompt_text", "") + response
-        ids = tok(text, return_tensors="pt").to(device)
-        with torch.no_grad():
-            return float(model(**ids).logits[0, 0])
+        return rm.score_texts([(sample or {}).get("prompt_text", "") + response])[0]
 
     return score
 
@@ -114,31 +110,48 @@ def build_reward(name: str, **kwargs) -> RewardFn:
 @dataclass
 class RewardStats:
     errors: int = 0
+    """Samples whose reward raised, returned a non-number or timed out (scored 0 under on_error=zero)."""
+    timeouts: int = 0
+    """Of those, samples cut at reward.timeout_s."""
     examples: list[str] = field(default_factory=list)
+    """The first few messages, for the report."""
+
+
+def check_reward_value(value) -> float:
+    """`value` as a float; a TypeError for a bool, a non-number or a non-finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise TypeError(f"returned {value!r}; a reward must be a finite number")
+    return float(value)
+
+
+def report_failure(name: str, where: str, detail: str, on_error: str, stats: RewardStats,
+                   timeout: bool = False, cause: Optional[BaseException] = None, what: str = "reward function") -> None:
+    """One failed sample: raise RewardError (on_error=raise) or count it, keep the message and log it.
+    `what` names the role of the function ('reward function', 'label source')."""
+    msg = f"{what} {name!r} failed on {where}: {detail}"
+    if on_error == "raise":
+        raise RewardError(msg) from cause
+    stats.errors += 1
+    stats.timeouts += int(timeout)
+    if len(stats.examples) < 5:
+        stats.examples.append(msg)
+    log.warning("%s; scored 0 (reward.on_error=zero)", msg)
 
 
 def score_samples(fn: RewardFn, responses: list[str], ground_truths: list[Any], samples: list[dict],
                   on_error: str = "zero", stats: Optional[RewardStats] = None) -> list[float]:
-    """Apply `fn` to every sample. A raise or a non-number names the sample; on_error=zero|raise."""
+    """Apply `fn` to every sample in this process. A raise or a non-number names the sample; on_error=zero|raise.
+    (rewards/scoring.py's RewardPool does the same in worker processes, with a time limit.)"""
     if on_error not in ("zero", "raise"):
         raise ValueError(f"reward.on_error={on_error!r} must be 'zero' or 'raise'")
     stats = stats if stats is not None else RewardStats()
     out = []
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
     for i, (resp, gt, sample) in enumerate(zip(responses, ground_truths, samples)):
         where = f"sample {i} (data_source={sample.get('data_source')!r}, response={resp[:80]!r})"
         try:
-            value = fn(resp, gt, sample)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-                raise TypeError(f"returned {value!r}; a reward must be a finite number")
-            out.append(float(value))
+            out.append(check_reward_value(fn(resp, gt, sample)))
         except Exception as e:  # noqa: BLE001 - user code: report it with the sample
-            name = getattr(fn, "__qualname__", None) or type(fn).__name__
-            msg = f"reward function {name!r} failed on {where}: {type(e).__name__}: {e}"
-            if on_error == "raise":
-                raise RewardError(msg) from e
-            stats.errors += 1
-            if len(stats.examples) < 5:
-                stats.examples.append(msg)
-            log.warning("%s; scored 0 (reward.on_error=zero)", msg)
+            report_failure(name, where, f"{type(e).__name__}: {e}", on_error, stats, cause=e)
             out.append(0.0)
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,9 +166,10 @@ def model_dir(path: str) -> str:
 
 
 def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
-         export: Optional[dict] = None) -> Optional[Path]:
+         export: Optional[dict] = None, task_files: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
     """Collective: every rank writes its shards; rank 0 seals. Returns the path on rank 0.
-    `export` (model_cfg, dtype, hf_dir) also writes the actor as an HF directory `hf/` into the checkpoint."""
+    `export` (model_cfg, dtype, hf_dir) also writes the actor as an HF directory `hf/` into the checkpoint.
+    `task_files(dir)` (rank 0) writes the task's non-JSON state (a reward model in training) into `task/`."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
@@ -192,6 +193,8 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
     dist.barrier()
     if dist.get_rank() != 0:
         return None
+    if task_files is not None:
+        task_files(tmp / "task")
     with open(tmp / "loop_state.json", "w") as f:
         json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size(),
                    "rng_device": _rng_device(), "has_reference": reference is not None}, f)
@@ -199,9 +202,10 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
 
 
 def load(path: Path, actor, reference) -> dict:
-    """Load a verified checkpoint into this layout; returns the loop state. RNG states are restored when
-    the world size and the device kind match the saving run's (at another layout the streams cannot
-    correspond; a GPU's generator states do not fit the CPU's): a checkpoint moves between GPU and CPU."""
+    """Load a verified checkpoint into this layout; returns the loop state, with "path": the checkpoint's
+    directory (for the task's own files). RNG states are restored when the world size and the device kind
+    match the saving run's (at another layout the streams cannot correspond; a GPU's generator states do not
+    fit the CPU's): a checkpoint moves between GPU and CPU."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
@@ -232,7 +236,7 @@ def load(path: Path, actor, reference) -> dict:
     same_device = state.get("rng_device", "cpu") == _rng_device()
     if state["world_size"] == dist.get_world_size() and same_device and rng.is_file():
         _set_rng_state(load_file(str(rng)))
-    return state
+    return {**state, "path": str(path)}
 
 
 def config_changes(saved: Optional[dict], now: Optional[dict], prefix: str = "") -> list[str]:

@@ -1,8 +1,9 @@
 """The GRPO loop, as DESIGN.md's step: rollout -> reward -> advantage -> old/ref logprobs -> update ->
 weight sync -> eval/metrics. Every rank runs it; the rollout engines (one by default, on global rank 0;
 `rollout.num_engines` spreads them evenly over the ranks, e.g. one per node) each sample a contiguous share
-of the prompts, and every rank receives all the samples, so rewards and advantages are computed
-identically everywhere.
+of the prompts (or dedicated servers answer them: rollout.placement), and every rank receives all the
+samples. Each sample is scored once, on one rank (grpo_mega.rewards.scoring), and the scores reach every
+rank, so advantages are computed identically everywhere. Each phase is timed (grpo_mega.trainer.timing).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.parallel import comm
+from grpo_mega.rewards.scoring import score_step
 from grpo_mega.rollout.engines import Engines
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
@@ -125,12 +127,17 @@ class Task:
     train_batch: Callable[[int], list]  # size -> examples with .prompt_ids
     validation: Callable[[], list]
     reward: Callable[[object, list[int]], float]
+    """Per sample (validation); a rewards.scoring.StepScorer also scores a step's samples, once each."""
     stop_token_ids: list[int]
     overlong: str = "keep"
     """A response cut at max_response_length: 'keep' its reward, score it 'zero', or 'mask' it out of the loss."""
     get_state: Optional[Callable[[], object]] = None
     """The task's own state (data cursor, sampler RNG) for checkpoints; JSON-serialisable."""
     set_state: Optional[Callable[[object], None]] = None
+    save_files: Optional[Callable[[Path], None]] = None
+    """Rank 0 writes the task's non-JSON state (a reward model in training) into a checkpoint's directory."""
+    load_files: Optional[Callable[[Path], None]] = None
+    """Every rank is given that directory on resume."""
 
 
 @dataclass
@@ -206,6 +213,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             first_step = state["step"] + 1
             if task.set_state is not None:
                 task.set_state(state["task"])
+            if task.load_files is not None:
+                task.load_files(Path(state["path"]) / "task")
     engines = Engines(engine_factory, rollout.num_engines)
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=actor.params_dtype)
     engines.sync(actor.built.gpt, version=first_step - 1, **sync)
@@ -220,8 +229,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             gen = engines.generate([e.prompt_ids for e in examples], batch.n, rollout.temperature, rollout.top_p,
                                    batch.max_response_length, task.stop_token_ids, run.seed * 1_000_003 + step)
         samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
-        with timer("reward"):
-            rewards = torch.tensor([task.reward(e, r) for e, r in zip(samples, gen.token_ids)])
+        with timer("reward"):  # each sample scored once, on one rank; the same scores on every rank
+            rewards, reward_metrics = score_step(task.reward, samples, gen.token_ids, step)
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
         if task.overlong == "zero":
             rewards = torch.where(overlong, 0.0, rewards)
@@ -260,7 +269,8 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
                 checkpoint.save(store, step, actor, reference,
                                 {"step": step, "weight_version": step, "config": resolved_config,
                                  "task": task.get_state() if task.get_state else None},
-                                export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf))
+                                export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf),
+                                task_files=task.save_files)
         row = dict(
             step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
             overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
@@ -268,7 +278,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             lr=actor.optimizer.param_groups[0]["lr"],
             **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
                                                                        "clip_fraction", "grad_norm")},
-            skipped=sum(u["skipped"] for u in updates),
+            skipped=sum(u["skipped"] for u in updates), **reward_metrics,
             **step_metrics(timer, updates, rb, algo_cfg.ppo_epochs),
         )
         history.rows.append(row)
