@@ -174,10 +174,12 @@ def _token_stats(logits: torch.Tensor, mb: dict, model_cfg: ModelConfig, batch: 
                  ref_logits: Optional[torch.Tensor] = None):
     """(logprob, entropy, full KL or None) of the micro-batch's response positions, in its padded [n, L']
     layout, from vocab-parallel logits (a packed row's per-token results gathered back through
-    `unpack_index`)."""
+    `unpack_index`). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
+    the gradient of `logits` into their memory."""
     logp, entropy, kl = vocab_parallel_stats(
         logits, mb["labels"], _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
         temperature=temperature, vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
+        donate_ref_logits=ref_logits is not None and logits.requires_grad,
     )
     return unpack(mb, logp), unpack(mb, entropy), (unpack(mb, kl) if kl is not None else None)
 
