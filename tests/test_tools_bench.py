@@ -35,3 +35,18 @@ def test_bench_activations_writes_json(tmp_path):
     assert set(rows) == {"none", "selective", "full"} and data["layer_spec"] in ("local", "transformer_engine")
     assert rows["full"]["measured_over_planned"] == 1.0
     assert rows["none"]["measured_bytes_per_layer"] > rows["selective"]["measured_bytes_per_layer"] > 0
+
+
+def test_bench_full_kl_writes_json(tmp_path):
+    """The full-KL update against the k3 update at tp=2, toy sizes: both rows, the ratios and the load."""
+    out = tmp_path / "full_kl.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_full_kl.py"), "--hidden", "64", "--layers", "2",
+           "--vocab", "500", "--prompts", "2", "--prompt-len", "8", "--response-len", "8", "--budget", "32",
+           "--iters", "1", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True)
+    data = json.loads(out.read_text())
+    assert [r["estimator"] for r in data["results"]] == ["k3", "full"]
+    k3, full = data["results"]
+    assert k3["ref_logprobs_s"] > 0 and full["ref_logprobs_s"] == 0  # full needs no separate reference pass
+    assert all(r["update_s"] > 0 and r["peak_update_mib"] >= 0 for r in data["results"])
+    assert len(data["loadavg"]["before"]) == 3 and "full_vs_k3_peak" in data

@@ -130,6 +130,25 @@ def test_algorithm_options_wired_through_the_loop(tmp_path):
     assert rows[0]["kl"] > 0  # the reference exists and is compared with
 
 
+def test_full_kl_in_the_loss_through_the_loop(tmp_path):
+    """algo.kl_estimator=full: no separate reference pass (the reference runs inside the update), a KL that
+    grows from 0 as the actor leaves the reference; with kl_coef=0 no reference is built at all."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    proc, rows = _run(tmp_path, "algo.kl_estimator=full", "algo.kl_coef=0.01", "run.steps=3", "eval.interval=3",
+                      f"checkpoint.dir={ckpt}")
+    assert all(r["timing/ref_logprobs"] == 0 and r["timing/update"] > 0 and r["skipped"] == 0 for r in rows)
+    # two mini-batches a step: the first one's KL is 0 (the reference starts as the actor), then it grows
+    assert 0 < rows[0]["kl"] < rows[1]["kl"] < rows[2]["kl"]
+    assert json.loads((ckpt / "step_00000003" / "loop_state.json").read_text())["has_reference"] is True
+    ckpt0 = tmp_path / "ckpt0"
+    proc, rows = _run(tmp_path / "kl0", "algo.kl_estimator=full", "algo.kl_coef=0", "run.steps=1", "eval.interval=1",
+                      f"checkpoint.dir={ckpt0}")
+    assert json.loads((ckpt0 / "step_00000001" / "loop_state.json").read_text())["has_reference"] is False
+    assert rows[0]["kl"] == 0.0
+
+
 def test_bad_overlong_mode_is_named(tmp_path):
     proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "reward.overlong=drop",
                            "run.steps=1"], capture_output=True, text=True, timeout=300)

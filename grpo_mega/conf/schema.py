@@ -277,7 +277,8 @@ class AlgoConfig:
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
-    """k1, abs, k2 (mse), k3 (low_var_kl) or full."""
+    """k1, abs, k2 (mse), k3 (low_var_kl) or full (the whole-vocabulary KL from both models' logits: the
+    reference runs in lockstep with the actor during the update; not with kl_in_reward)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     loss_agg_mode: str = "token-mean"
@@ -314,6 +315,10 @@ class AlgoConfig:
             raise ValueError(f"algo.clip_ratio_low={self.clip_ratio_low} and clip_ratio_high={self.clip_ratio_high} must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null)")
+        if self.kl_in_reward and self.kl_estimator == "full":
+            raise ValueError("algo.kl_estimator='full' with algo.kl_in_reward=true: the reward's KL is estimated "
+                             "from the sampled tokens' logprobs; use k1, abs, k2 or k3 there, or "
+                             "kl_in_reward=false for the full KL in the loss")
         if self.engine_is_cap is not None and self.engine_is_cap < 1:
             raise ValueError(f"algo.engine_is_cap={self.engine_is_cap} must be >= 1 (or null)")
         if self.early_stop_imp_ratio is not None and self.early_stop_imp_ratio <= 1:

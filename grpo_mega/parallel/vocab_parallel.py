@@ -17,7 +17,9 @@ its sum of exponentials and softmax-weighted means, all relative to its max) and
 the group with two all-reduces of [k, T] tensors (one MAX of [2, T], one SUM of [5, T]). The backward pass needs no communication: each rank rebuilds its columns
 of p (and q) from its logits and the saved [T]-sized global statistics. All math is fp32 whatever the
 input dtype. With `chunk_size`, tokens are processed in chunks so temporaries are [chunk, V/tp]; the only
-tensor of the logits' size ever allocated is the gradient itself.
+tensor of the logits' size ever allocated is the gradient itself, and with `donate_ref_logits` (the
+reference's logits are of no further use to the caller) not even that: the gradient is written into the
+reference logits' memory, so that the full KL costs no [T, V/tp] tensor beyond the reference's own logits.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def local_grads(
     g_entropy: Optional[torch.Tensor],
     g_kl: Optional[torch.Tensor],
     need_ref_grad: bool,
+    overwrite_ref: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gradients w.r.t. one shard's real columns (fp32), from its logits and the global [c] statistics.
 
@@ -152,7 +155,8 @@ def local_grads(
       d logprob / d a_v = 1[v = y] - p_v
       d H / d a_v       = -p_v (log p_v + H)
       d KL / d a_v      = p_v (log p_v - log q_v - KL)        d KL / d b_v = q_v - p_v
-    and d/dz = d/da / T. z, ref_z: [c, n]; g_*: [c] upstream gradients (None: unused output).
+    and d/dz = d/da / T. z, ref_z: [c, n]; g_*: [c] upstream gradients (None: unused output). With
+    `overwrite_ref` (and no ref grad), an fp32 ref_z is turned into log q in place instead of copied.
     Returns (grad_z [c, n] fp32, grad_ref_z [c, n] fp32 or None).
     """
     c = z.shape[0]
@@ -168,7 +172,9 @@ def local_grads(
     logq = None
     if ref_z is not None and (g_kl is not None or need_ref_grad):
         const = const - g_k * stats["kl"]
-        logq = _scaled(ref_z, temperature).sub_(stats["g_b"].unsqueeze(1)).sub_(stats["log_s_b"].unsqueeze(1))
+        in_place = overwrite_ref and not need_ref_grad and ref_z.dtype == torch.float32
+        logq = ref_z.div_(temperature) if in_place else _scaled(ref_z, temperature)
+        logq.sub_(stats["g_b"].unsqueeze(1)).sub_(stats["log_s_b"].unsqueeze(1))
         grad.addcmul_(logq, g_k.unsqueeze(1), value=-1.0)
     grad.add_(const.unsqueeze(1))
     p = logp.exp_()
@@ -203,7 +209,7 @@ def _chunks(t: int, chunk_size: Optional[int]):
 
 class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ref_logits, target, temperature, vocab_size, group, chunk_size):
+    def forward(ctx, logits, ref_logits, target, temperature, vocab_size, group, chunk_size, donate_ref):
         rank, world = _group_rank_size(group)
         start, n = shard_columns(logits.shape[-1], rank, vocab_size)
         t = logits.shape[0]
@@ -230,7 +236,7 @@ class _VocabParallelStats(torch.autograd.Function):
         stats = finish(maxes, sums, with_ref)
 
         ctx.save_for_backward(logits, ref_logits, target_local, *[stats[k] for k in _SAVED if k in stats])
-        ctx.meta = (temperature, n, chunk_size, with_ref, target is not None)
+        ctx.meta = (temperature, n, chunk_size, with_ref, target is not None, donate_ref)
         ctx.set_materialize_grads(False)
         kl = stats["kl"] if with_ref else torch.zeros_like(stats["entropy"])
         logprob = stats["logprob"] if target is not None else torch.zeros_like(stats["entropy"])
@@ -238,7 +244,7 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy, g_kl):
-        temperature, n, chunk_size, with_ref, has_target = ctx.meta
+        temperature, n, chunk_size, with_ref, has_target, donate_ref = ctx.meta
         logits, ref_logits, target_local, *saved = ctx.saved_tensors
         stats = dict(zip([k for k in _SAVED if with_ref or k not in _REF_KEYS], saved))
         need_ref_grad = with_ref and ctx.needs_input_grad[1]
@@ -247,10 +253,15 @@ class _VocabParallelStats(torch.autograd.Function):
         if not with_ref:
             g_kl = None
 
-        grad = torch.zeros_like(logits) if ctx.needs_input_grad[0] else None
+        donate = donate_ref and with_ref and not need_ref_grad and ctx.needs_input_grad[0]
+        if donate:  # each chunk's gradient goes where that chunk's reference logits were, once read
+            grad = ref_logits
+            grad[:, n:] = 0
+        else:
+            grad = torch.zeros_like(logits) if ctx.needs_input_grad[0] else None
         grad_ref = torch.zeros_like(ref_logits) if need_ref_grad else None
         if grad is None and grad_ref is None:
-            return (None,) * 7
+            return (None,) * 8
         for lo, hi in _chunks(logits.shape[0], chunk_size):
             g_a, g_b = local_grads(
                 logits[lo:hi, :n],
@@ -262,12 +273,13 @@ class _VocabParallelStats(torch.autograd.Function):
                 g_entropy[lo:hi] if g_entropy is not None else None,
                 g_kl[lo:hi] if g_kl is not None else None,
                 need_ref_grad,
+                overwrite_ref=donate,
             )
             if grad is not None:
                 grad[lo:hi, :n] = g_a
             if grad_ref is not None:
                 grad_ref[lo:hi, :n] = g_b
-        return grad, grad_ref, None, None, None, None, None
+        return grad, grad_ref, None, None, None, None, None, None
 
 
 _SAVED = ("g_a", "log_s_a", "entropy", "g_b", "log_s_b", "kl")
@@ -283,6 +295,7 @@ def vocab_parallel_stats(
     temperature: float = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
+    donate_ref_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Per-token (logprob of `target`, entropy, KL(p || q)) from vocab-sharded logits.
 
@@ -290,7 +303,10 @@ def vocab_parallel_stats(
     token ids (< vocab_size), or None (logprob is then 0); group: the tensor-parallel group (None: the
     logits hold the whole vocabulary); ref_logits: [..., V/tp] the reference model's shard for KL, or
     None; temperature: divides the logits, as the rollout engine does; vocab_size: the real vocabulary,
-    columns at or past it are padding (-inf); chunk_size: tokens per chunk (None: all at once).
+    columns at or past it are padding (-inf); chunk_size: tokens per chunk (None: all at once);
+    donate_ref_logits: the caller gives `ref_logits` up (no grad, same dtype as `logits`): the backward pass
+    overwrites them with the gradient of `logits` instead of allocating one (the full KL in the GRPO loss,
+    where the reference's logits exist for this op alone). One backward pass only.
 
     Returns fp32 tensors of shape [...]: logprob, entropy, and kl (None without ref_logits). Gradients flow
     to `logits` and, if it requires grad, `ref_logits`.
@@ -299,6 +315,12 @@ def vocab_parallel_stats(
         raise ValueError(f"temperature={temperature} must be > 0")
     if ref_logits is not None and ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits shape {tuple(ref_logits.shape)} != logits shape {tuple(logits.shape)}")
+    if donate_ref_logits and (ref_logits is None or ref_logits.requires_grad or ref_logits.dtype != logits.dtype):
+        raise ValueError(
+            "donate_ref_logits=True needs ref_logits without grad and of the logits' dtype "
+            f"(got {None if ref_logits is None else (ref_logits.dtype, ref_logits.requires_grad)} for logits "
+            f"{logits.dtype}); pass donate_ref_logits=False to keep them"
+        )
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     ref_flat = ref_logits.reshape(-1, logits.shape[-1]) if ref_logits is not None else None
@@ -312,7 +334,8 @@ def vocab_parallel_stats(
             raise ValueError(
                 f"target ids must be in [0, {limit}) (the real vocabulary), got [{int(tgt.min())}, {int(tgt.max())}]"
             )
-    logprob, entropy, kl = _VocabParallelStats.apply(flat, ref_flat, tgt, float(temperature), vocab_size, group, chunk_size)
+    logprob, entropy, kl = _VocabParallelStats.apply(flat, ref_flat, tgt, float(temperature), vocab_size, group, chunk_size,
+                                                     donate_ref_logits)
     return logprob.view(lead), entropy.view(lead), (kl.view(lead) if ref_logits is not None else None)
 
 

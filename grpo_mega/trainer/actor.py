@@ -3,12 +3,15 @@
 Owns: running batches through Megatron's pipeline schedule (`get_forward_backward_func`) in micro-batches;
 the per-micro-batch GRPO loss from vocab-parallel logits; the mini-batch normaliser, computed once per
 mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and DP
-averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics.
+averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics. With the full
+KL in the loss (`algo.kl_estimator=full`), the frozen reference runs in lockstep with the actor inside the
+same schedule, so that both models' vocab-sharded logits meet in the loss of every micro-batch.
 The math is grpo_mega.algo's, the collectives grpo_mega.parallel's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from functools import partial
@@ -88,9 +91,11 @@ def _check_packing(gpt, batch: BatchConfig) -> None:
         check_packed_attention(gpt)
 
 
-def run_schedule(module, micro: list[dict], length: int, forward_step, forward_only: bool) -> list:
+def run_schedule(module, micro: list[dict], length: int, forward_step, forward_only: bool, lockstep: int = 1) -> list:
     """`micro` through Megatron's schedule for this layout (1F1B with PP); returns the loss dicts of the
-    last stage (empty elsewhere)."""
+    last stage (empty elsewhere). With `lockstep` models run on each micro-batch (the actor and the
+    reference: 2), the hidden states sent between pipeline stages hold `lockstep` times its rows
+    ([s, lockstep * b, h]: megatron sizes its receive buffers from micro_batch_size)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
@@ -99,7 +104,7 @@ def run_schedule(module, micro: list[dict], length: int, forward_step, forward_o
         model=[module],
         num_microbatches=len(micro),
         seq_length=length,
-        micro_batch_size=micro[0]["tokens"].shape[0],
+        micro_batch_size=micro[0]["tokens"].shape[0] * lockstep,
         forward_only=forward_only,
     )
 
@@ -113,15 +118,20 @@ def _on_device(mb: dict) -> dict:
     return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
+def _unwrap(model):
+    """The GPTModel inside a (DDP-)wrapped module."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _forward(model, mb: dict) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last stage (hidden states elsewhere). A packed row ([1, S]) reaches the
     model as THD with cu_seqlens under Transformer Engine, else with its block-diagonal causal mask and
     RoPE positions restarting per sequence (megatron-core's local spec)."""
     from grpo_mega.models.builder import set_rope_positions
 
-    gpt = model
-    while hasattr(gpt, "module"):
-        gpt = gpt.module
+    gpt = _unwrap(model)
     if "cu_seqlens" not in mb:
         set_rope_positions(gpt, None)
         return model(mb["tokens"], mb["position_ids"], None)
@@ -137,14 +147,40 @@ def _forward(model, mb: dict) -> torch.Tensor:
     return model(mb["tokens"], mb["position_ids"], None, packed_seq_params=params)
 
 
+def _lockstep_forward(model, ref_gpt, mb: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """This stage of the actor (`model`, with grad) and of the frozen reference (`ref_gpt`, no grad, no saved
+    activations) on the same micro-batch of b rows.
+
+    Between pipeline stages the two travel as one tensor [s, 2b, h] (s/tp under sequence parallelism): actor
+    rows first, then the reference's. The schedule has handed the received tensor to the actor
+    (set_input_tensor); it is split here, the reference's half detached, so its gradient is zero and the
+    backward pass stops there. Returns (actor logits [b, s, V/tp], reference logits [b, s, V/tp]) on the last
+    stage, else (the [s, 2b, h] tensor to send on, None)."""
+    ps = _ps()
+    b = mb["tokens"].shape[0]
+    gpt = _unwrap(model)
+    if not ps.is_pipeline_first_stage():
+        both = gpt.decoder.input_tensor
+        gpt.decoder.set_input_tensor(both[:, :b].contiguous())
+        ref_gpt.decoder.set_input_tensor(both[:, b:].detach().contiguous())
+    out = _forward(model, mb)
+    with torch.no_grad():
+        ref_out = _forward(ref_gpt, mb)
+    if ps.is_pipeline_last_stage():
+        return out, ref_out
+    return torch.cat([out, ref_out], dim=1), None
+
+
 def _token_stats(logits: torch.Tensor, mb: dict, model_cfg: ModelConfig, batch: BatchConfig, temperature: float,
                  ref_logits: Optional[torch.Tensor] = None):
     """(logprob, entropy, full KL or None) of the micro-batch's response positions, in its padded [n, L']
     layout, from vocab-parallel logits (a packed row's per-token results gathered back through
-    `unpack_index`)."""
+    `unpack_index`). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
+    the gradient of `logits` into their memory."""
     logp, entropy, kl = vocab_parallel_stats(
         logits, mb["labels"], _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
         temperature=temperature, vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
+        donate_ref_logits=ref_logits is not None and logits.requires_grad,
     )
     return unpack(mb, logp), unpack(mb, entropy), (unpack(mb, kl) if kl is not None else None)
 
@@ -180,8 +216,9 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
 
 
 class Reference:
-    """The frozen reference policy: same placement as the actor, logprobs only. With `offload`, its
-    weights wait in host memory between uses and visit the GPU only for `logprobs`."""
+    """The frozen reference policy: same placement as the actor; its logprobs, or its logits inside the
+    actor's update (`Actor.update(..., reference=)`, full KL in the loss). With `offload`, its weights wait
+    in host memory between uses and visit the GPU only for those."""
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, batch: BatchConfig,
                  offload: bool = False):
@@ -192,14 +229,20 @@ class Reference:
         if self.offload:
             offload(self.built.gpt, "cpu")
 
-    def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+    @contextlib.contextmanager
+    def on_device(self):
+        """The weights on this rank's GPU for the duration (with `offload`; nothing to do otherwise)."""
         if self.offload:
             offload(self.built.gpt, f"cuda:{torch.cuda.current_device()}")
         try:
-            return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+            yield self.built.gpt
         finally:
             if self.offload:
                 offload(self.built.gpt, "cpu")
+
+    def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+        with self.on_device():
+            return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
 
     def load_from(self, actor: "Actor") -> None:
         """Iterative RL: the reference becomes a copy of the current policy."""
@@ -214,11 +257,6 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        if algo_cfg.kl_estimator == "full" and algo_cfg.kl_coef and not algo_cfg.kl_in_reward:
-            raise ValueError(
-                "algo.kl_estimator='full' in the loss needs the reference's logits during the update, which the "
-                "update does not run yet; use k1/k2/k3/abs, or kl_in_reward"
-            )
         self.model_cfg, self.parallel, self.precision = model_cfg, parallel, precision
         self.optim, self.algo, self.batch = optim, algo_cfg, batch
         self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
@@ -258,14 +296,28 @@ class Actor:
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
         return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
 
+    @property
+    def full_kl_in_loss(self) -> bool:
+        """The loss's KL term is the full-vocabulary KL: the update needs the reference's logits."""
+        a = self.algo
+        return a.kl_coef != 0 and not a.kl_in_reward and a.kl_estimator == "full"
+
     # ---- the loss of one micro-batch (last pipeline stage) --------------------------------------------
 
-    def _loss(self, mb: dict, normaliser: torch.Tensor, scale: int, temperature: float, logits: torch.Tensor):
+    def _loss(self, mb: dict, normaliser: torch.Tensor, scale: int, temperature: float,
+              ref_logits: Optional[torch.Tensor], logits: torch.Tensor):
+        """The micro-batch's scaled GRPO loss and its metric sums. logits, ref_logits: [b, s, V/tp] (the
+        reference's only with the full KL in the loss, without grad)."""
         a = self.algo
-        logp, entropy, _ = _token_stats(logits, mb, self.model_cfg, self.batch, temperature)
+        logp, entropy, full_kl = _token_stats(logits, mb, self.model_cfg, self.batch, temperature, ref_logits)
         mask = mb["mask"]
         use_kl = a.kl_coef != 0 and not a.kl_in_reward
-        kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator) if use_kl else None
+        if not use_kl:
+            kl = None
+        elif a.kl_estimator == "full":
+            kl = full_kl
+        else:
+            kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator)
         token_scale = algo.valid_token_scale(mask) if a.dapo_token_scale else None
         if a.engine_is_cap is not None:
             if "engine_logp" not in mb:
@@ -288,8 +340,8 @@ class Actor:
                 "loss": loss.detach(),
                 "pg_loss_sum": (terms["pg_loss"] * m).sum(),
                 "entropy_sum": (entropy * m).sum(),
-                "kl_sum": ((kl if kl is not None else algo.kl_penalty(logp, mb["ref_logp"], "k3")) * m).sum()
-                if "ref_logp" in mb else torch.zeros(()),
+                "kl_sum": (kl * m).sum() if kl is not None
+                else (algo.kl_penalty(logp, mb["ref_logp"], "k3") * m).sum() if "ref_logp" in mb else torch.zeros(()),
                 "clipped_sum": (terms["clipped"] * m).sum(),
                 "tokens": m.sum(),
                 "ratio_sum": (ratio * m).sum(),
@@ -300,27 +352,33 @@ class Actor:
             }
         return loss * scale, stats
 
-    def update(self, rollout: RolloutBatch, temperature: float = 1.0) -> list[dict]:
+    def update(self, rollout: RolloutBatch, temperature: float = 1.0, reference: Optional[Reference] = None) -> list[dict]:
         """`ppo_epochs` passes over the step's mini-batches, one optimizer step each. Needs
-        rollout.advantages, rollout.old_logp (and rollout.ref_logp when the KL term is on).
-        Returns one metrics dict per mini-batch, identical on every rank."""
+        rollout.advantages, rollout.old_logp, and with the KL term in the loss rollout.ref_logp, or for
+        `algo.kl_estimator=full` the `reference` itself (it runs in lockstep with the actor; ref_logp is
+        not used). Returns one metrics dict per mini-batch, identical on every rank."""
         if rollout.advantages is None or rollout.old_logp is None:
             raise ValueError("update() needs rollout.advantages and rollout.old_logp")
-        if self.algo.kl_coef and not self.algo.kl_in_reward and rollout.ref_logp is None:
-            raise ValueError("algo.kl_coef != 0 needs rollout.ref_logp")
+        if self.full_kl_in_loss and reference is None:
+            raise ValueError("algo.kl_estimator='full' with algo.kl_coef != 0 needs the reference's logits: "
+                             "pass the Reference, Actor.update(rollout, temperature, reference=reference)")
+        if self.algo.kl_coef and not self.algo.kl_in_reward and not self.full_kl_in_loss and rollout.ref_logp is None:
+            raise ValueError(f"algo.kl_coef != 0 with algo.kl_estimator={self.algo.kl_estimator!r} needs rollout.ref_logp")
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
         per_mini = self.batch.ppo_mini_batch_size * self.batch.n
         self.batch.check_layout(self.parallel, dp)
         if rollout.size % per_mini:
             raise ValueError(f"{rollout.size} responses are not whole mini-batches of {per_mini}")
+        ref = reference if self.full_kl_in_loss else None
         metrics = []
-        for _ in range(self.algo.ppo_epochs):
-            for start in range(0, rollout.size, per_mini):
-                metrics.append(self._update_mini_batch(rollout.rows(start, start + per_mini), temperature))
+        with ref.on_device() if ref is not None else contextlib.nullcontext():
+            for _ in range(self.algo.ppo_epochs):
+                for start in range(0, rollout.size, per_mini):
+                    metrics.append(self._update_mini_batch(rollout.rows(start, start + per_mini), temperature, ref))
         return metrics
 
-    def _update_mini_batch(self, mini: RolloutBatch, temperature: float) -> dict:
+    def _update_mini_batch(self, mini: RolloutBatch, temperature: float, reference: Optional[Reference] = None) -> dict:
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
         micro, length, shape = layout(mini, self.parallel, self.batch)
@@ -333,12 +391,16 @@ class Actor:
 
         def forward_step(data_iterator, model):
             mb = _on_device(next(data_iterator))
-            return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature)
+            if reference is None:
+                return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature, None)
+            out, ref_logits = _lockstep_forward(model, reference.built.gpt, mb)
+            return out, partial(self._loss, mb, normaliser.float(), scale, temperature, ref_logits)
 
         module = self.built.module
         module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = run_schedule(module, micro, length, forward_step, forward_only=False)
+        out = run_schedule(module, micro, length, forward_step, forward_only=False,
+                           lockstep=1 if reference is None else 2)
 
         sums = {k: 0.0 for k in ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "ratio_sum", "extreme")}
         mins, maxs = {"ratio_min": math.inf}, {"ratio_max": -math.inf}

@@ -237,7 +237,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids)
         with timer("old_logprobs"):
             rb.old_logp = actor.logprobs(rb, rollout.temperature)
-        if use_ref:
+        if use_ref and not actor.full_kl_in_loss:  # the full KL's reference runs inside the update instead
             with timer("ref_logprobs"):
                 rb.ref_logp = reference.logprobs(rb, rollout.temperature)
         scores = rewards
@@ -254,7 +254,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         rb.engine_logp = engine_logprobs(gen, rb)
         mismatch = algo.logprob_mismatch(rb.engine_logp, rb.old_logp, rb.response_mask())
         with timer("update"):
-            updates = actor.update(rb, rollout.temperature)
+            updates = actor.update(rb, rollout.temperature, reference)
         with timer("weight_sync"):
             engines.sync(actor.built.gpt, version=step, **sync)
             if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:

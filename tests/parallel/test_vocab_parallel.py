@@ -107,6 +107,40 @@ def test_matches_log_softmax_on_gathered_logits(tp):
             assert all(r[name]["gr"] is None for r in ranks)
 
 
+def _donated():
+    """On each rank, every case without a reference gradient twice: keeping the reference logits, and
+    donating them (the gradient written into their memory)."""
+    group = dist.group.WORLD
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    w = V // tp
+    out = {}
+    for name, dtype, temperature, vocab_size, chunk, ref_grad in CASES:
+        if ref_grad:
+            continue
+        logits, ref, target, up = _inputs(dtype, vocab_size)
+        grads = []
+        for donate in (False, True):
+            z = logits[:, rank * w : (rank + 1) * w].clone().requires_grad_(True)
+            r = ref[:, rank * w : (rank + 1) * w].clone()
+            lp, ent, kl = vocab_parallel_stats(z, target, group, ref_logits=r, temperature=temperature,
+                                               vocab_size=vocab_size, chunk_size=chunk, donate_ref_logits=donate)
+            (up[0] * lp + up[1] * ent + up[2] * kl).sum().backward()
+            grads.append((z.grad, z.grad.data_ptr() == r.data_ptr()))
+        out[name] = grads
+    return out
+
+
+def test_donated_reference_logits_hold_the_same_gradient():
+    for r in run_ranks(_donated, 2, timeout=120):
+        assert r  # the cases without a reference gradient: plain, padded_empty_last_shard, chunk_of_one, bf16
+        for name, ((kept, kept_shared), (donated, donated_shared)) in r.items():
+            assert torch.equal(kept, donated), name  # bit for bit: the same math, in place
+            assert not kept_shared and donated_shared, name  # no new [T, V/tp] tensor: the reference's memory
+    z = torch.zeros(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="donate_ref_logits=True needs ref_logits without grad and of the logits' dtype"):
+        vocab_parallel_kl(z, torch.zeros(4, 8, dtype=torch.bfloat16), donate_ref_logits=True)
+
+
 def test_wrappers_and_leading_dims_single_process():
     logits, ref, target, _ = _inputs(torch.float32, V - 3)
     z = logits.view(T, 1, V)  # Megatron's [s, b, V/tp] layout

@@ -103,12 +103,28 @@ def test_fp8_where_it_cannot_run_says_so():
         check_fp8(PrecisionConfig(fp8="hybrid"))
 
 
-def test_full_kl_in_the_loss_is_refused_clearly():
+def _full_kl_without_reference():
     from grpo_mega.trainer.actor import Actor
 
-    with pytest.raises(ValueError, match="kl_estimator='full' in the loss needs the reference's logits"):
-        Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(), OptimConfig(),
-              AlgoConfig(kl_estimator="full", kl_coef=0.1), BatchConfig())
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=7)
+        batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10)
+        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"), OptimConfig(),
+                      AlgoConfig(kl_estimator="full", kl_coef=0.1), batch_cfg)  # builds: no refusal any more
+        batch = L.rollout(seed=3)
+        batch.old_logp = actor.logprobs(batch, 1.0)
+        try:
+            actor.update(batch, 1.0)
+        finally:
+            destroy_distributed()
+
+
+def test_full_kl_in_the_loss_asks_for_the_reference():
+    with pytest.raises(RankFailed, match=r"kl_estimator='full' with algo.kl_coef != 0 needs the reference's logits: "
+                                         r"pass the Reference"):
+        run_ranks(_full_kl_without_reference, 1, timeout=120)
+    with pytest.raises(ValueError, match=r"algo.kl_estimator='full' with algo.kl_in_reward=true"):
+        AlgoConfig(kl_estimator="full", kl_coef=0.1, kl_in_reward=True)
 
 
 def _lr_schedule():
