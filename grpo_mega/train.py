@@ -122,7 +122,7 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     if rows and "timing/step" in rows[0]:
-        from grpo_mega.trainer.timing import PHASES
+        from grpo_mega.trainer.timing import WALL_PHASES as PHASES  # they add up to the step
 
         fig, ax = plt.subplots(figsize=(6, 3.6))
         steps = [r["step"] for r in rows]
