@@ -268,7 +268,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         raise ValueError(f"rollout.engine={rollout.engine!r} must be 'embedded' or 'sglang'")
 
     _single_process_env()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # taskset
+    torch.set_num_threads(max(1, cpus // int(os.environ["WORLD_SIZE"])))
     with cpu_compat.cpu_device_mode():
         batch.check_packing(parallel)  # before the world size: it is a property of the config alone
         batch.check_layout(parallel, parallel.check(model, int(os.environ["WORLD_SIZE"])))
