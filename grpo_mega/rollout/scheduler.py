@@ -154,7 +154,7 @@ class RolloutScheduler:
     def sync_weights(self, gpt, version: int, **kwargs):
         """Collective: the trainer's weights into every engine as `version` (grpo_mega.rollout.engines.Engines.
         sync). The caller waits first: weights never change under a generation."""
-        if self.pending is not None and self.pending.thread is not None:
+        if self.pending is not None and self.ahead:  # the same on every rank: all raise, none waits
             raise RuntimeError(f"weight sync (version {version}) while step {self.pending.step}'s generation is in "
                                "flight: call wait() first")
         return self.engines.sync(gpt, version=version, **kwargs)
