@@ -157,7 +157,7 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     if rows and "timing/step" in rows[0]:
-        from grpo_mega.trainer.timing import PHASES
+        from grpo_mega.trainer.timing import WALL_PHASES as PHASES  # they add up to the step
 
         fig, ax = plt.subplots(figsize=(6, 3.6))
         steps = [r["step"] for r in rows]
@@ -338,7 +338,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         raise ValueError(f"rollout.engine={rollout.engine!r} must be 'embedded' or 'sglang'")
 
     _single_process_env()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # taskset
+    torch.set_num_threads(max(1, cpus // int(os.environ["WORLD_SIZE"])))
     with cpu_compat.cpu_device_mode():
         batch.check_packing(parallel)  # before the world size: it is a property of the config alone
         batch.check_layout(parallel, parallel.check(model, int(os.environ["WORLD_SIZE"])))

@@ -111,6 +111,8 @@ CONFIG_CASES = {
     "model_hf_dir_missing": (["model=/nonexistent/Llama-3-8B"], r"unknown model '/nonexistent/Llama-3-8B'"),
     "option_unknown_kl_estimator": (["algo.kl_estimator=k9"], r"unknown KL estimator 'k9'; valid:"),
     "option_unknown_engine": (["rollout.engine=vllm"], r"rollout\.engine='vllm' must be 'embedded' or 'sglang'"),
+    "option_off_policy_colocated": (["rollout.off_policy_steps=1"],
+                                    r"rollout\.off_policy_steps=1 needs rollout\.placement=dedicated \(got 'colocated'\)"),
     "option_bad_lr": (["optim.lr=-1"], r"optim\.lr=-1\.0 and optim\.min_lr=0\.0 must satisfy 0 <= min_lr <= lr"),
     "checkpoint_keep_last_zero": (["checkpoint.dir=CKPT", "checkpoint.keep_last=0"], r"checkpoint\.keep_last=0 must be >= 1"),
     "checkpoint_interval_without_dir": (["checkpoint.interval=5"], r"checkpoint\.interval / checkpoint\.export_hf need checkpoint\.dir=PATH"),

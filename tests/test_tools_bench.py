@@ -50,3 +50,17 @@ def test_bench_full_kl_writes_json(tmp_path):
     assert k3["ref_logprobs_s"] > 0 and full["ref_logprobs_s"] == 0  # full needs no separate reference pass
     assert all(r["update_s"] > 0 and r["peak_update_mib"] >= 0 for r in data["results"])
     assert len(data["loadavg"]["before"]) == 3 and "full_vs_k3_peak" in data
+
+
+def test_bench_overlap_writes_json(tmp_path):
+    """Both modes run against one server; one step ahead, step k >= 2 trains on version k-2 and the
+    generation is (mostly) hidden: the ratios themselves are recorded, not asserted (a shared machine)."""
+    out = tmp_path / "overlap.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_overlap.py"), "--steps", "5", "--repeats", "1",
+           "--response-length", "2", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=400, capture_output=True, env={**os.environ, "PYTHONPATH": REPO})
+    data = json.loads(out.read_text())
+    assert data["in_turn"]["weight_versions"] == [0, 1, 2, 3, 4]
+    assert data["off_policy"]["weight_versions"] == [0, 0, 1, 2, 3]
+    assert data["in_turn"]["overlap"] == 0 and 0 <= data["off_policy"]["overlap"] <= 1
+    assert data["step_ratio"] > 0 and data["step_over_phase_sum"] > 0 and len(data["machine"]["loadavg_before"]) == 3

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from grpo_mega.trainer.timing import WALL_PHASES as PHASES  # the phases that add up to the step
 from tests.proc import run_tree
 
 # The first 10 steps of the default run (seed 1234, torch 2.13.0 CPU): mean train reward per step and the
@@ -25,7 +26,6 @@ def _run(tmp_path, *overrides, env=None):
     return proc, rows
 
 
-PHASES = ("generate", "reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval", "checkpoint")
 
 
 def test_golden_curve_first_10_steps(tmp_path):

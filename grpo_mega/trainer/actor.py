@@ -319,6 +319,7 @@ class Actor:
         else:
             kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator)
         token_scale = algo.valid_token_scale(mask) if a.dapo_token_scale else None
+        is_weight = None
         if a.engine_is_cap is not None:
             if "engine_logp" not in mb:
                 raise ValueError("algo.engine_is_cap needs the engine's logprobs (rollout.engine_logp)")
@@ -347,6 +348,9 @@ class Actor:
                 "ratio_sum": (ratio * m).sum(),
                 "ratio_min": ratio[valid].min() if valid.any() else torch.tensor(math.inf),
                 "ratio_max": ratio[valid].max() if valid.any() else torch.tensor(-math.inf),
+                # the importance correction's effect: its mean weight and the share of tokens at the cap
+                "is_weight_sum": (is_weight * m).sum() if is_weight is not None else m.sum(),
+                "is_capped_sum": ((is_weight >= a.engine_is_cap) * m).sum() if is_weight is not None else torch.zeros(()),
                 "extreme": algo.has_extreme_ratio(logp, mb["old_logp"], mask, a.early_stop_imp_ratio).float()
                 if a.early_stop_imp_ratio else torch.zeros(()),
             }
@@ -402,7 +406,8 @@ class Actor:
         out = run_schedule(module, micro, length, forward_step, forward_only=False,
                            lockstep=1 if reference is None else 2)
 
-        sums = {k: 0.0 for k in ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "ratio_sum", "extreme")}
+        sums = {k: 0.0 for k in ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "ratio_sum", "extreme",
+                                  "is_weight_sum", "is_capped_sum")}
         mins, maxs = {"ratio_min": math.inf}, {"ratio_max": -math.inf}
         for d in out:
             for k in sums:
@@ -418,6 +423,8 @@ class Actor:
             "kl": sums["kl_sum"] / tokens,
             "clip_fraction": sums["clipped_sum"] / tokens,
             "ratio_mean": sums["ratio_sum"] / tokens,
+            "is_weight_mean": sums["is_weight_sum"] / tokens,
+            "is_capped_fraction": sums["is_capped_sum"] / tokens,
             "ratio_min": mins["ratio_min"],
             "ratio_max": maxs["ratio_max"],
             "tokens": sums["tokens"],

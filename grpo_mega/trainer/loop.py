@@ -8,6 +8,7 @@ rank, so advantages are computed identically everywhere. Each phase is timed (gr
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -19,6 +20,7 @@ from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimCon
 from grpo_mega.parallel import comm
 from grpo_mega.rewards.scoring import score_step
 from grpo_mega.rollout.engines import Engines
+from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.timing import StepTimer, throughput
@@ -54,6 +56,11 @@ class RolloutConfig:
     """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""
     server_timeout_s: float = 300.0
     """Dedicated placement: the longest a server may take to answer one request (a generate included)."""
+    off_policy_steps: int = 0
+    """0: each step generates, then trains. 1 (placement=dedicated): step k+1's samples are generated on the
+    servers while step k trains, from the weights step k-1 trained from (one version behind; samples of step
+    k >= 2 carry weight version k-2, version v being the weights after v steps); truncated importance
+    correction (algo.engine_is_cap, default 2.0 here) covers the lag."""
 
     def __post_init__(self):
         if self.placement not in ("colocated", "dedicated"):
@@ -66,6 +73,12 @@ class RolloutConfig:
         if self.placement == "dedicated" and self.num_engines != 1:
             raise ValueError(f"rollout.num_engines={self.num_engines} must be 1 with placement=dedicated "
                              "(one client on rank 0 spreads the prompts over rollout.servers)")
+        if self.off_policy_steps not in (0, 1):
+            raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1")
+        if self.off_policy_steps and self.placement != "dedicated":
+            raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} needs rollout.placement=dedicated "
+                             f"(got {self.placement!r}): generation overlaps training only on servers of their own; "
+                             "set rollout.placement=dedicated rollout.servers=[http://host:port]")
         if self.server_timeout_s <= 0:
             raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
         if self.num_engines < 1:
@@ -182,6 +195,41 @@ def step_metrics(timer: StepTimer, updates: list[dict], rb: RolloutBatch, epochs
     }
 
 
+UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "is_weight_mean", "is_capped_fraction")
+OFF_POLICY_IS_CAP = 2.0
+"""algo.engine_is_cap when rollout.off_policy_steps=1 and none is set (verl's TIS default)."""
+
+
+def off_policy_algo(algo_cfg: AlgoConfig, rollout: RolloutConfig) -> AlgoConfig:
+    """One step ahead, truncated importance correction against the engine's logprobs is on unless set."""
+    if not rollout.off_policy_steps or algo_cfg.engine_is_cap is not None:
+        return algo_cfg
+    if torch.distributed.get_rank() == 0:
+        print(f"rollout.off_policy_steps={rollout.off_policy_steps}: truncated importance correction on "
+              f"(algo.engine_is_cap={OFF_POLICY_IS_CAP})", flush=True)
+    return dataclasses.replace(algo_cfg, engine_is_cap=OFF_POLICY_IS_CAP)
+
+
+def stop_requested(ckpt: Optional[CheckpointConfig]) -> bool:
+    """Collective: has checkpoint.stop_file appeared (seen on rank 0)?"""
+    return ckpt is not None and bool(ckpt.stop_file) and comm.any_rank(
+        torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
+
+
+def take_stop_file(ckpt: CheckpointConfig, step: int, steps: int, saved: bool) -> None:
+    """The stop file was honoured: rename it (so that it is not seen again, and the launcher can tell a run that
+    stopped early on it from one that had finished anyway), say so."""
+    if torch.distributed.get_rank() != 0:
+        return
+    stop_file = Path(ckpt.stop_file)
+    if step < steps:
+        stop_file.rename(stop_file.with_name(stop_file.name + ".stopped"))
+        where = f"checkpoint of step {step} saved in {ckpt.dir}" if saved else "no checkpoint.dir: nothing saved"
+        print(f"stop requested ({ckpt.stop_file}): stopping after step {step}; {where}", flush=True)
+    else:
+        stop_file.unlink(missing_ok=True)
+
+
 def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optim: OptimConfig,
           algo_cfg: AlgoConfig, batch: BatchConfig, rollout: RolloutConfig, run: RunConfig, evaluation: EvalConfig,
           task: Task,
@@ -192,6 +240,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     With `hf_dir`, the actor (and so the reference) start from that HF checkpoint. `resolved_config` (the
     run's whole config) is saved in every checkpoint and compared with on resume."""
     batch.check_layout(parallel, torch.distributed.get_world_size() // (parallel.tp * parallel.pp))
+    algo_cfg = off_policy_algo(algo_cfg, rollout)
     actor = Actor(model, parallel, precision, optim, algo_cfg, batch)
     if hf_dir is not None:
         from grpo_mega.models.hf_io import load_hf_into_gpt
@@ -203,8 +252,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
     reference = Reference(model, parallel, precision, batch, offload=algo_cfg.ref_offload) if use_ref else None
     if reference is not None:
         reference.load_from(actor)
-    first_step = 1
-    store = None
+    first_step, store, state = 1, None, None
     if ckpt is not None and ckpt.dir:
         from grpo_mega.trainer import checkpoint
 
@@ -216,19 +264,21 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             if task.load_files is not None:
                 task.load_files(Path(state["path"]) / "task")
     engines = Engines(engine_factory, rollout.num_engines)
+    rollouts = RolloutScheduler(engines, task.train_batch, batch.train_batch_size, SamplingArgs(
+        batch.n, rollout.temperature, rollout.top_p, batch.max_response_length, task.stop_token_ids, run.seed),
+        rollout.off_policy_steps, run.steps, task.get_state, task.set_state)
+    rollouts.restore(state and state.get("rollout"))  # a batch generated before the checkpoint, not yet trained
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=actor.params_dtype)
-    engines.sync(actor.built.gpt, version=first_step - 1, **sync)
+    rollouts.sync_weights(actor.built.gpt, version=first_step - 1, **sync)
     if task.overlong not in ("keep", "zero", "mask"):
         raise ValueError(f"reward.overlong={task.overlong!r} must be 'keep', 'zero' or 'mask'")
     val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
     history = History(initial_val_reward=val)
     for step in range(first_step, run.steps + 1):
         timer = StepTimer()
-        with timer("generate"):
-            examples = task.train_batch(batch.train_batch_size)
-            gen = engines.generate([e.prompt_ids for e in examples], batch.n, rollout.temperature, rollout.top_p,
-                                   batch.max_response_length, task.stop_token_ids, run.seed * 1_000_003 + step)
-        samples = [examples[i // batch.n] for i in range(len(gen.token_ids))]
+        with timer("generate_wait"):  # one step ahead, the next step's generation starts in here
+            got = rollouts.result(step)
+        gen, samples = got.gen, [got.examples[i // batch.n] for i in range(len(got.gen.token_ids))]
         with timer("reward"):  # each sample scored once, on one rank; the same scores on every rank
             rewards, reward_metrics = score_step(task.reward, samples, gen.token_ids, step)
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
@@ -255,29 +305,30 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         mismatch = algo.logprob_mismatch(rb.engine_logp, rb.old_logp, rb.response_mask())
         with timer("update"):
             updates = actor.update(rb, rollout.temperature, reference)
+        with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
+            rollouts.wait()
         with timer("weight_sync"):
-            engines.sync(actor.built.gpt, version=step, **sync)
+            rollouts.sync_weights(actor.built.gpt, version=step, **sync)
             if reference is not None and algo_cfg.ref_update_interval and step % algo_cfg.ref_update_interval == 0:
                 reference.load_from(actor)
+        timer.add("generate", rollouts.take_timing()[0])
         if step % evaluation.interval == 0 or step == run.steps:
             with timer("eval"):
                 val, pass_k = evaluate(engines, task, batch, rollout, evaluation.pass_k)
-        stop = ckpt is not None and bool(ckpt.stop_file) and comm.any_rank(
-            torch.distributed.get_rank() == 0 and Path(ckpt.stop_file).exists())
+        stop = stop_requested(ckpt)
         if store is not None and ((ckpt.interval and step % ckpt.interval == 0) or step == run.steps or stop):
-            with timer("checkpoint"):
+            with timer("checkpoint"):  # with the next step's batch when it is already generated (README)
                 checkpoint.save(store, step, actor, reference,
                                 {"step": step, "weight_version": step, "config": resolved_config,
-                                 "task": task.get_state() if task.get_state else None},
+                                 "task": rollouts.task_state() if task.get_state else None, "rollout": rollouts.state()},
                                 export=dict(model_cfg=model, dtype=actor.params_dtype, hf_dir=hf_dir, hf=ckpt.export_hf),
                                 task_files=task.save_files)
         row = dict(
             step=step, reward=float(rewards.mean()), val_reward=val, val_pass_at_k=pass_k,
             overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(in_loss.sum()),
             response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
-            lr=actor.optimizer.param_groups[0]["lr"],
-            **{k: sum(u[k] for u in updates) / len(updates) for k in ("loss", "pg_loss", "kl", "entropy",
-                                                                       "clip_fraction", "grad_norm")},
+            weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"],
+            **{k: sum(u[k] for u in updates) / len(updates) for k in UPDATE_MEANS},
             skipped=sum(u["skipped"] for u in updates), **reward_metrics,
             **step_metrics(timer, updates, rb, algo_cfg.ppo_epochs),
         )
@@ -287,15 +338,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         if store is not None and torch.distributed.get_rank() == 0:
             store.heartbeat()
         if stop:
-            if torch.distributed.get_rank() == 0:  # taken: renamed, so that it is not seen again (and the
-                # launcher can tell a run that stopped early on it from one that had finished anyway)
-                stop_file = Path(ckpt.stop_file)
-                if step < run.steps:
-                    stop_file.rename(stop_file.with_name(stop_file.name + ".stopped"))
-                    saved = f"checkpoint of step {step} saved in {ckpt.dir}" if store is not None else "no checkpoint.dir: nothing saved"
-                    print(f"stop requested ({ckpt.stop_file}): stopping after step {step}; {saved}", flush=True)
-                else:
-                    stop_file.unlink(missing_ok=True)
+            take_stop_file(ckpt, step, run.steps, store is not None)
             if step < run.steps:
                 break
     engines.shutdown()

@@ -1,0 +1,244 @@
+"""Kill campaign: a dedicated, one-step off-policy run (`rollout.off_policy_steps=1`, one embedded rollout
+server, a checkpoint every step) is SIGKILLed at random moments and resumed with `checkpoint.resume=auto`;
+every resumed run must reproduce the uninterrupted run's per-step metrics to 1e-6. Writes JSON.
+
+    python tools/kill_campaign.py [--moments 5] [--steps 6] [--seed 0] [--out bench_results/kill_campaign.json]
+
+The server sits behind a small forwarding proxy in this process, which sees which requests are in flight, so
+that the moments include the ones that matter: the first kill lands while a /generate is in flight (the
+background generation of the next step, or the validation), the second during a weight sync
+(/update_weights_from_distributed), the rest at a random time into the run. Each moment picks a random step
+>= 2 to strike in. The whole process tree is SIGKILLed by PID, as a preemption or the OOM killer would. Exit
+status 1 when a resume differs or a moment could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = ("reward", "val_reward", "loss", "pg_loss", "grad_norm", "entropy", "kl", "is_weight_mean", "logprob_mismatch",
+        "weight_version")
+TOL = 1e-6
+WATCHED = {"generate": "/generate", "sync": "/update_weights_from_distributed"}
+
+
+class WatchingProxy:
+    """Forwards every request to `target` and counts, per path, the requests in flight."""
+
+    def __init__(self, target: str):
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self, body):
+                with proxy.lock:
+                    proxy.in_flight[self.path] = proxy.in_flight.get(self.path, 0) + 1
+                try:
+                    req = urllib.request.Request(target + self.path, data=body, method=self.command,
+                                                 headers={"Content-Type": "application/json"})
+                    try:
+                        with urllib.request.urlopen(req, timeout=600) as resp:
+                            code, data = resp.status, resp.read()
+                    except urllib.error.HTTPError as e:
+                        code, data = e.code, e.read()
+                finally:
+                    with proxy.lock:
+                        proxy.in_flight[self.path] -= 1
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the trainer that asked was killed
+                    self.close_connection = True
+
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def log_message(self, fmt, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def busy(self, path: str) -> bool:
+        with self.lock:
+            return self.in_flight.get(path, 0) > 0
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs[1:], timeout=30)
+
+
+def _start_server() -> tuple[subprocess.Popen, str]:
+    sys.path.insert(0, str(REPO))
+    from grpo_mega.data.toy import make_tokenizer
+
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port", "0",
+                             "--vocab-size", str(len(make_tokenizer())), "--timeout-s", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    line, deadline = "", time.monotonic() + 180
+    while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+    if "ready on " not in line:
+        _stop(proc)
+        raise SystemExit(f"the rollout server did not start: {line}")
+    return proc, line.split("ready on ")[1].strip()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _cmd(out: Path, ckpt: Path, url: str, steps: int) -> list[str]:
+    return [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"run.steps={steps}", "eval.interval=2",
+            f"checkpoint.dir={ckpt}", "checkpoint.interval=1", "rollout.placement=dedicated", f"rollout.servers=[{url}]",
+            "rollout.off_policy_steps=1", "rollout.server_timeout_s=120",
+            "rollout.sync_bucket_mb=0.05"]  # many small buckets: a sync lasts long enough to be struck in
+
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+
+
+def _run(out: Path, ckpt: Path, url: str, steps: int) -> dict[int, dict]:
+    done = subprocess.run(_cmd(out, ckpt, url, steps), capture_output=True, text=True, cwd=REPO, env=ENV, timeout=900)
+    if done.returncode:
+        raise SystemExit(f"a run failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
+
+
+def _rows_done(out: Path) -> int:
+    try:
+        return sum(1 for _ in open(out / "metrics.jsonl"))
+    except OSError:
+        return 0
+
+
+def _strike(proxy: WatchingProxy, out: Path, ckpt: Path, steps: int, kind: str, step: int, rng: random.Random,
+            timeout: float = 600.0) -> dict:
+    """Start the run; SIGKILL it while step `step` is under way (rows < step) and, for 'generate'/'sync', while
+    such a request is in flight. Returns what was hit."""
+    out.mkdir(parents=True)
+    proc = subprocess.Popen(_cmd(out, ckpt, proxy.url, steps), stdout=subprocess.DEVNULL,
+                            stderr=open(out / "stderr.txt", "w"), cwd=REPO, env=ENV, start_new_session=True)
+    t0, delay = time.monotonic(), rng.uniform(0.0, 0.5)
+    try:
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                return dict(kind=kind, hit=False, reason=f"the run ended (rc {proc.returncode}) before the moment")
+            rows = _rows_done(out)
+            if rows >= step:  # step `step` went by without the moment: strike in the next one
+                step += 1
+                if step > steps:
+                    return dict(kind=kind, hit=False, reason=f"no {kind} moment was caught before the run ended")
+                continue
+            if rows == step - 1:  # step `step` is under way
+                if kind == "random":
+                    time.sleep(delay)
+                if kind == "random" or proxy.busy(WATCHED[kind]):
+                    busy = {k: proxy.busy(p) for k, p in WATCHED.items()}
+                    _kill_tree(proc.pid)
+                    proc.wait(timeout=30)
+                    return dict(kind=kind, hit=True, step=step, seconds_into_run=time.monotonic() - t0,
+                                rows_logged=_rows_done(out), in_flight_at_kill=busy)
+            time.sleep(0.001)
+        return dict(kind=kind, hit=False, reason="timed out")
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.wait(timeout=30)
+
+
+def campaign(moments: int, steps: int, seed: int, work: Path) -> dict:
+    rng = random.Random(seed)
+    server, target = _start_server()
+    proxy = WatchingProxy(target)
+    results = []
+    try:
+        full = _run(work / "full", work / "full_ckpt", proxy.url, steps)
+        kinds = (["generate", "sync"] + ["random"] * moments)[:moments]
+        for i, kind in enumerate(kinds):
+            ckpt, step = work / f"m{i}_ckpt", rng.randint(2, steps - 1)
+            hit = _strike(proxy, work / f"m{i}_killed", ckpt, steps, kind, step, rng)
+            if not hit["hit"]:
+                results.append(dict(**hit, ok=False))
+                continue
+            from_step = max((int(p.name.split("_")[1]) for p in ckpt.glob("step_*") if (p / "manifest.json").is_file()),
+                            default=0)
+            resumed = _run(work / f"m{i}_resumed", ckpt, proxy.url, steps)
+            compared = sorted(resumed)
+            worst = max((abs(float(resumed[k][key]) - float(full[k][key])) for k in compared for key in KEYS), default=0.0)
+            ok = compared == list(range(from_step + 1, steps + 1)) and worst <= TOL
+            results.append(dict(**hit, resumed_from_step=from_step, steps_compared=compared, max_abs_diff=worst, ok=ok))
+    finally:
+        proxy.httpd.shutdown()
+        _stop(server)
+    return dict(steps=steps, seed=seed, tolerance=TOL, keys=list(KEYS), moments=results,
+                ok=bool(results) and all(r["ok"] for r in results))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--moments", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "bench_results" / "kill_campaign.json"))
+    args = ap.parse_args(argv)
+    if args.moments < 2 or args.steps < 3:
+        raise SystemExit(f"--moments={args.moments} --steps={args.steps}: at least 2 moments (one mid-generation, one "
+                         "mid-sync) and 3 steps (a kill strikes in a step >= 2, before the last)")
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="kill_campaign_") as tmp:
+        result = campaign(args.moments, args.steps, args.seed, Path(tmp))
+    result["loadavg"] = [load, os.getloadavg()]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for m in result["moments"]:
+        print(f"{m['kind']:>8}: " + (f"killed in step {m['step']} (in flight: {m['in_flight_at_kill']}), resumed from "
+                                      f"step {m['resumed_from_step']}, steps {m['steps_compared']} differ by at most "
+                                      f"{m['max_abs_diff']:.1e}" if m["hit"] else m["reason"])
+              + ("" if m["ok"] else "  FAILED"))
+    print(f"{'all resumes exact' if result['ok'] else 'FAILED'} -> {args.out}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
