@@ -20,14 +20,11 @@ import argparse
 import json
 import os
 import platform
-import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,24 +38,20 @@ def _pin(core: int | None) -> list[str]:
 
 
 def _start_server(core, vocab: int) -> tuple[subprocess.Popen, str]:
+    from grpo_mega.rollout import server
+
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(_pin(core) + [sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port",
-                                          "0", "--vocab-size", str(vocab)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
-    line, deadline = "", time.monotonic() + 180
-    while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-    if "ready on " not in line:
-        _stop(proc)
-        raise SystemExit(f"the rollout server did not start: {line}")
-    return proc, line.split("ready on ")[1].strip()
+    try:
+        return server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(vocab)], prefix=_pin(core),
+                             env=env, cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    from grpo_mega.rollout import server
+
+    server.stop(proc)
 
 
 def _run(core, url: str, off_policy: int, steps: int, response_length: int, out: Path) -> list[dict]:

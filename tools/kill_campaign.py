@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
@@ -107,25 +106,19 @@ def _kill_tree(pid: int) -> None:
 def _start_server() -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(REPO))
     from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.rollout import server
 
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port", "0",
-                             "--vocab-size", str(len(make_tokenizer())), "--timeout-s", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    line, deadline = "", time.monotonic() + 180
-    while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-    if "ready on " not in line:
-        _stop(proc)
-        raise SystemExit(f"the rollout server did not start: {line}")
-    return proc, line.split("ready on ")[1].strip()
+    try:
+        return server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),
+                              "--timeout-s", "60"], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    from grpo_mega.rollout import server
+
+    server.stop(proc)
 
 
 def _cmd(out: Path, ckpt: Path, url: str, steps: int) -> list[str]:

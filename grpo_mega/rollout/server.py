@@ -165,6 +165,37 @@ def make_handler(server: EngineServer):
     return Handler
 
 
+def launch(args: list[str], prefix: tuple = (), env: Optional[dict] = None, cwd: Optional[str] = None,
+           timeout_s: float = 180.0):
+    """Start `python -m grpo_mega.rollout.server ARGS` as a process of its own (`prefix`, e.g. taskset, before
+    it) and wait until it prints its URL; returns (the process, the URL). A server that does not come up in
+    `timeout_s` is killed by its PID and reported in a RuntimeError with its last line."""
+    import select
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "grpo_mega.rollout.server", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+    line, deadline = "", time.monotonic() + timeout_s
+    while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline() or line
+    if "ready on " not in line:
+        stop(proc)
+        raise RuntimeError(f"the rollout server did not start within {timeout_s:.0f} s: {line.strip()!r}")
+    return proc, line.split("ready on ")[1].strip()
+
+
+def stop(proc) -> None:
+    """SIGKILL a server started by `launch` (by its PID) and reap it."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)

@@ -7,7 +7,6 @@ it."""
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -20,6 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from grpo_mega.rollout import server as rollout_server
+
 from tests.proc import kill_tree, run_tree
 from tests.trainer.test_engines import _free_port
 
@@ -31,23 +32,12 @@ ENV = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
 def _start_server() -> tuple[subprocess.Popen, str]:
     from grpo_mega.data.toy import make_tokenizer
 
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port", "0",
-                             "--vocab-size", str(len(make_tokenizer()))], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=ENV)
-    line, deadline = "", time.monotonic() + 120
-    while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-    if "ready on " not in line:
-        _stop(proc)
-        raise AssertionError("the rollout server did not start within 120 s")
-    return proc, line.split("ready on ")[1].strip()
+    return rollout_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer()))], env=ENV,
+                                 cwd=REPO, timeout_s=120)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    rollout_server.stop(proc)
 
 
 @pytest.fixture(scope="module")

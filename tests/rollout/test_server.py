@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega import algo
+from grpo_mega.rollout import server
 from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
@@ -30,27 +31,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _start_server(timeout=120) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port", "0",
-                             "--seed", str(os.getpid() % 1000), "--timeout-s", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": REPO})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline()
-            if "ready on " in line:
-                return proc, line.split("ready on ")[1].strip()
-            if not line and proc.poll() is not None:
-                break
-    _stop(proc)
-    raise AssertionError(f"the rollout server did not start within {timeout} s")
+    return server.launch(["--model", "tiny", "--port", "0", "--seed", str(os.getpid() % 1000), "--timeout-s", "60"],
+                         env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO, timeout_s=timeout)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    server.stop(proc)
 
 
 @pytest.fixture
