@@ -3,7 +3,13 @@ embedded rollout server) twice: `rollout.off_policy_steps=0` (generate, then tra
 batch generated while this one trains). Generation and training get one core each (`taskset`: the server on
 the last core of this process's affinity, the trainer on the first; each with one torch thread). Writes JSON.
 
-    python tools/bench_overlap.py [--steps 12] [--response-length 8] [--out bench_results/overlap.json]
+    python tools/bench_overlap.py [--steps 12] [--response-length 64] [--out bench_results/overlap.json]
+
+The default shape (8 prompts x 4 responses of up to 64 tokens, micro-batches of 4) makes generation about
+as long as the rest of the step, as on GPU nodes where decoding is the larger part of an RL step; with the
+demo's shape (`--response-length 8 --set batch.train_batch_size=16 --set batch.n=8 --set
+batch.micro_batch_size=32`) generation is a tenth of a CPU step and overlap cannot save more than that tenth
+(`step_ratio_bound` says how much it could).
 
 Per mode (`--repeats` runs each, alternating): the median step time and the median of each phase (`timing/*`)
 over the steady steps (the first two and the last, which validates, left out), `perf/overlap`, and the serial sum of the phases (generation plus
@@ -30,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "generate_wait", "reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval",
           "checkpoint")
+SHAPE = ["batch.train_batch_size=8", "batch.n=4", "batch.ppo_mini_batch_size=8", "batch.micro_batch_size=4"]
 TRAINER_PHASES = ("reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval", "checkpoint")
 
 
@@ -54,11 +61,11 @@ def _stop(proc: subprocess.Popen) -> None:
     server.stop(proc)
 
 
-def _run(core, url: str, off_policy: int, steps: int, response_length: int, out: Path) -> list[dict]:
+def _run(core, url: str, off_policy: int, steps: int, response_length: int, out: Path, overrides=()) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     cmd = _pin(core) + [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"run.steps={steps}",
                         f"eval.interval={steps}", f"batch.max_response_length={response_length}",
-                        "rollout.placement=dedicated", f"rollout.servers=[{url}]", f"rollout.off_policy_steps={off_policy}"]
+                        "rollout.placement=dedicated", f"rollout.servers=[{url}]", f"rollout.off_policy_steps={off_policy}", *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
     if done.returncode:
         raise SystemExit(f"the off_policy_steps={off_policy} run failed:\n{done.stderr[-3000:]}")
@@ -84,11 +91,14 @@ def _summary(runs: list[list[dict]]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--response-length", type=int, default=8, help="batch.max_response_length: sets how long a "
+    ap.add_argument("--response-length", type=int, default=64, help="batch.max_response_length: sets how long a "
                     "generation takes against an update")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating in turn / one step ahead")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating in turn / one step ahead")
+    ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                    help="a config override for both runs (repeatable); default: " + " ".join(SHAPE))
     ap.add_argument("--out", default=str(REPO / "bench_results" / "overlap.json"))
     args = ap.parse_args(argv)
+    args.set = SHAPE if args.set is None else args.set
     if args.steps < 5:
         raise SystemExit(f"--steps={args.steps}: at least 5 (two warm-up steps and the validating last are not measured)")
     sys.path.insert(0, str(REPO))
@@ -104,7 +114,7 @@ def main(argv=None) -> int:
             for i in range(args.repeats):
                 for off in (0, 1):
                     rows[off].append(_run(trainer_core, url, off, args.steps, args.response_length,
-                                          Path(tmp) / f"off{off}_{i}"))
+                                          Path(tmp) / f"off{off}_{i}", args.set))
     finally:
         _stop(server)
     runs = {off: _summary(r) for off, r in rows.items()}
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
                      server_core=server_core, loadavg_before=load_before, loadavg_after=os.getloadavg(),
                      busy=max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1)),
         config=dict(steps=args.steps, repeats=args.repeats, max_response_length=args.response_length,
-                    train_batch_size=16, n=8),
+                    overrides=args.set),
         in_turn=runs[0], off_policy=runs[1],
         step_ratio=runs[1]["step_s"] / runs[0]["step_s"],
         # the best one step ahead can do with the in-turn run's phases: max(generation, the rest) / their sum
