@@ -1,14 +1,17 @@
 """The client of dedicated rollout servers (`rollout.placement=dedicated`): the RolloutEngine interface over
-SGLang's HTTP API, spoken to `python -m sglang.launch_server` on GPUs that do not train, or to the embedded
-engine's server (grpo_mega.rollout.server) on CPU.
+SGLang's HTTP API, spoken to `python -m sglang.launch_server` (GPUs that do not train, or SGLang's CPU engine)
+or to the embedded engine's server (grpo_mega.rollout.server) on CPU; both through the same calls.
 
 Owns the requests, not the servers: health at start-up (an unreachable server is named before training
 starts), spreading prompts over servers by outstanding tokens (prompt plus n * max_new_tokens, not by
 count), and the weight update: one update group set up once through /init_weights_update_group with this
-process at rank 0 and server i at rank 1 + i * tp (gloo on CPU, NCCL on GPUs), then for each bucket one
-/update_weights_from_distributed request per server and a single broadcast of the bucket's bytes to all of
-them. Every call has a timeout; a server that dies or stops answering raises ServerError naming its URL.
-Where the client lives and how samples reach the ranks is grpo_mega.rollout.engines'.
+process at rank 0 and server i at rank 1 + i * tp (gloo on CPU, NCCL on GPUs; the group is built the way
+SGLang's init_custom_process_group builds its end, see join_update_group), then for every sync
+/begin_weight_update, for each bucket one /update_weights_from_distributed request per server and a single
+broadcast of the bucket's bytes to all of them, /end_weight_update and /flush_cache. The weight audit asks
+our server's /grpo_mega/weight_checksums, or, where a server has no such route (SGLang), reads each tensor
+back with /get_weights_by_name. Every call has a timeout; a server that dies or stops answering raises
+ServerError naming its URL. Where the client lives and how samples reach the ranks is grpo_mega.rollout.engines'.
 """
 
 from __future__ import annotations
@@ -24,17 +27,41 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.rollout.engine import Bucket, Generation, RolloutEngine, sample_seed
+from grpo_mega.rollout.engine import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 
 class ServerError(RuntimeError):
-    """A rollout server failed, died or did not answer in time (the message names its URL)."""
+    """A rollout server failed, died or did not answer in time (the message names its URL); `status` is the
+    HTTP status of a refusal, None when there was no answer."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
+
+
+def join_update_group(host: str, port: int, rank: int, world: int, group_name: str, timeout_s: float,
+                      backend: str = "gloo"):
+    """This process's end of a weight-update group, laid out in the store exactly as SGLang's
+    init_custom_process_group (sglang.srt.utils) lays out the servers' ends: a TCP store at host:port hosted
+    by rank 0 (the client), its keys under PrefixStore(group_name) (SGLang's), then `group_name/` and the
+    device's `cpu/` or `cuda/` (torch's _new_process_group_helper, which SGLang calls), and the backend's
+    process group over that. The group is used through its own object and never registered with
+    torch.distributed: the trainer's groups are untouched."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), int(world), is_master=rank == 0, timeout=timeout)
+    device = "cuda" if backend == "nccl" else "cpu"
+    store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, int(rank), int(world))  # untested here: no GPUs on this machine
+    if backend != "gloo":
+        raise ValueError(f"weight-update group backend {backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+    return dist.ProcessGroupGloo(store, int(rank), int(world), timeout)
 
 
 def _in_threads(calls: list) -> list:
@@ -69,6 +96,8 @@ class ServerClient(RolloutEngine):
         self.timeout_s, self.server_tp, self.group_name = timeout_s, server_tp, group_name
         self.outstanding = {u: 0 for u in self.urls}  # tokens asked of each server and not yet answered
         self._group = None
+        self._sent_dtypes: dict[str, torch.dtype] = {}  # HF name -> dtype of what the last sync sent
+        self._audit_route: dict[str, str] = {}  # URL -> how its weights are read back (see weight_checksums)
         self.weight_version = 0
         for url in self.urls:  # named before any training starts
             self._call(url, "/health", None, what="the start-up health check")
@@ -76,6 +105,8 @@ class ServerClient(RolloutEngine):
     # ---- HTTP -------------------------------------------------------------------------------------
 
     def _call(self, url: str, path: str, body: Optional[dict], what: str = "", timeout: Optional[float] = None):
+        """The decoded JSON answer; an answer that is not JSON (SGLang's /flush_cache says "Cache flushed.")
+        as its text, an empty one as {}."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json"})
@@ -84,12 +115,17 @@ class ServerClient(RolloutEngine):
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:300]
-            raise ServerError(f"rollout server {url} refused {path} (HTTP {e.code}): {detail}") from None
+            raise ServerError(f"rollout server {url} refused {path} (HTTP {e.code}): {detail}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} within "
                               f"{timeout or self.timeout_s:.0f} s: {reason}; is it running? (rollout.servers)") from None
-        return json.loads(raw) if raw else {}
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -143,11 +179,28 @@ class ServerClient(RolloutEngine):
                 tokens.append(ids)
                 logps.append([float(x[0]) for x in meta["output_token_logprobs"]][: len(ids)])
                 finish.append("length" if (meta.get("finish_reason") or {}).get("type") == "length" else "stop")
-                versions.add(int(meta.get("weight_version", self.weight_version)))
+                versions.add(self._sample_version(url, meta))
         if len(versions) > 1:
             raise ServerError(f"the rollout servers {self.urls} answered with different weight versions {sorted(versions)}")
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish,
                           weight_version=versions.pop() if versions else self.weight_version)
+
+    @staticmethod
+    def _sample_version(url: str, meta: dict) -> int:
+        """The weight version a sample was generated with: meta_info's weight_version (a string, set by the
+        weight_version of /update_weights_from_distributed, or SGLang's --weight-version at start-up), and,
+        where SGLang lists them (weight_versions: the versions over the sample's tokens), every one the same."""
+        version = meta.get("weight_version")
+        spans = {str(s["version"]) for s in meta.get("weight_versions") or []}
+        if spans and spans != {str(version)}:
+            raise ServerError(f"rollout server {url} generated a sample across weight versions {sorted(spans)} "
+                              f"(its weights changed during the generation)")
+        try:
+            return int(version)
+        except (TypeError, ValueError):
+            raise ServerError(f"rollout server {url} answered weight_version {version!r}, not an integer: it has not "
+                              f"received weights from this trainer yet (start SGLang with --weight-version 0, or "
+                              f"sync before generating)") from None
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -158,22 +211,25 @@ class ServerClient(RolloutEngine):
         port, world = _free_port(), 1 + len(self.urls) * self.server_tp
         host = socket.gethostbyname(socket.gethostname()) if any("127.0.0.1" not in u and "localhost" not in u
                                                                 for u in self.urls) else "127.0.0.1"
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
 
         def host_group():
-            store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout)
-            if backend == "nccl":
-                return dist.ProcessGroupNCCL(store, 0, world)  # untested here: no GPUs on this machine
-            return dist.ProcessGroupGloo(store, 0, world, timeout)
+            return join_update_group(host, port, 0, world, self.group_name, self.timeout_s, backend)
 
         joins = [(self._call, (u, "/init_weights_update_group", dict(
             master_address=host, master_port=port, rank_offset=1 + i * self.server_tp, world_size=world,
             group_name=self.group_name, backend=backend))) for i, u in enumerate(self.urls)]
         self._group = _in_threads([(host_group, ())] + joins)[0]
 
+    def _on_all(self, path: str, body: dict) -> list:
+        return _in_threads([(self._call, (u, path, body)) for u in self.urls])
+
     def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
+        """One weight-update session on every server (SGLang accepts /update_weights_from_distributed only
+        between /begin_weight_update and /end_weight_update); the KV caches are flushed after it."""
         self._ensure_group()
+        self._on_all("/begin_weight_update", {})
+        sent = {}
         for bucket in buckets:
             body = dict(names=[m.name for m in bucket.metas], dtypes=[str(m.dtype).replace("torch.", "") for m in bucket.metas],
                         shapes=[list(m.shape) for m in bucket.metas], group_name=self.group_name, flush_cache=False,
@@ -184,14 +240,48 @@ class ServerClient(RolloutEngine):
                 self._group.broadcast(flat, 0).wait()
 
             _in_threads([(send, ())] + [(self._call, (u, "/update_weights_from_distributed", body)) for u in self.urls])
-        _in_threads([(self._call, (u, "/flush_cache", {})) for u in self.urls])
+            sent.update({m.name: m.dtype for m in bucket.metas})
+        self._on_all("/end_weight_update", {})
+        self._on_all("/flush_cache", {})
+        self._sent_dtypes.update(sent)
         self.weight_version = version
+
+    def _server_checksums(self, url: str, shapes: Optional[dict[str, tuple]]) -> dict[str, str]:
+        """One server's checksums: our extension /grpo_mega/weight_checksums where the server has it; else
+        (SGLang: HTTP 404) each tensor read back with /get_weights_by_name, as SGLangEngine.weight_checksums
+        does: SGLang sends float32 values (exact for float32 and bfloat16 weights), cast back to the dtype this
+        client sent and cut to the HF shape (SGLang pads the vocabulary rows; it reads Llama-family models)."""
+        if self._audit_route.get(url) != "get_weights_by_name":
+            try:
+                sums = self._call(url, "/grpo_mega/weight_checksums", {"names": sorted(shapes)} if shapes else {})
+                self._audit_route[url] = "extension"
+                return sums
+            except ServerError as e:
+                if e.status != 404 or self._audit_route.get(url) == "extension":
+                    raise
+                self._audit_route[url] = "get_weights_by_name"
+        if not shapes:
+            raise ServerError(f"rollout server {url} has no /grpo_mega/weight_checksums, and /get_weights_by_name "
+                              f"needs the names and shapes of the tensors to read")
+        out = {}
+        for name, shape in shapes.items():
+            if name not in self._sent_dtypes:
+                raise ServerError(f"cannot audit {name} on {url}: this client never sent it (sync before auditing)")
+            w = self._call(url, "/get_weights_by_name", {"name": name, "truncate_size": int(shape[0]) if shape else 1},
+                           what=f"reading back {name}")
+            if not isinstance(w, list):
+                raise ServerError(f"rollout server {url} cannot read back {name} (/get_weights_by_name answered "
+                                  f"{w!r:.200}; SGLang implements it for Llama-family models)")
+            t = torch.tensor(w, dtype=torch.float32)
+            if t.numel() != torch.Size(shape).numel():
+                raise ServerError(f"rollout server {url} holds {name} with {t.numel()} values, not {tuple(shape)}")
+            out[name] = tensor_checksum(t.reshape(shape).to(self._sent_dtypes[name]))
+        return out
 
     def weight_checksums(self, shapes: Optional[dict[str, tuple]] = None) -> dict[str, str]:
         """The servers' checksums by HF name; a tensor on which the servers disagree is reported with a
         value naming them, so that the audit names it."""
-        body = {"names": sorted(shapes)} if shapes else {}
-        answers = _in_threads([(self._call, (u, "/grpo_mega/weight_checksums", body)) for u in self.urls])
+        answers = _in_threads([(self._server_checksums, (u, shapes)) for u in self.urls])
         out = dict(answers[0])
         for url, sums in zip(self.urls[1:], answers[1:]):
             for name in set(out) | set(sums):
@@ -201,7 +291,7 @@ class ServerClient(RolloutEngine):
 
     def health(self) -> dict:
         try:
-            versions = [self._call(u, "/get_weight_version", None)["weight_version"] for u in self.urls]
+            versions = [self._call(u, "/model_info", None)["weight_version"] for u in self.urls]
             return {"ok": True, "weight_version": self.weight_version, "servers": dict(zip(self.urls, versions))}
         except ServerError as e:
             return {"ok": False, "error": str(e), "weight_version": self.weight_version}

@@ -1,22 +1,28 @@
-"""The embedded engine as an HTTP server: the CPU stand-in for `python -m sglang.launch_server`.
+"""Rollout servers as processes of their own: our CPU stand-in for SGLang's server, and starting either.
 
-Owns only the translation between SGLang's HTTP API (the subset grpo_mega.rollout.client speaks, with
-SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /get_model_info, /get_weight_version;
-POST /generate (input_ids, sampling_params with sampling_seed, return_logprob -> output_ids and meta_info's
-output_token_logprobs, finish_reason, weight_version), /init_weights_update_group, /update_weights_from_distributed
-(load_format "flattened_bucket": one broadcast of the bucket's bytes from rank 0 of the update group),
-/update_weight_version, /flush_cache. One extension of ours, POST /grpo_mega/weight_checksums, serves the
-weight audit (SGLang's /get_weights_by_name would send every tensor's values as JSON). Requests run one
-at a time; sampling, logprobs and loading are the embedded engine's.
+The stand-in (the embedded engine behind SGLang's HTTP API, in place of `python -m sglang.launch_server`)
+owns only the translation between SGLang's HTTP API (the subset grpo_mega.rollout.client speaks, with
+SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /model_info (also as
+/get_model_info); POST /generate (input_ids, sampling_params with sampling_seed, return_logprob ->
+output_ids and meta_info's output_token_logprobs, finish_reason, weight_version), /init_weights_update_group,
+/begin_weight_update and /end_weight_update (no-ops here; SGLang requires them around the updates),
+/update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the bucket's bytes from
+rank 0 of the update group), /update_weight_version, /flush_cache. One extension of ours, POST
+/grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors
+back with /get_weights_by_name instead). Requests run one at a time; sampling, logprobs and loading are
+the embedded engine's.
 
     python -m grpo_mega.rollout.server --model tiny --port 30000     (or --hf-dir DIR)
+
+`launch` starts the stand-in, `launch_sglang` real SGLang servers (`sglang_command` is their command line),
+`stop` ends either with every process it started.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,17 +31,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from grpo_mega.rollout.client import join_update_group
 from grpo_mega.rollout.embedded import EmbeddedEngine
 from grpo_mega.rollout.engine import Bucket, TensorMeta
-
-
-def _join_update_group(master_address: str, master_port: int, rank: int, world_size: int,
-                       timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group of its own (not the default group) with the trainer's sender at rank 0: what SGLang's
-    init_custom_process_group builds. The trainer hosts the store."""
-    store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.ProcessGroupGloo(store, int(rank), int(world_size), datetime.timedelta(seconds=timeout_s))
 
 
 class EngineServer:
@@ -79,8 +77,8 @@ class EngineServer:
         name = req.get("group_name", "weight_update_group")
         if req.get("backend", "gloo") != "gloo":
             return dict(success=False, message=f"backend={req.get('backend')!r}: this CPU server speaks gloo only")
-        self.groups[name] = _join_update_group(req["master_address"], req["master_port"], req.get("rank_offset", 1),
-                                               req["world_size"], self.timeout_s)
+        self.groups[name] = join_update_group(req["master_address"], req["master_port"], req.get("rank_offset", 1),
+                                              req["world_size"], name, self.timeout_s)
         return dict(success=True, message=f"joined {name} as rank {req.get('rank_offset', 1)}")
 
     def update_weights_from_distributed(self, req: dict) -> dict:
@@ -117,10 +115,15 @@ def make_handler(server: EngineServer):
     posts = {"/generate": server.generate, "/init_weights_update_group": server.init_weights_update_group,
              "/update_weights_from_distributed": server.update_weights_from_distributed,
              "/update_weight_version": server.update_weight_version, "/flush_cache": lambda req: {"success": True},
+             "/begin_weight_update": lambda req: {"success": True, "message": "no-op"},
+             "/end_weight_update": lambda req: {"success": True, "message": "no-op"},
              "/grpo_mega/weight_checksums": server.weight_checksums}
-    gets = {"/health": lambda: {},
-            "/get_model_info": lambda: {"model_path": server.model_path, "is_generation": True},
-            "/get_weight_version": lambda: {"weight_version": str(server.engine.weight_version)}}
+
+    def model_info():
+        return {"model_path": server.model_path, "is_generation": True,
+                "weight_version": str(server.engine.weight_version)}
+
+    gets = {"/health": lambda: {}, "/model_info": model_info, "/get_model_info": model_info}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -186,14 +189,99 @@ def launch(args: list[str], prefix: tuple = (), env: Optional[dict] = None, cwd:
     return proc, line.split("ready on ")[1].strip()
 
 
+def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",
+                   python: str = sys.executable, cpu: Optional[bool] = None, max_total_tokens: int = 4096,
+                   extra: tuple = ()) -> list[str]:
+    """The command line of one SGLang server as the client expects it: token ids in and out (no tokenizer),
+    weight version 0 until the first sync. `cpu` (default: where torch sees no CUDA) adds SGLang's CPU
+    settings: torch_native attention, no CUDA graphs, a KV cache of `max_total_tokens`; the environment must
+    then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel (tests/fixtures) first on PYTHONPATH."""
+    import torch
+
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port),
+           "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init", "--weight-version", "0"]
+    if cpu if cpu is not None else not torch.cuda.is_available():
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                "--max-total-tokens", str(max_total_tokens)]
+    return cmd + list(extra)
+
+
+def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None, env: Optional[dict] = None,
+                  timeout_s: float = 300.0, **command_kwargs) -> list:
+    """Start `count` SGLang servers at once, each on a free port of 127.0.0.1 (or `host`), and wait until every
+    one answers /health; returns [(process, URL)]. Each server's output goes to `log_dir`/sglang-PORT.log (a
+    new temporary directory by default). A server that exits or does not answer within `timeout_s`: all of
+    them are stopped and a RuntimeError carries its log's last lines."""
+    import subprocess
+    import tempfile
+    import time
+    import urllib.request
+
+    from grpo_mega.rollout.client import _free_port
+
+    log_dir = log_dir or tempfile.mkdtemp(prefix="grpo_mega_sglang_")
+    host = command_kwargs.get("host", "127.0.0.1")
+    started, waiting = [], {}
+    try:
+        for _ in range(count):
+            port = _free_port()
+            log_path = os.path.join(log_dir, f"sglang-{port}.log")
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(sglang_command(model_path, port, **command_kwargs), stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            url = f"http://{host}:{port}"
+            started.append((proc, url))
+            waiting[url] = (proc, log_path)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            for url, (proc, log_path) in list(waiting.items()):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the SGLang server for {url} exited with {proc.returncode} while starting; "
+                                       f"the end of {log_path}:\n{_tail(log_path)}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                        resp.read()
+                    del waiting[url]
+                except OSError:  # not listening yet, or 503 while it starts
+                    pass
+            if waiting and time.monotonic() > deadline:
+                url, (_, log_path) = next(iter(waiting.items()))
+                raise RuntimeError(f"the SGLang server for {url} did not answer /health within {timeout_s:.0f} s; "
+                                   f"the end of {log_path}:\n{_tail(log_path)}")
+            if waiting:
+                time.sleep(1)
+    except BaseException:
+        for proc, _ in started:
+            stop(proc)
+        raise
+    return started
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
 def stop(proc) -> None:
-    """SIGKILL a server started by `launch` (by its PID) and reap it."""
-    import os
+    """SIGKILL a server started by `launch` or `launch_sglang` and every process it started (SGLang's
+    scheduler and detokenizer), each by its PID, and reap them."""
     import signal
 
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    import psutil
+
+    tree = []
+    if proc.poll() is None:  # not reaped yet, so its PID is still its own
+        try:
+            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)  # the server itself is our child: Popen reaps it
+    psutil.wait_procs(tree[1:], timeout=30)
 
 
 def main(argv=None) -> int:
