@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc import run_forked_main, run_tree
+from tests.proc import run_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,16 +30,9 @@ def text_reward(response, ground_truth, sample):
     return "correct"
 
 
-def _cli(out: Path, *overrides: str, timeout: int = 300, fork: bool = False) -> subprocess.CompletedProcess:
-    """`python -m grpo_mega.train hydra.run.dir=OUT OVERRIDES` in a new interpreter, as a user's shell would
-    start it; `fork=True` forks it from this warm process instead (tests/proc.run_forked_main: the same entry
-    point without the interpreter's start-up and imports), for the cases refused before any training starts
-    (a run that trains starts helper processes and exit handlers that a forked pytest must not inherit)."""
-    argv = [f"hydra.run.dir={out}", *overrides]
-    if fork:
-        return run_forked_main(argv, timeout=timeout, cwd=ROOT)
-    return run_tree([sys.executable, "-m", "grpo_mega.train", *argv], capture_output=True, text=True, timeout=timeout,
-                    cwd=ROOT)
+def _cli(out: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", *overrides],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def _refused(proc: subprocess.CompletedProcess, pattern: str, rc: int = 2) -> None:
@@ -92,7 +85,7 @@ def test_bad_data_file(case, tmp_path):
 
     make, pattern = DATA_CASES[case]
     proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={make(tmp_path)}",
-                "batch.max_prompt_length=128", fork=True)
+                "batch.max_prompt_length=128")
     _refused(proc, pattern)
 
 
@@ -131,7 +124,7 @@ CONFIG_CASES = {
 def test_bad_configuration(case, tmp_path):
     overrides, pattern = CONFIG_CASES[case]
     overrides = [o.replace("CKPT", str(tmp_path / "ckpt")) for o in overrides]
-    _refused(_cli(tmp_path / "run", "run.steps=1", *overrides, fork=True), pattern)
+    _refused(_cli(tmp_path / "run", "run.steps=1", *overrides), pattern)
 
 
 def test_unknown_override_key_names_the_field(tmp_path):
@@ -155,7 +148,7 @@ def test_hf_model_with_pickle_weights_is_refused(tmp_path):
             shutil.copy(f, d / f.name)
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     data = _write_rows(tmp_path / "d.jsonl", [_row()])
-    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}", fork=True),
+    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}"),
              r"pytorch_model\.bin: pickle files are never loaded; re-save with safe_serialization")
 
 
