@@ -5,24 +5,9 @@ and orphaned workers were once found still running an hour later)."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
-
-def kill_tree(pid: int) -> None:
-    import psutil
-
-    try:
-        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    # Not the root: it is the caller's child, and psutil would reap it (Popen would then report exit 0).
-    psutil.wait_procs(procs[1:], timeout=30)
+from grpo_mega.rollout.server import kill_tree
 
 
 def run_tree(cmd, timeout: float, capture_output: bool = False, text: bool = False, check: bool = False,

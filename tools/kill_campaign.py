@@ -19,7 +19,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -88,21 +87,6 @@ class WatchingProxy:
             return self.in_flight.get(path, 0) > 0
 
 
-def _kill_tree(pid: int) -> None:
-    import psutil
-
-    try:
-        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs[1:], timeout=30)
-
-
 def _start_server() -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(REPO))
     from grpo_mega.data.toy import make_tokenizer
@@ -168,16 +152,13 @@ def _strike(proxy: WatchingProxy, out: Path, ckpt: Path, steps: int, kind: str, 
                     time.sleep(delay)
                 if kind == "random" or proxy.busy(WATCHED[kind]):
                     busy = {k: proxy.busy(p) for k, p in WATCHED.items()}
-                    _kill_tree(proc.pid)
-                    proc.wait(timeout=30)
+                    _stop(proc)
                     return dict(kind=kind, hit=True, step=step, seconds_into_run=time.monotonic() - t0,
                                 rows_logged=_rows_done(out), in_flight_at_kill=busy)
             time.sleep(0.001)
         return dict(kind=kind, hit=False, reason="timed out")
     finally:
-        if proc.poll() is None:
-            _kill_tree(proc.pid)
-            proc.wait(timeout=30)
+        _stop(proc)
 
 
 def campaign(moments: int, steps: int, seed: int, work: Path) -> dict:

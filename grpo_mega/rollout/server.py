@@ -262,26 +262,31 @@ def _tail(path: str, lines: int = 20) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def stop(proc) -> None:
-    """SIGKILL a server started by `launch` or `launch_sglang` and every process it started (SGLang's
-    scheduler and detokenizer), each by its PID, and reap them."""
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process `pid` and every process under it, each by its PID, and wait for those under it
+    (`pid` itself is the caller's child: its Popen reaps it; psutil reaping it would hide its exit status)."""
     import signal
 
     import psutil
 
-    tree = []
-    if proc.poll() is None:  # not reaped yet, so its PID is still its own
-        try:
-            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    for p in tree:
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    proc.wait(timeout=30)  # the server itself is our child: Popen reaps it
-    psutil.wait_procs(tree[1:], timeout=30)
+    psutil.wait_procs(procs[1:], timeout=30)
+
+
+def stop(proc) -> None:
+    """SIGKILL a server started by `launch` or `launch_sglang` and every process it started (SGLang's
+    scheduler and detokenizer), each by its PID, and reap them."""
+    if proc.poll() is None:  # not reaped yet, so its PID is still its own
+        kill_tree(proc.pid)
+    proc.wait(timeout=30)
 
 
 def main(argv=None) -> int:
