@@ -2,13 +2,15 @@
 in bytes/s, against a plain gloo broadcast of the same buckets between the same ranks and this machine's
 memcpy bandwidth, all measured in the same run. Writes JSON.
 
-    python tools/bench_weight_sync.py [--tp 3] [--pp 1] [--dp 2] [--bucket-mb 64] [--out bench_results/weight_sync.json]
+    python tools/bench_weight_sync.py [--tp 3] [--pp 1] [--dp 2] [--bucket-mb 64] [--trials 3] [--out bench_results/weight_sync.json]
 
 The trainer is loaded straight from the prepared HF directory (`make smollm2`) at the given layout, on
 forked gloo ranks (tp * pp * dp of them). One engine lives on rank 0; the second on rank world/2 (another
 DP replica, or another stage: where `rollout.num_engines=2` puts it). Sync time covers the TP gathers,
 renaming, packing, the broadcasts and the engines' copy-in (no audit); a bucket is gathered once whatever
-the number of engines, so two engines should cost little more than one. The broadcast figure is
+the number of engines, so two engines should cost little more than one. At TP1 the second engine's DP
+replica holds the whole model, so by default it packs its own copy and nothing is sent: the JSON then also
+times the same sync over the wire (`two_engines_over_the_wire`). The broadcast figure is
 `dist.broadcast` of buffers of the same sizes as the buckets, from rank 0 to rank world/2, over a group
 of those two ranks: the transport's own limit. The load average is recorded: the machine is shared.
 """
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,19 +64,44 @@ def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
         load_hf_into_gpt(gpt, hf_dir, cfg, layout.tp_rank, tp)
         engine = EmbeddedEngine.from_hf_dir(hf_dir, dtype=torch.bfloat16) if rank in (0, second) else None
         res = {}
-        for label, ranks in (("one_engine", [0]), ("two_engines", [0, second])):
-            route = SyncRoute(ranks)
-            times, stats = [], None
-            for v in range(repeats):
+        runs = [("one_engine", [0], True), ("two_engines", [0, second], True)]
+        if tp == 1:  # the default route reads the second replica's own copy; also time it sent over the wire
+            runs.append(("two_engines_over_the_wire", [0, second], False))
+        routes = {label: (ranks, SyncRoute(ranks, local_replicas=local_replicas)) for label, ranks, local_replicas in runs}
+        times = {label: [] for label in routes}
+        stats, version = None, 0
+        for rep in range(repeats + 1):  # interleaved, so that a slow spell of the machine hits every mode alike
+            for label, (ranks, route) in routes.items():
+                version += 1
                 dist.barrier()
                 t0 = time.perf_counter()
-                stats = sync_weights(gpt, cfg, engine if rank in ranks else None, version=v + 1, bucket_mb=bucket_mb,
+                stats = sync_weights(gpt, cfg, engine if rank in ranks else None, version=version, bucket_mb=bucket_mb,
                                      dtype=torch.bfloat16, route=route) or stats
                 dist.barrier()
-                times.append(time.perf_counter() - t0)
-            res[label] = dict(seconds=min(times), all_seconds=times)
-            if rank == 0:
-                res.update(bytes=stats.bytes, buckets=stats.buckets, largest_bucket=stats.largest_bucket)
+                if rep:  # the first round allocates the staging buffers and warms the engines' pages
+                    times[label].append(time.perf_counter() - t0)
+        for label, (ranks, route) in routes.items():
+            res[label] = dict(seconds=statistics.median(times[label]), min_seconds=min(times[label]), all_seconds=times[label],
+                              received_by=route.receivers[0], packed_from_own_replica=route.local[0])
+        if rank == 0:
+            res.update(bytes=stats.bytes, buckets=stats.buckets, largest_bucket=stats.largest_bucket)
+        # the machine's own limit for two engines loading at once: each engine rank copies a copy of its
+        # engine's weights into the engine, rank 0 alone and then both at once (2 vCPUs share one memory bus)
+        src = [p.detach().clone() for p in engine.params.values()] if engine is not None else []
+        copy_times = {"alone": [], "both": []}
+        for rep in range(repeats + 1):
+            for label, ranks in (("alone", [0]), ("both", [0, second])):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank in ranks:
+                    with torch.no_grad():
+                        for dst, t in zip(engine.params.values(), src):
+                            dst.copy_(t)
+                dist.barrier()
+                if rep:
+                    copy_times[label].append(time.perf_counter() - t0)
+        del src
+        res["copy_in"] = {k: statistics.median(v) for k, v in copy_times.items()}
         group = dist.new_group([0, second])
         nbytes = [res.get("bytes")]
         dist.broadcast_object_list(nbytes, src=0)
@@ -89,7 +117,7 @@ def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
             times.append(time.perf_counter() - t0)
         if rank != 0:
             return None
-        res["broadcast_seconds"] = min(times)
+        res["broadcast_seconds"] = statistics.median(times)
         res["memcpy_bytes_per_s"] = _memcpy_bytes_per_s(res["bytes"])
         return res
 
@@ -104,26 +132,10 @@ def _split(nbytes: int, bucket_bytes: int):
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf-dir", default=None)
-    ap.add_argument("--tp", type=int, default=3, help="SmolLM2 has 9 heads and 3 KV groups: 1 or 3")
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=2, help="the second engine is on rank tp*pp*dp/2")
-    ap.add_argument("--bucket-mb", type=float, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "bench_results" / "weight_sync.json"))
-    args = ap.parse_args()
-    import warnings
-
-    warnings.simplefilter("ignore", FutureWarning)
+def _trial(args, world: int, hf_dir: str) -> dict:
+    """One measurement in fresh forked ranks: the JSON of one trial."""
     from grpo_mega.parallel.forked import run_ranks
-    from tests.models.hf_fixtures import smollm2_dir
 
-    world = args.tp * args.pp * args.dp
-    if world < 2:
-        raise SystemExit(f"--tp {args.tp} --pp {args.pp} --dp {args.dp}: two engines need at least 2 ranks")
-    hf_dir = args.hf_dir or str(smollm2_dir())
     load_before = os.getloadavg()
     res = run_ranks(_rank, world, hf_dir, args.tp, args.pp, args.bucket_mb, args.repeats, timeout=1800)[0]
     one, two = res["one_engine"]["seconds"], res["two_engines"]["seconds"]
@@ -133,15 +145,68 @@ def main() -> int:
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), backend="gloo (CPU)",
                      loadavg_before=load_before, loadavg_after=os.getloadavg()),
         bytes=res["bytes"], buckets=res["buckets"], largest_bucket_bytes=res["largest_bucket"],
-        one_engine=dict(seconds=one, bytes_per_s=res["bytes"] / one, all_seconds=res["one_engine"]["all_seconds"]),
-        two_engines=dict(seconds=two, bytes_per_s=res["bytes"] / two, all_seconds=res["two_engines"]["all_seconds"]),
+        timing="median of --repeats rounds, the modes interleaved within each round, after a warm-up round",
+        one_engine=dict(seconds=one, bytes_per_s=res["bytes"] / one, min_seconds=res["one_engine"]["min_seconds"],
+                        all_seconds=res["one_engine"]["all_seconds"]),
+        two_engines=dict(seconds=two, bytes_per_s=res["bytes"] / two, min_seconds=res["two_engines"]["min_seconds"],
+                         all_seconds=res["two_engines"]["all_seconds"],
+                         ranks_receiving_stage_0=res["two_engines"]["received_by"],
+                         ranks_packing_stage_0_from_own_replica=res["two_engines"]["packed_from_own_replica"]),
         two_over_one=two / one,
         broadcast=dict(seconds=res["broadcast_seconds"], bytes_per_s=res["bytes"] / res["broadcast_seconds"],
                        what="dist.broadcast of the same bytes in buckets of bucket_mb, rank 0 -> the second engine's rank"),
         two_engine_sync_over_broadcast_seconds=two / res["broadcast_seconds"],
         memcpy_bytes_per_s=res["memcpy_bytes_per_s"],
+        copy_in=dict(alone_seconds=res["copy_in"]["alone"], both_seconds=res["copy_in"]["both"],
+                     two_over_one=res["copy_in"]["both"] / res["copy_in"]["alone"],
+                     what="each engine's parameters copied from a same-shaped copy, by rank 0 alone and by both engine "
+                          "ranks at once: what two engines loading at once cost each other on this machine's shared memory bus"),
         ratio_to_memcpy=res["bytes"] / one / res["memcpy_bytes_per_s"],
     )
+    if "two_engines_over_the_wire" in res:
+        wire = res["two_engines_over_the_wire"]["seconds"]
+        out["two_engines_over_the_wire"] = dict(
+            seconds=wire, bytes_per_s=res["bytes"] / wire, min_seconds=res["two_engines_over_the_wire"]["min_seconds"],
+            all_seconds=res["two_engines_over_the_wire"]["all_seconds"],
+            two_over_one=wire / one, what="the same sync with SyncRoute(local_replicas=False): the second engine receives "
+            "every bucket from rank 0 instead of packing its own replica's copy (the route a TP>1 layout takes)")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hf-dir", default=None)
+    ap.add_argument("--tp", type=int, default=3, help="SmolLM2 has 9 heads and 3 KV groups: 1 or 3")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=2, help="the second engine is on rank tp*pp*dp/2")
+    ap.add_argument("--bucket-mb", type=float, default=64)
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds (medians reported), after one warm-up round")
+    ap.add_argument("--trials", type=int, default=3, help="whole measurements, each in fresh ranks; the median is reported")
+    ap.add_argument("--out", default=str(REPO / "bench_results" / "weight_sync.json"))
+    args = ap.parse_args()
+    import warnings
+
+    warnings.simplefilter("ignore", FutureWarning)
+    from tests.models.hf_fixtures import smollm2_dir
+
+    world = args.tp * args.pp * args.dp
+    if world < 2:
+        raise SystemExit(f"--tp {args.tp} --pp {args.pp} --dp {args.dp}: two engines need at least 2 ranks")
+    hf_dir = args.hf_dir or str(smollm2_dir())
+    trials = []
+    for i in range(args.trials):
+        trials.append(_trial(args, world, hf_dir))
+        t = trials[-1]
+        print(f"trial {i + 1}: 1 engine {t['one_engine']['seconds']:.3f} s, 2 engines {t['two_engines']['seconds']:.3f} s, "
+              f"ratio {t['two_over_one']:.2f}; copy-in alone/both at once {t['copy_in']['two_over_one']:.2f}x; "
+              f"load {t['machine']['loadavg_before'][0]:.1f}", flush=True)
+    out = sorted(trials, key=lambda t: t["two_over_one"])[(len(trials) - 1) // 2]  # the median trial, in full
+    out["trials"] = [dict(two_over_one=t["two_over_one"], one_engine_seconds=t["one_engine"]["seconds"],
+                          two_engines_seconds=t["two_engines"]["seconds"], copy_in_two_over_one=t["copy_in"]["two_over_one"],
+                          loadavg_before=t["machine"]["loadavg_before"]) for t in trials]
+    out["timing"] += f"; the median of {len(trials)} trials (fresh ranks each) is reported in full, every trial under 'trials'"
+    res = dict(bytes=out["bytes"], broadcast_seconds=out["broadcast"]["seconds"])
+    one, two, load_before = out["one_engine"]["seconds"], out["two_engines"]["seconds"], out["machine"]["loadavg_before"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
@@ -149,6 +214,7 @@ def main() -> int:
     print(f"sync {res['bytes'] / 2**20:.1f} MiB: 1 engine {one:.3f} s ({res['bytes'] / one / gib:.2f} GiB/s), "
           f"2 engines {two:.3f} s ({res['bytes'] / two / gib:.2f} GiB/s), ratio {two / one:.2f}; plain broadcast "
           f"{res['broadcast_seconds']:.3f} s ({res['bytes'] / res['broadcast_seconds'] / gib:.2f} GiB/s); "
+          f"copy-in alone/both at once {out['copy_in']['two_over_one']:.2f}x; "
           f"load {load_before[0]:.1f}; wrote {args.out}")
     return 0
 

@@ -28,6 +28,8 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @ENGINES.register("embedded")
 class EmbeddedEngine(RolloutEngine):
+    loads_tensors = True  # load_bucket copies tensor by tensor: an unflattened bucket is loaded as is
+
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.requires_grad_(False)

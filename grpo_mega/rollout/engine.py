@@ -29,19 +29,27 @@ class TensorMeta:
 
 @dataclass
 class Bucket:
-    """HF-named tensors flattened into one uint8 buffer, in a fixed order."""
+    """HF-named tensors flattened into one uint8 buffer, in a fixed order. A bucket that never leaves its rank
+    and goes to an engine that loads tensor by tensor (`RolloutEngine.loads_tensors`) is not flattened:
+    `flat` is None and `parts` holds the tensors themselves (copying them into a buffer only to copy them out
+    again would double the bytes moved)."""
 
     metas: list[TensorMeta]
-    flat: torch.Tensor  # uint8 [nbytes]
+    flat: Optional[torch.Tensor]  # uint8 [nbytes]
     checksums: Optional[dict[str, str]] = None  # the trainer's, when auditing
+    parts: Optional[list[torch.Tensor]] = None  # the tensors, in metas' order, when flat is None
 
     def tensors(self):
+        if self.flat is None:
+            for m, t in zip(self.metas, self.parts):
+                yield m.name, t
+            return
         for m in self.metas:
             yield m.name, self.flat[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
 
     @property
     def nbytes(self) -> int:
-        return int(self.flat.numel())
+        return int(self.flat.numel()) if self.flat is not None else sum(m.nbytes for m in self.metas)
 
 
 @dataclass
@@ -74,6 +82,7 @@ class RolloutEngine(abc.ABC):
     """What every rollout engine provides."""
 
     weight_version: int = 0
+    loads_tensors: bool = False  # True: update_weights reads only Bucket.tensors(), never Bucket.flat
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,

@@ -59,6 +59,7 @@ def _two_engines(tp, pp):
             step[0] = v
             stats = engines.sync(gpt, version=v, **kwargs)
         out["stats"] = stats
+        out["local"], out["receivers"] = engines._route.local, engines._route.receivers
         if engines.local is not None:
             out["engine_version"] = engines.local.weight_version
             out["model_bytes"] = sum(p.numel() * p.element_size() for p in engines.local.params.values())
@@ -69,6 +70,11 @@ def _two_engines(tp, pp):
         engine_lp = engine_logprobs(gen, rb)
         out["mismatch"], out["gen_version"] = algo.logprob_mismatch(engine_lp, trainer, rb.response_mask()), gen.weight_version
         out["gathered"] = list(seen)
+        if tp == 1:  # the same sync sent over the wire instead of read from the second replica's own copy
+            wire = ws.SyncRoute(engines.ranks, local_replicas=False)
+            out["wire_receivers"] = wire.receivers
+            out["wire_stats"] = ws.sync_weights(gpt, cfg, engines.local, version=2, bucket_mb=0.01, audit=True,
+                                                route=wire)
 
         # mutation check: the old way (one full sync per engine) is caught by the same count
         seen.clear()
@@ -113,7 +119,8 @@ def check_gathered_once(res: list[dict], key: str, model_bytes: int) -> list[int
 @pytest.mark.parametrize("tp,pp,world", [(2, 2, 4), (2, 1, 2), (1, 1, 2)])
 def test_every_engine_gets_each_bucket_gathered_once(tp, pp, world):
     """Engines on ranks [0, world/2]: at TP2xPP2 the second engine is stage 1's sender and receives stage 0;
-    at TP2 it is rank 0's TP peer and packs from the same gather; at DP2 it receives everything."""
+    at TP2 it is rank 0's TP peer and packs from the same gather; at DP2 (TP1) it packs its own replica's
+    copy (nothing to gather, nothing sent), and the same sync sent over the wire is audited too."""
     res = run_ranks(_two_engines, world, tp, pp, timeout=300)
     engine_ranks = [0, world // 2]
     model_bytes = res[0]["model_bytes"]
@@ -128,3 +135,10 @@ def test_every_engine_gets_each_bucket_gathered_once(tp, pp, world):
         assert f"on rank {engine_ranks[1]} failed" in r["audit_error"] and "model.norm.weight" in r["audit_error"]
     stats = res[0]["stats"]
     assert stats.audited and stats.bytes == model_bytes and stats.buckets > 3
+    if tp == 1:
+        assert res[0]["local"] == [[1]] and res[0]["receivers"] == [[]]
+        assert res[0]["wire_receivers"] == [[1]]
+        for r in res:  # the audit ran on both engines (it raises on a mismatch)
+            assert r["wire_stats"].audited and r["wire_stats"].bytes == model_bytes
+    else:
+        assert res[0]["local"] == [[]] * pp

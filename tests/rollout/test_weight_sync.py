@@ -11,7 +11,7 @@ from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 from grpo_mega.rollout.embedded import EmbeddedEngine
-from grpo_mega.rollout.weight_sync import WeightSyncError, check_audit, pack_buckets, sync_weights
+from grpo_mega.rollout.weight_sync import Staging, WeightSyncError, check_audit, pack_buckets, sync_weights
 from grpo_mega.trainer.batch import RolloutBatch
 from tests.trainer import layouts as L
 
@@ -31,6 +31,31 @@ def test_buckets_respect_the_limit_and_keep_order():
     got = {n: t for b in buckets for n, t in b.tensors()}
     assert all(torch.equal(got[n], t) for n, t in tensors)
     assert all(b.checksums and set(b.checksums) == {m.name for m in b.metas} for b in buckets)
+
+
+def test_staged_and_unflattened_buckets_hold_the_same_tensors():
+    """Buckets packed into reused staging buffers (consumed one at a time, as the sync does) and buckets left
+    unflattened carry exactly the tensors of freshly packed ones; the staging reuses its two buffers, and a
+    strided view (a slice of a fused QKV) stays a view when unflattened."""
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(12, 8, generator=g)
+    tensors = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([100, 250, 60, 900, 30, 200])]
+    tensors.append(("q", fused[:, :4]))  # not contiguous
+    want = [(n, t.clone()) for n, t in tensors]
+    staging = Staging(1200, torch.device("cpu"))
+    seen, buffers = [], []
+    for b in pack_buckets(iter(tensors), 1200, staging=staging):
+        assert b.flat is not None
+        if b.nbytes <= 1200:  # the oversized tensor (900 floats) gets a fresh buffer of its own
+            buffers.append(b.flat.untyped_storage().data_ptr())
+        seen += [(n, t.clone()) for n, t in b.tensors()]  # consumed before the next bucket is packed
+    assert len(buffers) >= 4 and len(set(buffers)) == 2 and buffers[0] == buffers[2]  # two buffers, alternating
+    unflat = [(n, t) for b in pack_buckets(iter(tensors), 1200, flatten=False) for n, t in b.tensors()]
+    for got in (seen, unflat):
+        assert [n for n, _ in got] == [n for n, _ in want]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+    assert unflat[-1][1].data_ptr() == fused.data_ptr()  # the engine copies it; nobody else does
+    assert all(b.nbytes == sum(m.nbytes for m in b.metas) for b in pack_buckets(iter(tensors), 1200, flatten=False))
 
 
 def _sync_and_sample(tp, pp, tied, bucket_mb):
