@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fork_server import run_main
 from tests.proc import run_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +31,16 @@ def text_reward(response, ground_truth, sample):
     return "correct"
 
 
-def _cli(out: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", *overrides],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def _cli(out: Path, *overrides: str, timeout: int = 300, fork: bool = False) -> subprocess.CompletedProcess:
+    """`python -m grpo_mega.train hydra.run.dir=OUT OVERRIDES` in a new interpreter, as a user's shell would
+    start it; `fork=True` forks it from a warm server instead (tests/fork_server: the same entry point
+    without an interpreter's start-up and imports each time), for the cases refused before any training
+    starts (a run that trains starts helper processes and relies on exit handlers: a new interpreter)."""
+    argv = [f"hydra.run.dir={out}", *overrides]
+    if fork:
+        return run_main(argv, timeout=timeout, cwd=ROOT, scratch=out.parent)
+    return run_tree([sys.executable, "-m", "grpo_mega.train", *argv], capture_output=True, text=True, timeout=timeout,
+                    cwd=ROOT)
 
 
 def _refused(proc: subprocess.CompletedProcess, pattern: str, rc: int = 2) -> None:
@@ -85,7 +93,7 @@ def test_bad_data_file(case, tmp_path):
 
     make, pattern = DATA_CASES[case]
     proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={make(tmp_path)}",
-                "batch.max_prompt_length=128")
+                "batch.max_prompt_length=128", fork=True)
     _refused(proc, pattern)
 
 
@@ -124,7 +132,7 @@ CONFIG_CASES = {
 def test_bad_configuration(case, tmp_path):
     overrides, pattern = CONFIG_CASES[case]
     overrides = [o.replace("CKPT", str(tmp_path / "ckpt")) for o in overrides]
-    _refused(_cli(tmp_path / "run", "run.steps=1", *overrides), pattern)
+    _refused(_cli(tmp_path / "run", "run.steps=1", *overrides, fork=True), pattern)
 
 
 def test_unknown_override_key_names_the_field(tmp_path):
@@ -148,7 +156,7 @@ def test_hf_model_with_pickle_weights_is_refused(tmp_path):
             shutil.copy(f, d / f.name)
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     data = _write_rows(tmp_path / "d.jsonl", [_row()])
-    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}"),
+    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}", fork=True),
              r"pytorch_model\.bin: pickle files are never loaded; re-save with safe_serialization")
 
 
