@@ -64,3 +64,16 @@ def test_bench_overlap_writes_json(tmp_path):
     assert data["off_policy"]["weight_versions"] == [0, 0, 1, 2, 3]
     assert data["in_turn"]["overlap"] == 0 and 0 <= data["off_policy"]["overlap"] <= 1
     assert data["step_ratio"] > 0 and data["step_over_phase_sum"] > 0 and len(data["machine"]["loadavg_before"]) == 3
+
+
+def test_bench_routing_writes_json(tmp_path):
+    """4 ranks at DP4, 2 mini-batches: each other rank holds exactly a quarter of the samples when routed,
+    all of them when broadcast."""
+    out = tmp_path / "routing.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_routing.py"), "--prompts", "8", "--n", "4",
+           "--max-response", "32", "--mini-prompts", "4", "--repeats", "1", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["samples"] == 32 and data["routed"]["rows_per_other_rank"] == [8, 8, 8]
+    assert 0 < data["routed"]["bytes_to_other_ranks"] < data["broadcast"]["bytes_to_other_ranks"]
+    assert data["routed"]["seconds"] > 0 and data["broadcast"]["seconds"] > 0

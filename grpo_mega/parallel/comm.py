@@ -94,6 +94,24 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_objects(obj, dst: int = 0) -> Optional[list]:
+    """Every rank's picklable object, indexed by global rank, on rank `dst` only (None elsewhere)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def scatter_objects(objs: Optional[list], src: int = 0):
+    """Rank `src`'s objs[r] to global rank r (objs: one picklable object per rank, given on `src` only)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return objs[0]
+    box = [None]
+    dist.scatter_object_list(box, objs if dist.get_rank() == src else None, src=src)
+    return box[0]
+
+
 def world_max(values: list[float]) -> list[float]:
     """The element-wise maximum of a list of floats over every rank (one MAX all-reduce over the world),
     e.g. each phase's seconds: a step is as slow as its slowest rank."""

@@ -301,13 +301,15 @@ class StepScorer(Protocol):
         ranks. Called on every rank, with empty `indices` where a rank scores nothing."""
 
 
-def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list[int]], step: int
-               ) -> tuple["torch.Tensor", dict[str, float]]:
+def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list[int]], step: int,
+               owned: Optional[Sequence[int]] = None) -> tuple["torch.Tensor", dict[str, float]]:
     """Every sample's reward, scored once on one rank, identical on every rank: `rewards: [N]` float32 (what
     `torch.tensor` of the per-sample floats gives), and the step's reward metrics (`reward/score_seconds`:
     this rank's wall time for the call; `reward/timeouts`, `reward/errors` and any scorer counts: sums over
     ranks). `reward` is a StepScorer, or a plain per-sample `reward(example, response_ids) -> float`
-    (scored in-process, spread over ranks)."""
+    (scored in-process, spread over ranks). `owned`: the samples this rank scores (each sample owned by exactly
+    one rank, which holds its response: grpo_mega.rollout.routing); by default every world-th from this
+    rank's. A scorer `on_one_rank` scores them all on rank 0, which holds every response."""
     import torch
     import torch.distributed as dist
 
@@ -318,7 +320,10 @@ def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     on_one_rank = getattr(reward, "on_one_rank", False)
-    mine = (list(range(n)) if rank == 0 else []) if on_one_rank else list(range(rank, n, world))
+    if on_one_rank:
+        mine = list(range(n)) if rank == 0 else []
+    else:
+        mine = list(owned) if owned is not None else list(range(rank, n, world))
     failure: Optional[BaseException] = None
     try:
         if hasattr(reward, "score_batch"):

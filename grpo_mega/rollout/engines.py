@@ -7,7 +7,7 @@ method."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -41,10 +41,12 @@ class Engines:
         if count > 1 and rank == 0:
             print(f"rollout engines on ranks {self.ranks}", flush=True)
 
-    def generate(self, prompts: list[list[int]], n, temperature, top_p, max_new, stop, seed) -> Generation:
-        """Each engine samples its contiguous share of `prompts`; every rank gets all the samples, in order.
-        A failing engine becomes a RolloutError on every rank (the others would otherwise wait in the
-        collective until its timeout)."""
+    def generate(self, prompts: list[list[int]], n, temperature, top_p, max_new, stop, seed,
+                 to_all: bool = True) -> Optional[Generation]:
+        """Each engine samples its contiguous share of `prompts`; every rank gets all the samples, in order
+        (without `to_all`, rank 0 only: None elsewhere, for grpo_mega.rollout.routing to share out). A failing
+        engine becomes a RolloutError on every rank (the others would otherwise wait in the collective until
+        its timeout)."""
         rank, k = dist.get_rank(), len(self.ranks)
         per = -(-len(prompts) // k)
         mine = None
@@ -57,6 +59,23 @@ class Engines:
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 mine = RolloutError(f"the rollout engine ({type(self.local).__name__}, on rank {rank}) failed: "
                                     f"{type(e).__name__}: {e}")
+        if not to_all:  # to rank 0 (an engine rank); every rank learns of a failure
+            if k == 1:
+                parts = [mine] if rank == 0 else None
+            else:
+                everyone = comm.gather_objects(mine)
+                parts = None if everyone is None else [everyone[r] for r in self.ranks]
+            gen, error = None, None
+            if parts is not None:
+                error = next((str(p) for p in parts if isinstance(p, RolloutError)), None)
+                try:
+                    gen = None if error else self._join(parts)
+                except RolloutError as e:
+                    error = str(e)
+            error = comm.broadcast_object(error)
+            if error is not None:
+                raise RolloutError(error)
+            return gen
         if k == 1:
             parts = [comm.broadcast_object(mine, src=self.ranks[0])]
         else:
@@ -65,6 +84,11 @@ class Engines:
         for part in parts:
             if isinstance(part, RolloutError):
                 raise part
+        return self._join(parts)
+
+    @staticmethod
+    def _join(parts: list) -> Generation:
+        """The engines' answers, in order, as one Generation."""
         parts = [g for g in parts if g is not None]
         versions = {g.weight_version for g in parts}
         if len(versions) > 1:

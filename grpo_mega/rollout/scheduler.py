@@ -4,7 +4,8 @@ thread on global rank 0, while step k trains on the weights synced before it.
 
 Owns the in-flight request and the order around it: `submit(step)` draws the step's prompts from the task (on
 every rank, so the draws are those of the serial loop) and, one step ahead, starts the generation;
-`wait()` (collective) waits for it and hands the samples, or the failure, from rank 0 to every rank;
+`wait()` (collective) waits for it and hands the samples, or the failure, from rank 0 to every rank (with
+`share`, grpo_mega.rollout.routing: each rank only its DP replica's samples);
 `sync_weights` refuses to run while a generation is in flight, so that a server's weights never change while it
 generates; `result(step)` is the batch to train on. Versions (DESIGN.md): version v is the trainer's weights
 after v steps, synced as `version=v`; step k trains from version k-1. In turn, step k's samples carry k-1; one
@@ -71,7 +72,8 @@ class RolloutScheduler:
 
     def __init__(self, engines: Engines, draw: Callable[[int], list], batch_size: int, sampling: SamplingArgs,
                  off_policy_steps: int = 0, last_step: Optional[int] = None, get_state: Optional[Callable[[], object]] = None,
-                 set_state: Optional[Callable[[object], None]] = None):
+                 set_state: Optional[Callable[[object], None]] = None,
+                 share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None):
         if off_policy_steps not in (0, 1):
             raise ValueError(f"rollout.off_policy_steps={off_policy_steps} must be 0 or 1")
         if off_policy_steps and (len(engines.ranks) != 1 or engines.ranks[0] != 0):
@@ -79,6 +81,7 @@ class RolloutScheduler:
         self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
         self.ahead, self.last_step = off_policy_steps, last_step
         self.get_state, self.set_state = get_state, set_state
+        self.share = share  # rank 0's samples -> what each rank needs (grpo_mega.rollout.routing); None: all to all
         self.pending: Optional[_Pending] = None  # drawn, maybe generating
         self.ready: Optional[StepSamples] = None  # generated, not yet handed out
         self.ready_task_state = None
@@ -114,19 +117,26 @@ class RolloutScheduler:
         if self.pending is None:
             return
         p, t0 = self.pending, time.perf_counter()
+        to_all = self.share is None
         if not self.ahead:
             s = self.sampling
             gen = self.engines.generate([e.prompt_ids for e in p.examples], s.n, s.temperature, s.top_p,
-                                        s.max_new_tokens, s.stop_token_ids, s.step_seed(p.step))
+                                        s.max_new_tokens, s.stop_token_ids, s.step_seed(p.step),
+                                        **({} if to_all else {"to_all": False}))
             seconds = time.perf_counter() - t0
         else:
             if p.thread is not None:
                 p.thread.join()
-            out = comm.broadcast_object(p.out if dist.get_rank() == 0 else None, src=0)
+            out = p.out if dist.get_rank() == 0 else None
+            if not to_all:  # the status to every rank; the samples are shared out below
+                out = out if out is None else {k: v for k, v in out.items() if k != "gen"}
+            out = comm.broadcast_object(out, src=0)
             if "error" in out:
                 self.pending = None
                 raise RolloutError(out["error"])
-            gen, seconds = out["gen"], out["seconds"]
+            gen, seconds = out["gen"] if to_all else p.out.get("gen"), out["seconds"]
+        if not to_all:
+            gen = self.share(gen, [len(e.prompt_ids) for e in p.examples for _ in range(self.sampling.n)])
         self.waited += time.perf_counter() - t0
         self.generated += seconds
         self.ready, self.ready_task_state, self.pending = StepSamples(p.step, p.examples, gen, seconds), p.task_state, None

@@ -39,22 +39,59 @@ def _pad_multiple(parallel: ParallelConfig) -> int:
     return parallel.tp if parallel.sequence_parallel else 1
 
 
-def _dp_share(batch: RolloutBatch, dp: int, rank: int) -> tuple[int, int]:
-    if batch.size % dp:
-        raise ValueError(f"{batch.size} responses do not split over dp={dp} ranks")
-    per = batch.size // dp
-    return rank * per, (rank + 1) * per
+def _chunk_of(size: int, batch: BatchConfig) -> Optional[int]:
+    """The update's mini-batch size in responses when a batch of `size` is several of them, else None: a pass
+    over the whole step batch then gives each DP rank the rows it trains (the logprob passes)."""
+    per_mini = batch.ppo_mini_batch_size * batch.n
+    return per_mini if per_mini and size > per_mini and size % per_mini == 0 else None
 
 
-def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig) -> tuple[list[dict], int, dict]:
+def _padded_shares(size: int, dp: int, chunk: Optional[int]) -> list[list[int]]:
+    """Without packing: contiguous DP shares of each chunk (of the whole batch without one), joined per rank."""
+    chunk = chunk or size
+    if chunk % dp:
+        raise ValueError(f"{chunk} responses do not split over dp={dp} ranks")
+    per = chunk // dp
+    return [[i for start in range(0, size, chunk) for i in range(start + r * per, start + (r + 1) * per)]
+            for r in range(dp)]
+
+
+def dp_shares(seq_lens: list[int], parallel: ParallelConfig, batch: BatchConfig, dp: int,
+              chunk: Optional[int] = None) -> list[list[int]]:
+    """The rows (sequence indices) each DP rank runs in one pass over `seq_lens`, as `layout` assigns them:
+    from the lengths alone, the same on every rank."""
+    from grpo_mega.trainer.batch import plan_packing
+
+    if batch.packing:
+        plan = plan_packing(seq_lens, dp, batch.token_budget, _pad_multiple(parallel), same_length=parallel.pp > 1,
+                            chunk=chunk)
+        return [sorted(i for row in plan.rows[r] for i in row) for r in range(dp)]
+    return _padded_shares(len(seq_lens), dp, chunk)
+
+
+def dp_rows(seq_lens: list[int], parallel: ParallelConfig, batch: BatchConfig, dp: int
+            ) -> tuple[list[list[int]], list[list[int]]]:
+    """Actor.dp_rows for `dp` DP ranks."""
+    first = dp_shares(seq_lens, parallel, batch, dp, _chunk_of(len(seq_lens), batch))
+    needs = [set(rows) for rows in first]
+    per_mini = batch.ppo_mini_batch_size * batch.n
+    for start in range(0, len(seq_lens), per_mini):
+        for r, rows in enumerate(dp_shares(seq_lens[start:start + per_mini], parallel, batch, dp)):
+            needs[r].update(start + i for i in rows)
+    return first, [sorted(n) for n in needs]
+
+
+def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
+           chunk: Optional[int] = None) -> tuple[list[dict], int, dict]:
     """This DP rank's micro-batches of `rollout`, their (longest) length, and the layout's figures on every
     rank: micro_batches (per rank), computed and useful tokens (all ranks), dp_token_imbalance.
 
     Packed (batch.packing): sequences balanced over DP ranks by tokens and packed into rows of at most
     batch.token_budget tokens (DESIGN.md); with pipeline parallelism every row of a rank is padded to the
     rank's longest (one tensor shape for the schedule's point-to-point sends). Padded: contiguous DP shares
-    in micro_batch_size rows, each trimmed to its share's longest. Every micro-batch carries `rows`, the
-    indices of its sequences in `rollout`."""
+    in micro_batch_size rows, each trimmed to its share's longest. With `chunk`, the DP shares are those of
+    each run of `chunk` rows (the update's mini-batches) joined: each rank runs the rows it will train. Every
+    micro-batch carries `rows`, the indices of its sequences in `rollout`."""
     from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.trainer.batch import packed_micro_batches, plan_packing
 
@@ -63,21 +100,21 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig) 
     seq_lens = (rollout.prompt_lens + rollout.response_lens).tolist()
     pad = _pad_multiple(parallel)
     if batch.packing:
-        plan = plan_packing(seq_lens, dp, batch.token_budget, pad, same_length=parallel.pp > 1)
+        plan = plan_packing(seq_lens, dp, batch.token_budget, pad, same_length=parallel.pp > 1, chunk=chunk)
         micro = packed_micro_batches(rollout, plan, rank, with_mask=not have_transformer_engine())
         stats = dict(micro_batches=plan.micro_batches, computed_tokens=plan.computed, useful_tokens=plan.useful,
                      dp_token_imbalance=plan.dp_token_imbalance(seq_lens))
         return micro, max(plan.lengths[rank]), stats
+    shares = _padded_shares(rollout.size, dp, chunk)
     computed, per_rank = 0, []
-    for r in range(dp):
-        lo, hi = _dp_share(rollout, dp, r)
-        longest = max(seq_lens[lo:hi])
-        computed += (hi - lo) * max(pad, -(-longest // pad) * pad)
-        per_rank.append(sum(seq_lens[lo:hi]))
-    lo, hi = _dp_share(rollout, dp, rank)
-    micro, length = micro_batches(rollout.rows(lo, hi), batch.micro_batch_size, pad)
+    for rows in shares:
+        longest = max(seq_lens[i] for i in rows)
+        computed += len(rows) * max(pad, -(-longest // pad) * pad)
+        per_rank.append(sum(seq_lens[i] for i in rows))
+    index = torch.tensor(shares[rank], dtype=torch.long)
+    micro, length = micro_batches(rollout.rows_at(index), batch.micro_batch_size, pad)
     for mb in micro:
-        mb["rows"] = mb["rows"] + lo
+        mb["rows"] = index[mb["rows"]]
     mean = sum(per_rank) / dp
     stats = dict(micro_batches=len(micro), computed_tokens=computed, useful_tokens=sum(seq_lens),
                  dp_token_imbalance=max(per_rank) / mean if mean else 1.0)
@@ -193,7 +230,7 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
     the vocab-parallel logprobs; every row comes from exactly one DP rank, so one SUM over DP assembles
     them, and the last stage sends the result to every pipeline stage.
     """
-    micro, length, _ = layout(rollout, parallel, batch)
+    micro, length, _ = layout(rollout, parallel, batch, _chunk_of(rollout.size, batch))
 
     def loss_func(mb, logits):
         lp = _token_stats(logits, mb, model_cfg, batch, temperature)[0] * mb["mask"]
@@ -295,6 +332,13 @@ class Actor:
 
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
         return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+
+    def dp_rows(self, seq_lens: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """For a step's batch of these sequence lengths: (each DP rank's rows in the logprob pass, a partition
+        of the batch; every row each DP rank runs in any pass of the step: that pass and every mini-batch of
+        `update`). From the lengths alone: what rollout routing sends each DP replica (grpo_mega.rollout.
+        routing)."""
+        return dp_rows(seq_lens, self.parallel, self.batch, _ps().get_data_parallel_world_size())
 
     @property
     def full_kl_in_loss(self) -> bool:

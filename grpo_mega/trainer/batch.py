@@ -194,13 +194,26 @@ def first_fit_decreasing(indices: Sequence[int], seq_lens: Sequence[int], budget
     return bins
 
 
+def balance_chunks(seq_lens: Sequence[int], dp: int, chunk: int) -> list[list[int]]:
+    """balance_over_dp applied to each run of `chunk` consecutive sequences (the update's mini-batches), the
+    shares joined per rank: a pass over the whole batch that gives each DP rank exactly the rows it will
+    train."""
+    out: list[list[int]] = [[] for _ in range(dp)]
+    for start in range(0, len(seq_lens), chunk):
+        for r, share in enumerate(balance_over_dp(seq_lens[start:start + chunk], dp)):
+            out[r].extend(start + i for i in share)
+    return out
+
+
 def plan_packing(seq_lens: Sequence[int], dp: int, budget: int, pad_multiple: int = 1,
-                 same_length: bool = False) -> PackPlan:
+                 same_length: bool = False, chunk: Optional[int] = None) -> PackPlan:
     """Balance `seq_lens` over `dp` ranks and pack each rank's share into rows of at most `budget` tokens.
     With `same_length` (pipeline parallelism: one tensor shape for every micro-batch of the schedule) every
-    row of a rank is padded to that rank's longest row."""
+    row of a rank is padded to that rank's longest row. With `chunk`, the shares are balanced within each
+    run of `chunk` sequences (balance_chunks)."""
     seq_lens = [int(n) for n in seq_lens]
-    rows = [first_fit_decreasing(share, seq_lens, budget, pad_multiple) for share in balance_over_dp(seq_lens, dp)]
+    shares = balance_chunks(seq_lens, dp, chunk) if chunk else balance_over_dp(seq_lens, dp)
+    rows = [first_fit_decreasing(share, seq_lens, budget, pad_multiple) for share in shares]
     count = max(1, max(len(r) for r in rows))
     lengths = []
     for r in rows:

@@ -20,6 +20,7 @@ from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimCon
 from grpo_mega.parallel import comm
 from grpo_mega.rewards.scoring import score_step
 from grpo_mega.rollout.engines import Engines
+from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.batch import RolloutBatch
@@ -171,6 +172,17 @@ def evaluate(engines: Engines, task: Task, batch: BatchConfig, rollout: RolloutC
     return greedy, sum(solved) / len(val)
 
 
+def world_mismatch(rb: RolloutBatch, owned: list[int]) -> float:
+    """algo.logprob_mismatch over the whole batch, each rank summing the rows it owns (the only engine
+    logprobs it may hold) and one SUM over the world (collective)."""
+    mask = torch.zeros(rb.tokens.shape, dtype=torch.float64)
+    index = torch.tensor(owned, dtype=torch.long)
+    mask[index] = rb.response_mask()[index].to(torch.float64)
+    sums = torch.stack([((rb.engine_logp.double() - rb.old_logp.double()).abs() * mask).sum(), mask.sum()])
+    total, count = comm.world_all_reduce_sum(sums).tolist()
+    return total / count if count else 0.0
+
+
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
     """[N, L] position-aligned: the rollout engine's logprob of each response token (DESIGN.md)."""
     out = torch.zeros(rb.tokens.shape, dtype=torch.float32)
@@ -264,9 +276,10 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             if task.load_files is not None:
                 task.load_files(Path(state["path"]) / "task")
     engines = Engines(engine_factory, rollout.num_engines)
+    routing = Routing(actor.dp_rows)  # each DP replica gets only the samples it runs
     rollouts = RolloutScheduler(engines, task.train_batch, batch.train_batch_size, SamplingArgs(
         batch.n, rollout.temperature, rollout.top_p, batch.max_response_length, task.stop_token_ids, run.seed),
-        rollout.off_policy_steps, run.steps, task.get_state, task.set_state)
+        rollout.off_policy_steps, run.steps, task.get_state, task.set_state, share=routing.share)
     rollouts.restore(state and state.get("rollout"))  # a batch generated before the checkpoint, not yet trained
     sync = dict(cfg=model, bucket_mb=rollout.sync_bucket_mb, audit=rollout.audit_weights, dtype=actor.params_dtype)
     rollouts.sync_weights(actor.built.gpt, version=first_step - 1, **sync)
@@ -279,8 +292,9 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
         with timer("generate_wait"):  # one step ahead, the next step's generation starts in here
             got = rollouts.result(step)
         gen, samples = got.gen, [got.examples[i // batch.n] for i in range(len(got.gen.token_ids))]
-        with timer("reward"):  # each sample scored once, on one rank; the same scores on every rank
-            rewards, reward_metrics = score_step(task.reward, samples, gen.token_ids, step)
+        owned = routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
+        with timer("reward"):  # each sample scored once, by its owner; the same scores on every rank
+            rewards, reward_metrics = score_step(task.reward, samples, gen.token_ids, step, owned)
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
         if task.overlong == "zero":
             rewards = torch.where(overlong, 0.0, rewards)
@@ -302,7 +316,7 @@ def train(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConf
             in_loss &= algo.nonuniform_groups(scores, batch.n).repeat_interleave(batch.n)
         rb.in_loss = in_loss
         rb.engine_logp = engine_logprobs(gen, rb)
-        mismatch = algo.logprob_mismatch(rb.engine_logp, rb.old_logp, rb.response_mask())
+        mismatch = world_mismatch(rb, owned)
         with timer("update"):
             updates = actor.update(rb, rollout.temperature, reference)
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
