@@ -119,7 +119,7 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 def _input_errors() -> tuple[type, ...]:
     from grpo_mega.rewards import RewardError
-    from grpo_mega.rollout.engines import RolloutError
+    from grpo_mega.rollout.placement import RolloutError
 
     return (ValueError, RewardError, RolloutError)
 

@@ -119,7 +119,7 @@ class _Server:
         return json.loads(line)
 
     def close(self) -> None:
-        from grpo_mega.rollout.server import kill_tree
+        from grpo_mega.processes import kill_tree
 
         if self.proc.poll() is None:
             try:
@@ -138,7 +138,7 @@ def run_main(argv: list[str], timeout: float, cwd, scratch: Path) -> subprocess.
     """`python -m grpo_mega.train ARGV` (in `cwd`), forked from the warm server; stdout and stderr come back
     through files in `scratch`. On a timeout the child and everything under it are SIGKILLed, by PID,
     before TimeoutExpired is raised."""
-    from grpo_mega.rollout.server import kill_tree
+    from grpo_mega.processes import kill_tree
 
     global _server
     if _server is None or _server.proc.poll() is not None:

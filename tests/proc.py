@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 
-from grpo_mega.rollout.server import kill_tree
+from grpo_mega.processes import kill_tree
 
 
 def run_tree(cmd, timeout: float, capture_output: bool = False, text: bool = False, check: bool = False,

@@ -45,20 +45,20 @@ def _pin(core: int | None) -> list[str]:
 
 
 def _start_server(core, vocab: int) -> tuple[subprocess.Popen, str]:
-    from grpo_mega.rollout import server
+    from grpo_mega.rollout import standin_server
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     try:
-        return server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(vocab)], prefix=_pin(core),
+        return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(vocab)], prefix=_pin(core),
                              env=env, cwd=REPO)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    from grpo_mega.rollout import server
+    from grpo_mega.processes import stop
 
-    server.stop(proc)
+    stop(proc)
 
 
 def _run(core, url: str, off_policy: int, steps: int, response_length: int, out: Path, overrides=()) -> list[dict]:

@@ -90,19 +90,19 @@ class WatchingProxy:
 def _start_server() -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(REPO))
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.rollout import server
+    from grpo_mega.rollout import standin_server
 
     try:
-        return server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),
+        return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),
                               "--timeout-s", "60"], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    from grpo_mega.rollout import server
+    from grpo_mega.processes import stop
 
-    server.stop(proc)
+    stop(proc)
 
 
 def _cmd(out: Path, ckpt: Path, url: str, steps: int) -> list[str]:

@@ -1,6 +1,6 @@
 """The client of dedicated rollout servers (`rollout.placement=dedicated`): the RolloutEngine interface over
 SGLang's HTTP API, spoken to `python -m sglang.launch_server` (GPUs that do not train, or SGLang's CPU engine)
-or to the embedded engine's server (grpo_mega.rollout.server) on CPU; both through the same calls.
+or to the embedded engine's server (grpo_mega.rollout.standin_server) on CPU; both through the same calls.
 
 Owns the requests, not the servers: health at start-up (an unreachable server is named before training
 starts), spreading prompts over servers by outstanding tokens (prompt plus n * max_new_tokens, not by
@@ -11,7 +11,7 @@ SGLang's init_custom_process_group builds its end, see join_update_group), then 
 broadcast of the bucket's bytes to all of them, /end_weight_update and /flush_cache. The weight audit asks
 our server's /grpo_mega/weight_checksums, or, where a server has no such route (SGLang), reads each tensor
 back with /get_weights_by_name. Every call has a timeout; a server that dies or stops answering raises
-ServerError naming its URL. Where the client lives and how samples reach the ranks is grpo_mega.rollout.engines'.
+ServerError naming its URL. Where the client lives and how samples reach the ranks is grpo_mega.rollout.placement'.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.rollout.engine import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+from grpo_mega.processes import free_port
+from grpo_mega.rollout.interface import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 
 class ServerError(RuntimeError):
@@ -37,12 +38,6 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, status: Optional[int] = None):
         super().__init__(message)
         self.status = status
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
 
 
 def join_update_group(host: str, port: int, rank: int, world: int, group_name: str, timeout_s: float,
@@ -208,7 +203,7 @@ class ServerClient(RolloutEngine):
         """One update group, once: this process at rank 0 (it hosts the store), server i's TP ranks after."""
         if self._group is not None:
             return
-        port, world = _free_port(), 1 + len(self.urls) * self.server_tp
+        port, world = free_port("0.0.0.0"), 1 + len(self.urls) * self.server_tp
         host = socket.gethostbyname(socket.gethostname()) if any("127.0.0.1" not in u and "localhost" not in u
                                                                 for u in self.urls) else "127.0.0.1"
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.engine import Generation
+from grpo_mega.rollout.interface import Generation
 
 
 class Routing:

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.engine import Generation
-from grpo_mega.rollout.engines import Engines, RolloutError
+from grpo_mega.rollout.interface import Generation
+from grpo_mega.rollout.placement import Engines, RolloutError
 
 
 @dataclass
@@ -162,7 +162,7 @@ class RolloutScheduler:
         return out
 
     def sync_weights(self, gpt, version: int, **kwargs):
-        """Collective: the trainer's weights into every engine as `version` (grpo_mega.rollout.engines.Engines.
+        """Collective: the trainer's weights into every engine as `version` (grpo_mega.rollout.placement.Engines.
         sync). The caller waits first: weights never change under a generation."""
         if self.pending is not None and self.ahead:  # the same on every rank: all raise, none waits
             raise RuntimeError(f"weight sync (version {version}) while step {self.pending.step}'s generation is in "

@@ -20,24 +20,18 @@ import contextlib
 import datetime
 import os
 import signal
-import socket
 import sys
 import threading
 from typing import Iterable, Optional
 
 import torch
 
-from grpo_mega.rollout.engine import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+from grpo_mega.processes import free_port
+from grpo_mega.rollout.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 
 class EngineError(RuntimeError):
     """SGLang failed, died or did not answer in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -204,7 +198,7 @@ class SGLangEngine(RolloutEngine):
             return
         from sglang.srt.utils import init_custom_process_group
 
-        port = _free_port()
+        port = free_port()
         tp = self.engine.server_args.tp_size
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         t, box = self._in_thread(

@@ -19,7 +19,7 @@ from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.parallel import comm
 from grpo_mega.rewards.scoring import score_step
-from grpo_mega.rollout.engines import Engines
+from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.trainer.actor import Actor, Reference
@@ -51,7 +51,7 @@ class RolloutConfig:
     """Checksum every synced tensor against the engine's copy."""
     placement: str = "colocated"
     """'colocated': engines inside trainer ranks, phases in turn. 'dedicated': the engines are the servers
-    in `servers` (SGLang's HTTP API; `python -m grpo_mega.rollout.server` is the CPU stand-in), spoken to
+    in `servers` (SGLang's HTTP API; `python -m grpo_mega.rollout.standin_server` is the CPU stand-in), spoken to
     from global rank 0."""
     servers: list[str] = field(default_factory=list)
     """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""

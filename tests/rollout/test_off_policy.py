@@ -19,10 +19,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpo_mega.rollout import server as rollout_server
+from grpo_mega.processes import free_port, stop
+from grpo_mega.rollout import standin_server
 
 from tests.proc import kill_tree, run_tree
-from tests.trainer.test_engines import _free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-6
@@ -32,12 +32,12 @@ ENV = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
 def _start_server() -> tuple[subprocess.Popen, str]:
     from grpo_mega.data.toy import make_tokenizer
 
-    return rollout_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer()))], env=ENV,
+    return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer()))], env=ENV,
                                  cwd=REPO, timeout_s=120)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    rollout_server.stop(proc)
+    stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def _args(out, url, *extra):
 
 
 def _train(out, url, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "grpo_mega.train", *_args(out, url, *extra)]
     done = run_tree(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -144,7 +144,7 @@ def test_a_server_dying_mid_generation_in_the_background_stops_every_rank_naming
     # /generate calls: the start-up validation's two, step 1's batch, then step 2's, generated in the
     # background thread while step 1 trains: that one dies.
     proxy = _DyingProxy(url, proc, nth=4)
-    port, ranks = _free_port(), []
+    port, ranks = free_port(), []
     try:
         t0 = time.monotonic()
         for rank in (0, 1):

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from grpo_mega.parallel.forked import run_ranks
-from grpo_mega.rollout.engine import Generation
-from grpo_mega.rollout.engines import RolloutError
+from grpo_mega.rollout.interface import Generation
+from grpo_mega.rollout.placement import RolloutError
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 
 GEN_S, TRAIN_S = 0.3, 0.5  # seconds a stand-in generation and a stand-in training step take (sleeps, not CPU)
@@ -67,7 +67,7 @@ class _Engine:
 
 
 class _Engines:
-    """grpo_mega.rollout.engines.Engines' interface, without a model: one engine on rank 0."""
+    """grpo_mega.rollout.placement.Engines' interface, without a model: one engine on rank 0."""
 
     def __init__(self, engine):
         import torch.distributed as dist

@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega import algo
-from grpo_mega.rollout import server
+from grpo_mega.processes import free_port, stop
+from grpo_mega.rollout import standin_server
 from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 from grpo_mega.rollout.client import ServerClient, ServerError
-from grpo_mega.rollout.engines import Engines, RolloutError
+from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.loop import engine_logprobs
 from tests.trainer import layouts as L
@@ -31,12 +32,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _start_server(timeout=120) -> tuple[subprocess.Popen, str]:
-    return server.launch(["--model", "tiny", "--port", "0", "--seed", str(os.getpid() % 1000), "--timeout-s", "60"],
+    return standin_server.launch(["--model", "tiny", "--port", "0", "--seed", str(os.getpid() % 1000), "--timeout-s", "60"],
                          env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO, timeout_s=timeout)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    server.stop(proc)
+    stop(proc)
 
 
 @pytest.fixture
@@ -133,9 +134,8 @@ def test_a_dedicated_run_trains_against_a_server(tmp_path):
 
     from grpo_mega.data.toy import make_tokenizer
     from tests.proc import run_tree
-    from tests.trainer.test_engines import _free_port
-
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.server", "--model", "tiny", "--port", "0",
+    
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.standin_server", "--model", "tiny", "--port", "0",
                              "--vocab-size", str(len(make_tokenizer()))], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     try:
@@ -146,7 +146,7 @@ def test_a_dedicated_run_trains_against_a_server(tmp_path):
                 line = proc.stdout.readline()
         assert "ready on " in line, "the rollout server did not start"
         url = line.split("ready on ")[1].strip()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "run.steps=2", "eval.interval=2",
                "rollout.placement=dedicated", f"rollout.servers=[{url}]", "rollout.audit_weights=true"]
         done = run_tree(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,

@@ -42,7 +42,7 @@ def _mismatch(actor, gen, prompts, temperature):
 
 def _sync_sglang(hf_dir, tp, pp):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
-    from grpo_mega.rollout.engine import Bucket, TensorMeta
+    from grpo_mega.rollout.interface import Bucket, TensorMeta
     from grpo_mega.rollout.sglang_engine import SGLangEngine
     from grpo_mega.rollout.weight_sync import WeightSyncError, check_audit, sync_weights
     from grpo_mega.trainer.actor import Actor

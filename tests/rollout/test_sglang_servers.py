@@ -15,7 +15,8 @@ from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig,
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
-from grpo_mega.rollout import server
+from grpo_mega.processes import stop
+from grpo_mega.rollout.sglang_launch import launch_sglang
 from tests.models.hf_fixtures import tiny_hf
 from tests.rollout.test_sync_every_engine import _count_gathers, check_gathered_once
 from tests.trainer import layouts as L
@@ -29,7 +30,7 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")  # the stand-in sgl_kernel
 def _trainer(hf_dir, urls):
     from grpo_mega.models.hf_io import read_hf_config
     from grpo_mega.rollout.client import ServerClient
-    from grpo_mega.rollout.engines import Engines
+    from grpo_mega.rollout.placement import Engines
     from grpo_mega.rollout.weight_sync import WeightSyncError, check_audit
     from grpo_mega.trainer.actor import Actor
     from grpo_mega.trainer.batch import RolloutBatch
@@ -112,7 +113,7 @@ def test_two_sglang_servers_hold_the_trainers_weights_after_every_tp2_step(tmp_p
     hf_dir = str(tiny_hf(tmp_path / "llama", "llama", dtype=torch.float32))
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (FIXTURES, REPO, os.environ.get("PYTHONPATH")) if p)}
-    started = server.launch_sglang(hf_dir, count=2, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True,
+    started = launch_sglang(hf_dir, count=2, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True,
                                    extra=("--log-level", "warning"))
     urls = [u for _, u in started]
     tree = [p.pid for proc, _ in started for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(True)]
@@ -120,7 +121,7 @@ def test_two_sglang_servers_hold_the_trainers_weights_after_every_tp2_step(tmp_p
         res = run_ranks(_trainer, 2, hf_dir, urls, timeout=300)
     finally:
         for proc, _ in started:
-            server.stop(proc)
+            stop(proc)
     assert _alive(tree) == [], "SGLang processes left after stop"
 
     r0 = res[0]

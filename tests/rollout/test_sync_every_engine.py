@@ -13,7 +13,7 @@ from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 from grpo_mega.rollout import weight_sync as ws
 from grpo_mega.rollout.embedded import EmbeddedEngine
-from grpo_mega.rollout.engines import Engines, RolloutError
+from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.loop import engine_logprobs
 from tests.trainer import layouts as L

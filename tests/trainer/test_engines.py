@@ -2,23 +2,18 @@
 receives the weights after every step, and the run is the one-engine run."""
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from grpo_mega.processes import free_port
+
 from tests.proc import run_tree
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "grpo_mega.train", f"hydra.run.dir={out}", "run.steps=3", "eval.interval=3", *extra]
     proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,6 @@ on SmolLM2)."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grpo_mega.processes import free_port
 from grpo_mega.conf import ParallelConfig, PrecisionConfig
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
@@ -101,17 +101,11 @@ def test_smollm2_example_runs_and_its_export_matches_the_trainer(tmp_path):
     print(f"SmolLM2 export vs trainer: max-abs logit error {err:.2e}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_export_from_a_tp2_run_and_the_offline_tool_agree(tmp_path):
     """A TP2 run (2 torchrun ranks) exports its gathered weights into the checkpoint; the offline tool
     exports the same checkpoint later, bit for bit the same; transformers gives the trainer's logits."""
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "parallel.tp=2", "run.steps=2",
            "eval.interval=2", f"checkpoint.dir={ckpt}", "checkpoint.export_hf=true"]
     proc = run_tree(cmd, capture_output=True, text=True, timeout=300)

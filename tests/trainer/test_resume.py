@@ -12,23 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from grpo_mega.processes import free_port
 from tests.proc import kill_tree, run_tree
 
 TOL = 1e-6
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(out: Path, ckpt: Path, steps: int, tp: int, *extra):
     # torchrun with --master-port 0 hung here: give it a real free port.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(_free_port()), "-m", "grpo_mega.train"] if tp > 1 else [sys.executable, "-m", "grpo_mega.train"]
+           str(free_port()), "-m", "grpo_mega.train"] if tp > 1 else [sys.executable, "-m", "grpo_mega.train"]
     cmd += [f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}", "eval.interval=2",
             f"checkpoint.dir={ckpt}", "checkpoint.interval=2", *extra]
     proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
@@ -45,7 +38,7 @@ def _same(a: dict, b: dict, steps):
 def _start(out: Path, ckpt: Path, steps: int, tp: int, *extra) -> subprocess.Popen:
     """A TP`tp` torchrun run in its own session, to be killed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(_free_port()), "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}",
+           str(free_port()), "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}",
            "eval.interval=2", f"checkpoint.dir={ckpt}", *extra]
     out.mkdir(parents=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"), start_new_session=True)

@@ -12,17 +12,16 @@ rank 0 of the update group), /update_weight_version, /flush_cache. One extension
 back with /get_weights_by_name instead). Requests run one at a time; sampling, logprobs and loading are
 the embedded engine's.
 
-    python -m grpo_mega.rollout.server --model tiny --port 30000     (or --hf-dir DIR)
+    python -m grpo_mega.rollout.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
-`launch` starts the stand-in, `launch_sglang` real SGLang servers (`sglang_command` is their command line),
-`stop` ends either with every process it started.
+`launch` starts the stand-in as a process of its own; `grpo_mega.processes.stop` ends it
+(`grpo_mega.rollout.sglang_launch` starts real SGLang servers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,9 +30,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from grpo_mega import processes
 from grpo_mega.rollout.client import join_update_group
 from grpo_mega.rollout.embedded import EmbeddedEngine
-from grpo_mega.rollout.engine import Bucket, TensorMeta
+from grpo_mega.rollout.interface import Bucket, TensorMeta
 
 
 class EngineServer:
@@ -170,123 +170,23 @@ def make_handler(server: EngineServer):
 
 def launch(args: list[str], prefix: tuple = (), env: Optional[dict] = None, cwd: Optional[str] = None,
            timeout_s: float = 180.0):
-    """Start `python -m grpo_mega.rollout.server ARGS` as a process of its own (`prefix`, e.g. taskset, before
+    """Start `python -m grpo_mega.rollout.standin_server ARGS` as a process of its own (`prefix`, e.g. taskset, before
     it) and wait until it prints its URL; returns (the process, the URL). A server that does not come up in
     `timeout_s` is killed by its PID and reported in a RuntimeError with its last line."""
     import select
     import subprocess
     import time
 
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "grpo_mega.rollout.server", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "grpo_mega.rollout.standin_server", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
     line, deadline = "", time.monotonic() + timeout_s
     while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:
         if select.select([proc.stdout], [], [], 1.0)[0]:
             line = proc.stdout.readline() or line
     if "ready on " not in line:
-        stop(proc)
+        processes.stop(proc)
         raise RuntimeError(f"the rollout server did not start within {timeout_s:.0f} s: {line.strip()!r}")
     return proc, line.split("ready on ")[1].strip()
-
-
-def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",
-                   python: str = sys.executable, cpu: Optional[bool] = None, max_total_tokens: int = 4096,
-                   extra: tuple = ()) -> list[str]:
-    """The command line of one SGLang server as the client expects it: token ids in and out (no tokenizer),
-    weight version 0 until the first sync. `cpu` (default: where torch sees no CUDA) adds SGLang's CPU
-    settings: torch_native attention, no CUDA graphs, a KV cache of `max_total_tokens`; the environment must
-    then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel (tests/fixtures) first on PYTHONPATH."""
-    import torch
-
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port),
-           "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init", "--weight-version", "0"]
-    if cpu if cpu is not None else not torch.cuda.is_available():
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                "--max-total-tokens", str(max_total_tokens)]
-    return cmd + list(extra)
-
-
-def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None, env: Optional[dict] = None,
-                  timeout_s: float = 300.0, **command_kwargs) -> list:
-    """Start `count` SGLang servers at once, each on a free port of 127.0.0.1 (or `host`), and wait until every
-    one answers /health; returns [(process, URL)]. Each server's output goes to `log_dir`/sglang-PORT.log (a
-    new temporary directory by default). A server that exits or does not answer within `timeout_s`: all of
-    them are stopped and a RuntimeError carries its log's last lines."""
-    import subprocess
-    import tempfile
-    import time
-    import urllib.request
-
-    from grpo_mega.rollout.client import _free_port
-
-    log_dir = log_dir or tempfile.mkdtemp(prefix="grpo_mega_sglang_")
-    host = command_kwargs.get("host", "127.0.0.1")
-    started, waiting = [], {}
-    try:
-        for _ in range(count):
-            port = _free_port()
-            log_path = os.path.join(log_dir, f"sglang-{port}.log")
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(sglang_command(model_path, port, **command_kwargs), stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            url = f"http://{host}:{port}"
-            started.append((proc, url))
-            waiting[url] = (proc, log_path)
-        deadline = time.monotonic() + timeout_s
-        while waiting:
-            for url, (proc, log_path) in list(waiting.items()):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the SGLang server for {url} exited with {proc.returncode} while starting; "
-                                       f"the end of {log_path}:\n{_tail(log_path)}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                        resp.read()
-                    del waiting[url]
-                except OSError:  # not listening yet, or 503 while it starts
-                    pass
-            if waiting and time.monotonic() > deadline:
-                url, (_, log_path) = next(iter(waiting.items()))
-                raise RuntimeError(f"the SGLang server for {url} did not answer /health within {timeout_s:.0f} s; "
-                                   f"the end of {log_path}:\n{_tail(log_path)}")
-            if waiting:
-                time.sleep(1)
-    except BaseException:
-        for proc, _ in started:
-            stop(proc)
-        raise
-    return started
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL the process `pid` and every process under it, each by its PID, and wait for those under it
-    (`pid` itself is the caller's child: its Popen reaps it; psutil reaping it would hide its exit status)."""
-    import signal
-
-    import psutil
-
-    try:
-        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs[1:], timeout=30)
-
-
-def stop(proc) -> None:
-    """SIGKILL a server started by `launch` or `launch_sglang` and every process it started (SGLang's
-    scheduler and detokenizer), each by its PID, and reap them."""
-    if proc.poll() is None:  # not reaped yet, so its PID is still its own
-        kill_tree(proc.pid)
-    proc.wait(timeout=30)
 
 
 def main(argv=None) -> int:

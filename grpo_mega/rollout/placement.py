@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.engine import Generation
+from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.weight_sync import SyncRoute, sync_weights
 
 

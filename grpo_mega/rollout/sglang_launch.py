@@ -1,0 +1,79 @@
+"""Starting real SGLang servers for dedicated placement (`rollout.placement=dedicated`): their command line as the
+client expects it (token ids in and out, weight version 0 until the first sync) and `launch_sglang`, which
+starts several at once and waits until each answers /health. `grpo_mega.processes.stop` ends them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+from grpo_mega.processes import free_port, stop, tail
+
+
+def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",
+                   python: str = sys.executable, cpu: Optional[bool] = None, max_total_tokens: int = 4096,
+                   extra: tuple = ()) -> list[str]:
+    """The command line of one SGLang server as the client expects it: token ids in and out (no tokenizer),
+    weight version 0 until the first sync. `cpu` (default: where torch sees no CUDA) adds SGLang's CPU
+    settings: torch_native attention, no CUDA graphs, a KV cache of `max_total_tokens`; the environment must
+    then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel (tests/fixtures) first on PYTHONPATH."""
+    import torch
+
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port),
+           "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init", "--weight-version", "0"]
+    if cpu if cpu is not None else not torch.cuda.is_available():
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                "--max-total-tokens", str(max_total_tokens)]
+    return cmd + list(extra)
+
+
+def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None, env: Optional[dict] = None,
+                  timeout_s: float = 300.0, **command_kwargs) -> list:
+    """Start `count` SGLang servers at once, each on a free port of 127.0.0.1 (or `host`), and wait until every
+    one answers /health; returns [(process, URL)]. Each server's output goes to `log_dir`/sglang-PORT.log (a
+    new temporary directory by default). A server that exits or does not answer within `timeout_s`: all of
+    them are stopped and a RuntimeError carries its log's last lines."""
+    import subprocess
+    import tempfile
+    import time
+    import urllib.request
+
+    log_dir = log_dir or tempfile.mkdtemp(prefix="grpo_mega_sglang_")
+    host = command_kwargs.get("host", "127.0.0.1")
+    started, waiting = [], {}
+    try:
+        for _ in range(count):
+            port = free_port()
+            log_path = os.path.join(log_dir, f"sglang-{port}.log")
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(sglang_command(model_path, port, **command_kwargs), stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            url = f"http://{host}:{port}"
+            started.append((proc, url))
+            waiting[url] = (proc, log_path)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            for url, (proc, log_path) in list(waiting.items()):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the SGLang server for {url} exited with {proc.returncode} while starting; "
+                                       f"the end of {log_path}:\n{tail(log_path)}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                        resp.read()
+                    del waiting[url]
+                except OSError:  # not listening yet, or 503 while it starts
+                    pass
+            if waiting and time.monotonic() > deadline:
+                url, (_, log_path) = next(iter(waiting.items()))
+                raise RuntimeError(f"the SGLang server for {url} did not answer /health within {timeout_s:.0f} s; "
+                                   f"the end of {log_path}:\n{tail(log_path)}")
+            if waiting:
+                time.sleep(1)
+    except BaseException:
+        for proc, _ in started:
+            stop(proc)
+        raise
+    return started
+
+
