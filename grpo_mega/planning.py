@@ -339,11 +339,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(inp: PlanInput, batch=None) -> list[PlanInput]:
+def candidate_layouts(inp: PlanInput, batch=None, n: int = 0) -> list[PlanInput]:
     """Every layout of the same GPUs worth trying: tp within a node dividing heads, query groups, ffn and the
     padded vocabulary; pp splitting the layers evenly; sequence parallel with tp > 1; each recompute;
-    micro-batch sizes from the requested one down to 1. With `batch` (a BatchConfig), only layouts whose DP
-    size splits a mini-batch (BatchConfig.check_dp)."""
+    micro-batch sizes from the requested one down to 1. With `batch` (a BatchConfig) and `n` (rollout.n), only
+    layouts whose DP size splits a mini-batch (BatchConfig.check_dp)."""
     model, out = inp.model, []
     for tp in _divisors(inp.gpus_per_node):
         if any(n % tp for n in (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size,
@@ -359,10 +359,10 @@ def candidate_layouts(inp: PlanInput, batch=None) -> list[PlanInput]:
                 for mbs in range(inp.micro_batch_size, 0, -1):
                     if batch is not None:
                         try:
-                            replace(batch, micro_batch_size=mbs).check_dp(dp)
+                            replace(batch, micro_batch_size=mbs).check_dp(dp, n)
                         except ValueError:
                             continue
-                        m = batch.ppo_mini_batch_size * batch.n // (dp * mbs)
+                        m = batch.ppo_mini_batch_size * n // (dp * mbs)
                     else:
                         m = None
                     par = ParallelConfig(tp=tp, pp=pp, sequence_parallel=tp > 1, recompute=recompute)
@@ -370,11 +370,11 @@ def candidate_layouts(inp: PlanInput, batch=None) -> list[PlanInput]:
     return out
 
 
-def suggest(inp: PlanInput, batch=None, limit: int = 5) -> list[Plan]:
+def suggest(inp: PlanInput, batch=None, n: int = 0, limit: int = 5) -> list[Plan]:
     """Layouts of the same GPUs that fit, cheapest first: least recompute, then least model parallelism
     (tp * pp), then the largest micro-batch, then the smaller tp."""
     order = {r: i for i, r in enumerate(RECOMPUTE)}
-    fits = [p for p in map(plan, candidate_layouts(inp, batch)) if p.fits]
+    fits = [p for p in map(plan, candidate_layouts(inp, batch, n)) if p.fits]
     fits.sort(key=lambda p: (order[p.input.parallel.recompute], p.input.parallel.tp * p.input.parallel.pp,
                              -p.input.micro_batch_size, p.input.parallel.tp))
     return fits[:limit]

@@ -105,6 +105,11 @@ CONFIG_CASES = {
     "batch_micro_does_not_split_mini": (["batch.packing=false", "batch.micro_batch_size=3"],
                                         r"64 responses does not split into dp=1 ranks x micro_batch_size=3; make it a multiple of 3"),
     "batch_group_of_one": (["rollout.n=1"], r"rollout\.n=1 must be >= 2 for GRPO"),
+    "old_name_batch_n": (["batch.n=8"], r"(?m)^error: batch\.n is now rollout\.n: write rollout\.n=8$"),
+    "old_name_seed": (["seed=3"], r"(?m)^error: seed is now run\.seed: write run\.seed=3$"),
+    "eval_negative_interval": (["eval.interval=-1"], r"eval\.interval=-1 must be >= 0 \(0: no evaluation\)"),
+    "task_prompts_without_data": (["task=prompts"], r"task=prompts needs data\.train_files=PATH"),
+    "option_bad_overlong_mode": (["reward.overlong=drop"], r"reward\.overlong='drop' must be 'keep', 'zero' or 'mask'"),
     "batch_token_budget_below_longest": (["batch.max_tokens_per_micro_batch=100"],
                                          r"batch\.max_tokens_per_micro_batch=100 is smaller than max_prompt_length \+ "
                                          r"max_response_length = 256 \+ 3 = 259"),
@@ -281,7 +286,7 @@ def tiny_rm_dir(tmp_path_factory):
     return tiny_rm(tmp_path_factory.mktemp("rm"))
 
 
-RM_ARGS = ["reward.name=reward_model", "reward.rm_train.interval=1", "batch.train_batch_size=4", "batch.n=2",
+RM_ARGS = ["reward.name=reward_model", "reward.rm_train.interval=1", "batch.train_batch_size=4", "rollout.n=2",
            "batch.ppo_mini_batch_size=4", "batch.micro_batch_size=8", "eval.pass_k=1", "run.steps=1"]
 REWARD_MODEL_CASES = {
     "rm_dir_without_a_classification_head": (
@@ -344,12 +349,14 @@ class _DyingEngine:
 def _train_with_a_dying_engine():
     import torch
 
-    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+    from grpo_mega.conf import TrainConfig, load_model_config
     from grpo_mega.data.toy import SuccessorTask, make_tokenizer
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import init_distributed
     from grpo_mega.rollout.embedded import EmbeddedEngine
-    from grpo_mega.trainer.loop import EvalConfig, RolloutConfig, RunConfig, Task, train
+    from grpo_mega.trainer.loop import train
+    from grpo_mega.trainer.setup import Run
+    from grpo_mega.trainer.task import Task
 
     tok = make_tokenizer()
     model = load_model_config("tiny")
@@ -360,10 +367,11 @@ def _train_with_a_dying_engine():
         init_distributed(tp=2, pp=1, seed=0)
         t0 = time.monotonic()
         try:
-            train(model, ParallelConfig(tp=2), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0),
-                  BatchConfig(train_batch_size=4, n=2, ppo_mini_batch_size=4, micro_batch_size=8, max_response_length=3),
-                  RolloutConfig(), RunConfig(steps=3), EvalConfig(interval=5, pass_k=2), task,
-                  lambda: _DyingEngine(EmbeddedEngine.from_model_config(model, seed=0)))
+            cfg = TrainConfig(parallel=dict(tp=2), precision=dict(params_dtype="fp32"), optim=dict(lr=1e-3),
+                              algo=dict(kl_coef=0.0), rollout=dict(n=2), run=dict(steps=3), eval=dict(interval=5, pass_k=2),
+                              batch=dict(train_batch_size=4, ppo_mini_batch_size=4, micro_batch_size=8,
+                                         max_response_length=3))
+            train(Run(cfg, model, task, lambda: _DyingEngine(EmbeddedEngine.from_model_config(model, seed=0))))
         except Exception as e:  # noqa: BLE001 - what each rank saw is the result
             return type(e).__name__, str(e), time.monotonic() - t0, torch.distributed.get_rank()
     return None

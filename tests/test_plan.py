@@ -179,13 +179,13 @@ def test_reason_names_activations_when_they_overflow():
                              micro_batch_size=4, engine_gib=0.3 * planning.H100_GIB)
     p = planning.plan(inp)
     assert not p.fits and "activations" in p.reason and "stage 0" in p.reason
-    batch = BatchConfig(train_batch_size=64, n=8, ppo_mini_batch_size=16, micro_batch_size=4)
-    suggestions = planning.suggest(inp, batch)
+    batch = BatchConfig(train_batch_size=64, ppo_mini_batch_size=16, micro_batch_size=4)
+    suggestions = planning.suggest(inp, batch, n=8)
     assert suggestions
     for s in suggestions:
         assert s.fits
-        BatchConfig(train_batch_size=64, n=8, ppo_mini_batch_size=16,
-                    micro_batch_size=s.input.micro_batch_size).check_dp(s.input.dp)
+        BatchConfig(train_batch_size=64, ppo_mini_batch_size=16,
+                    micro_batch_size=s.input.micro_batch_size).check_dp(s.input.dp, 8)
 
 
 def test_invalid_layout_is_an_error_not_a_refusal():
@@ -206,8 +206,7 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     from omegaconf import OmegaConf
 
     import grpo_mega.train  # noqa: F401 - registers TrainConfig with Hydra's ConfigStore
-    from grpo_mega.conf import schema
-    from grpo_mega.trainer.loop import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig
+    from grpo_mega.conf.schema import TrainConfig
 
     for var in _SCRIPT_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -222,20 +221,15 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     c = OmegaConf.to_container(cfg, resolve=True)
     assert c["model"] == model_name and c["task"] == "prompts" and c["reward"]["name"] == "math"
     assert c["run"]["steps"] == 3 and c["data"]["train_files"].endswith("train.parquet")
-    rollout = RolloutConfig(**c["rollout"])
-    batch = schema.BatchConfig(**{**c["batch"], "n": rollout.n})
-    parallel = schema.ParallelConfig(**c["parallel"])
-    precision = schema.PrecisionConfig(**c["precision"])
-    optim = schema.OptimConfig(**c["optim"])
-    schema.AlgoConfig(**c["algo"])
-    RunConfig(**c["run"]), EvalConfig(**c["eval"]), CheckpointConfig(**c["checkpoint"])
+    typed = TrainConfig.from_hydra(cfg)  # every component validates itself, the root the combinations
+    rollout, batch, parallel, precision, optim = typed.rollout, typed.batch, typed.parallel, typed.precision, typed.optim
     assert (parallel.tp, parallel.pp, parallel.sequence_parallel) == (tp, pp, True)
     assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
     assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
     assert rollout.num_engines == 8 and gpus % rollout.num_engines == 0  # one per node (70B) or per GPU (7B)
     dp = parallel.check(load_model_config(model_name), world_size=gpus)
     assert dp == gpus // (tp * pp)
-    batch.check_dp(dp)
+    batch.check_dp(dp, rollout.n)
 
 
 def test_recorder_refuses_scripts_that_do_not_submit(plan_tool, tmp_path):
@@ -264,7 +258,7 @@ def test_the_readmes_70b_command_composes_validates_and_fits(plan_tool):
     assert c["raw"]["model"] == "/ckpts/Llama-3.1-70B-Instruct"  # a placeholder path: plan the same architecture
     model = load_model_config("llama-3.1-70b")
     dp = c["parallel"].check(model, world_size=gpus)
-    c["batch"].check_dp(dp)
+    c["batch"].check_dp(dp, c["rollout"].n)
     assert (c["parallel"].tp, c["parallel"].pp, dp) == (8, 4, 2)
     inp = planning.PlanInput(
         model=model, parallel=c["parallel"], world_size=gpus, micro_batch_size=c["batch"].micro_batch_size,
@@ -311,7 +305,7 @@ def _allocated_state_bytes(tp: int, pp: int) -> dict:
         init_distributed(tp=tp, pp=pp, seed=0)
         actor = Actor(model, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="bf16"),
                       OptimConfig(lr=1e-4, use_distributed_optimizer=True), AlgoConfig(kl_coef=0.0),
-                      BatchConfig(train_batch_size=2, n=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4))
+                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4))
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.vocab_size, (5,), generator=g).tolist()] * 2 + \
                   [torch.randint(0, model.vocab_size, (3,), generator=g).tolist()] * 2

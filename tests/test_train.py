@@ -104,18 +104,12 @@ def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     proc, got = _run(out, "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", "reward.name=math",
-                     "batch.train_batch_size=2", "batch.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
+                     "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
                      "batch.max_response_length=24", "batch.max_prompt_length=128", "optim.lr=1e-6", "run.steps=2",
                      "eval.interval=2")
     assert len(got) == 2 and all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in got)
     assert all(r["logprob_mismatch"] < 1e-4 for r in got)  # engine (transformers) vs trainer (Megatron), fp32
     assert "validation reward (greedy)" in proc.stdout
-
-
-def test_prompt_task_without_data_is_refused(tmp_path):
-    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "task=prompts"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "task=prompts needs data.train_files=PATH" in proc.stderr
 
 
 def test_algorithm_options_wired_through_the_loop(tmp_path):
@@ -149,12 +143,6 @@ def test_full_kl_in_the_loss_through_the_loop(tmp_path):
     assert rows[0]["kl"] == 0.0
 
 
-def test_bad_overlong_mode_is_named(tmp_path):
-    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "reward.overlong=drop",
-                           "run.steps=1"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "reward.overlong='drop' must be 'keep', 'zero' or 'mask'" in proc.stderr
-
-
 def test_engine_importance_correction_is_neutral_when_engine_and_trainer_agree(tmp_path):
     """With the embedded engine the two logprobs agree to ~1e-7, so the truncated weights are ~1 and the
     first steps' losses equal the golden ones."""
@@ -162,10 +150,8 @@ def test_engine_importance_correction_is_neutral_when_engine_and_trainer_agree(t
     assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS[:3], rel=1e-4)
 
 
-def test_verl_style_shorthands(tmp_path):
-    """rollout.n= and seed= as verl users write them; rollout.n=1 is refused (GRPO needs a group)."""
-    proc, rows = _run(tmp_path, "rollout.n=4", "seed=3", "run.steps=1", "eval.interval=1", "eval.pass_k=2")
-    assert len(rows) == 1 and 0 <= rows[0]["val_pass_at_k"] <= 1
-    bad = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}/b", "rollout.n=1"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "rollout.n=1 must be >= 2" in bad.stderr
+def test_evaluation_off(tmp_path):
+    """eval.interval=0: no evaluation at all (none before step 1, none at the end); the run still trains."""
+    proc, rows = _run(tmp_path, "eval.interval=0", "run.steps=2", "rollout.n=4")
+    assert len(rows) == 2 and all("val_reward" not in r and r["timing/eval"] == 0 for r in rows)
+    assert "no evaluation" in proc.stdout and "validation reward" not in proc.stdout

@@ -76,7 +76,7 @@ def _rank_body(estimator: str, args):
         cfg = _model(args)
         parallel = ParallelConfig(tp=args.tp)
         precision = PrecisionConfig(params_dtype="fp32")
-        batch_cfg = BatchConfig(train_batch_size=args.prompts, n=4, ppo_mini_batch_size=args.prompts,
+        batch_cfg = BatchConfig(train_batch_size=args.prompts, ppo_mini_batch_size=args.prompts,
                                 micro_batch_size=1, max_prompt_length=args.prompt_len,
                                 max_response_length=args.response_len, max_tokens_per_micro_batch=args.budget,
                                 logprob_chunk_size=args.chunk)

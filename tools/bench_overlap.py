@@ -7,7 +7,7 @@ the last core of this process's affinity, the trainer on the first; each with on
 
 The default shape (8 prompts x 4 responses of up to 64 tokens, micro-batches of 4) makes generation about
 as long as the rest of the step, as on GPU nodes where decoding is the larger part of an RL step; with the
-demo's shape (`--response-length 8 --set batch.train_batch_size=16 --set batch.n=8 --set
+demo's shape (`--response-length 8 --set batch.train_batch_size=16 --set rollout.n=8 --set
 batch.micro_batch_size=32`) generation is a tenth of a CPU step and overlap cannot save more than that tenth
 (`step_ratio_bound` says how much it could).
 
@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "generate_wait", "reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval",
           "checkpoint")
-SHAPE = ["batch.train_batch_size=8", "batch.n=4", "batch.ppo_mini_batch_size=8", "batch.micro_batch_size=4"]
+SHAPE = ["batch.train_batch_size=8", "rollout.n=4", "batch.ppo_mini_batch_size=8", "batch.micro_batch_size=4"]
 TRAINER_PHASES = ("reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval", "checkpoint")
 
 

@@ -91,7 +91,7 @@ def run(args) -> dict:
         init_distributed(tp=1, pp=1, seed=args.seed)
         state = None
         for name, packing in (("padded", False), ("packed", True)):
-            batch_cfg = BatchConfig(train_batch_size=args.responses // args.group, n=args.group,
+            batch_cfg = BatchConfig(train_batch_size=args.responses // args.group,
                                     ppo_mini_batch_size=args.responses // args.group,
                                     micro_batch_size=args.micro_batch_size, max_prompt_length=args.prompt_max,
                                     max_response_length=args.max_response, packing=packing)

@@ -42,7 +42,7 @@ def _rank(prompts: int, n: int, max_response: int, mini_prompts: int, repeats: i
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1)
         rank, world = dist.get_rank(), dist.get_world_size()
-        batch = BatchConfig(train_batch_size=prompts, n=n, ppo_mini_batch_size=mini_prompts, micro_batch_size=4,
+        batch = BatchConfig(train_batch_size=prompts, ppo_mini_batch_size=mini_prompts, micro_batch_size=4,
                             max_prompt_length=256, max_response_length=max_response)
         routing = Routing(lambda lens: dp_rows(lens, ParallelConfig(), batch, world))
         rng = random.Random(0)

@@ -81,7 +81,7 @@ def _configs(groups: int, n: int, response_len: int, micro: int, dtype: str):
         optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0),
         algo_cfg=AlgoConfig(kl_coef=0.01, kl_estimator="k3", entropy_coef=0.01, loss_agg_mode="token-mean",
                             clip_ratio_low=0.2, clip_ratio_high=0.28),
-        batch=BatchConfig(train_batch_size=groups, n=n, ppo_mini_batch_size=groups, micro_batch_size=micro,
+        batch=BatchConfig(train_batch_size=groups, ppo_mini_batch_size=groups, micro_batch_size=micro,
                           max_response_length=response_len),
     )
 

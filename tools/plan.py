@@ -166,20 +166,15 @@ def compose(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     import grpo_mega.train  # noqa: F401 - registers the schema with Hydra's ConfigStore
-    from grpo_mega.conf import schema
-    from grpo_mega.trainer.loop import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig
+    from grpo_mega.conf.schema import TrainConfig
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
         cfg = hydra_compose(config_name="config", overrides=list(overrides))
     c = OmegaConf.to_container(cfg, resolve=True)
-    rollout = RolloutConfig(**c["rollout"])
-    typed = dict(
-        parallel=schema.ParallelConfig(**c["parallel"]), precision=schema.PrecisionConfig(**c["precision"]),
-        optim=schema.OptimConfig(**c["optim"]), algo=schema.AlgoConfig(**c["algo"]), rollout=rollout,
-        batch=schema.BatchConfig(**{**c["batch"], **({"n": rollout.n} if rollout.n is not None else {})}),
-        run=RunConfig(**c["run"]), eval=EvalConfig(**c["eval"]), checkpoint=CheckpointConfig(**c["checkpoint"]),
-    )
+    tc = TrainConfig.from_hydra(cfg)
+    typed = {k: getattr(tc, k) for k in ("parallel", "precision", "optim", "algo", "rollout", "batch", "run", "eval",
+                                         "checkpoint")}
     return dict(raw=c, **typed)
 
 
@@ -207,7 +202,7 @@ def from_launch_script(args, ap) -> tuple[argparse.Namespace, dict]:
     fraction = c["rollout"].gpu_memory_fraction
     if fraction is not None and c["rollout"].engine == "sglang" and "--engine-mem" not in sys.argv:
         args.engine_mem = str(fraction)  # the engine's share as the run will ask SGLang for it
-    info = dict(script=args.from_launch_script, sbatch=options, overrides=overrides, plan_flags=flags, batch=batch)
+    info = dict(script=args.from_launch_script, sbatch=options, overrides=overrides, plan_flags=flags, batch=batch, n=c["rollout"].n)
     return args, info
 
 
@@ -278,8 +273,9 @@ def main() -> int:
         batch = info["batch"] if info else None
         if batch is not None:
             dp = par.check(model, world)
-            batch.check_dp(dp)
-            num_mb = batch.ppo_mini_batch_size * batch.n // (dp * batch.micro_batch_size)
+            n = info["n"]
+            batch.check_dp(dp, n)
+            num_mb = batch.ppo_mini_batch_size * n // (dp * batch.micro_batch_size)
         inp = planning.PlanInput(
             model=model, parallel=par, world_size=world, gpus_per_node=args.gpus_per_node,
             micro_batch_size=args.micro_batch, seq_length=args.seq_len, num_microbatches=num_mb,
@@ -294,7 +290,7 @@ def main() -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    suggestions = [] if result.fits else planning.suggest(inp, batch, limit=args.suggest)
+    suggestions = [] if result.fits else planning.suggest(inp, batch, info["n"] if info else 0, limit=args.suggest)
     verify = None
     if args.verify:
         warnings.simplefilter("ignore")  # megatron's "Transformer Engine and Apex are not installed" on CPU
@@ -302,7 +298,7 @@ def main() -> int:
     out = result.to_dict()
     out["suggestions"] = [s.to_dict() for s in suggestions]
     if info:
-        out["launch_script"] = {k: v for k, v in info.items() if k != "batch"}
+        out["launch_script"] = {k: v for k, v in info.items() if k not in ("batch", "n")}
     if verify is not None:
         out["verify"] = verify
     if args.json:

@@ -1,21 +1,38 @@
-"""Structured configs (kw-only dataclasses) composed by Hydra; model YAMLs live in model_configs/."""
+"""Every config of a run, composed by Hydra into one TrainConfig (schema.py); model YAMLs live in model_configs/.
+docs/config.md is generated from these dataclasses (python -m grpo_mega.conf.reference --write)."""
 
 from grpo_mega.conf.schema import (
     AlgoConfig,
     BatchConfig,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     PrecisionConfig,
+    RewardConfig,
+    RMTrainConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
     load_model_config,
 )
 
 __all__ = [
     "AlgoConfig",
     "BatchConfig",
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
     "PrecisionConfig",
+    "RMTrainConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
     "load_model_config",
 ]

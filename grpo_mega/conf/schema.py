@@ -6,7 +6,7 @@ field, the value and the rule. Hydra composes these; nothing here imports torch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -239,9 +239,13 @@ class OptimConfig:
     weight_decay: float = 0.01
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.999
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     sgd_momentum: float = 0.0
+    """Momentum for optimizer=sgd."""
     clip_grad: float = 1.0
     """Global gradient-norm clip."""
     lr_warmup_steps: int = 0
@@ -331,8 +335,6 @@ class BatchConfig:
 
     train_batch_size: int = 8
     """Prompts per step."""
-    n: int = 4
-    """Responses per prompt (rollout.n); >= 2 for GRPO."""
     ppo_mini_batch_size: int = 4
     """Prompts per mini-batch: one optimizer step each."""
     micro_batch_size: int = 2
@@ -356,8 +358,6 @@ class BatchConfig:
     def __post_init__(self):
         for f in ("train_batch_size", "ppo_mini_batch_size", "micro_batch_size", "max_prompt_length", "max_response_length"):
             _positive(f"batch.{f}", getattr(self, f))
-        if self.n < 2:
-            raise ValueError(f"rollout.n={self.n} must be >= 2 for GRPO: a group of one has no baseline")
         if self.max_tokens_per_micro_batch is not None:
             _positive("batch.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
             longest = self.max_prompt_length + self.max_response_length
@@ -381,12 +381,12 @@ class BatchConfig:
             return self.max_tokens_per_micro_batch
         return self.micro_batch_size * (self.max_prompt_length + self.max_response_length)
 
-    def check_layout(self, parallel: "ParallelConfig", dp: int) -> None:
+    def check_layout(self, parallel: "ParallelConfig", dp: int, n: int) -> None:
         """The batch against the layout: without packing, mini-batches split into DP ranks x micro-batches;
         with packing under sequence parallelism, the token budget divides by tp (rows are cut into tp
         sequence shards)."""
         if not self.packing:
-            self.check_dp(dp)
+            self.check_dp(dp, n)
         self.check_packing(parallel)
 
     def check_packing(self, parallel: "ParallelConfig") -> None:
@@ -397,12 +397,13 @@ class BatchConfig:
                 f"with sequence parallelism a packed row is cut into tp shards; make it a multiple of {parallel.tp}"
             )
 
-    def check_dp(self, dp: int) -> None:
-        """Without packing, each mini-batch's responses must split evenly into DP ranks x micro-batches."""
-        responses = self.ppo_mini_batch_size * self.n
+    def check_dp(self, dp: int, n: int) -> None:
+        """Without packing, each mini-batch's responses (ppo_mini_batch_size * rollout.n) must split evenly
+        into DP ranks x micro-batches."""
+        responses = self.ppo_mini_batch_size * n
         if responses % (dp * self.micro_batch_size):
             raise ValueError(
-                f"a mini-batch of ppo_mini_batch_size * rollout.n = {self.ppo_mini_batch_size} * {self.n} = "
+                f"a mini-batch of ppo_mini_batch_size * rollout.n = {self.ppo_mini_batch_size} * {n} = "
                 f"{responses} responses does not split into dp={dp} ranks x micro_batch_size={self.micro_batch_size}; "
                 f"make it a multiple of {dp * self.micro_batch_size}"
             )
@@ -411,6 +412,333 @@ class BatchConfig:
     def mini_batches_per_step(self) -> int:
         return self.train_batch_size // self.ppo_mini_batch_size
 
+    def mini_batch_responses(self, step_responses: int) -> int:
+        """Responses per mini-batch of a step of `step_responses` (train_batch_size * rollout.n): the step
+        splits into mini_batches_per_step equal mini-batches, one optimizer step each."""
+        if step_responses % self.mini_batches_per_step:
+            raise ValueError(f"{step_responses} responses do not split into batch.train_batch_size / "
+                             f"batch.ppo_mini_batch_size = {self.mini_batches_per_step} mini-batches")
+        return step_responses // self.mini_batches_per_step
 
-def to_dict(cfg) -> dict:
-    return asdict(cfg)
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling and weight sync."""
+
+    engine: str = "embedded"
+    """'embedded' (our engine, in the trainer's process) or 'sglang'; with placement=dedicated the servers'."""
+    n: int = 4
+    """Responses per prompt: the GRPO group (>= 2). A step trains batch.train_batch_size * n responses."""
+    temperature: float = 1.0
+    """Sampling temperature; logprobs are of softmax(logits / temperature) (docs/design.md)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    engine_tp: int = 1
+    """The SGLang engine's tensor-parallel size (its own; the trainer's parallel.tp need not match)."""
+    gpu_memory_fraction: Optional[float] = None
+    """SGLang's mem_fraction_static: the share of each GPU the colocated engine keeps (weights + KV cache);
+    null: SGLang's default. tools/plan.py counts it against the trainer's memory."""
+    num_engines: int = 1
+    """Rollout engines, on global ranks 0, W/k, 2W/k, ...: each samples a contiguous share of the prompts
+    (the samples do not depend on k). On a cluster, one per node (with engine_tp = GPUs per node)."""
+    sync_bucket_mb: float = 64.0
+    """Weight-sync bucket size."""
+    audit_weights: bool = False
+    """Checksum every synced tensor against the engine's copy."""
+    placement: str = "colocated"
+    """'colocated': engines inside trainer ranks, phases in turn. 'dedicated': the engines are the servers
+    in `servers` (SGLang's HTTP API; `python -m grpo_mega.rollout.standin_server` is the CPU stand-in), spoken to
+    from global rank 0."""
+    servers: list[str] = field(default_factory=list)
+    """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""
+    server_timeout_s: float = 300.0
+    """Dedicated placement: the longest a server may take to answer one request (a generate included)."""
+    off_policy_steps: int = 0
+    """0: each step generates, then trains. 1 (placement=dedicated): step k+1's samples are generated on the
+    servers while step k trains, from the weights step k-1 trained from (one version behind; samples of step
+    k >= 2 carry weight version k-2, version v being the weights after v steps); truncated importance
+    correction (algo.engine_is_cap, default 2.0 here) covers the lag."""
+
+    def __post_init__(self):
+        if self.engine not in ("embedded", "sglang"):
+            raise ValueError(f"rollout.engine={self.engine!r} must be 'embedded' or 'sglang'")
+        if not isinstance(self.n, int) or self.n < 2:
+            raise ValueError(f"rollout.n={self.n} must be >= 2 for GRPO: a group of one has no baseline")
+        if self.placement not in ("colocated", "dedicated"):
+            raise ValueError(f"rollout.placement={self.placement!r} must be 'colocated' or 'dedicated'")
+        if self.placement == "dedicated" and not self.servers:
+            raise ValueError("rollout.placement=dedicated needs rollout.servers=[http://host:port,...]")
+        if self.placement == "colocated" and self.servers:
+            raise ValueError(f"rollout.servers={list(self.servers)} is for rollout.placement=dedicated; "
+                             "set it, or drop the servers")
+        if self.placement == "dedicated" and self.num_engines != 1:
+            raise ValueError(f"rollout.num_engines={self.num_engines} must be 1 with placement=dedicated "
+                             "(one client on rank 0 spreads the prompts over rollout.servers)")
+        if self.off_policy_steps not in (0, 1):
+            raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1")
+        if self.off_policy_steps and self.placement != "dedicated":
+            raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} needs rollout.placement=dedicated "
+                             f"(got {self.placement!r}): generation overlaps training only on servers of their own; "
+                             "set rollout.placement=dedicated rollout.servers=[http://host:port]")
+        if self.server_timeout_s <= 0:
+            raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
+        if self.num_engines < 1:
+            raise ValueError(f"rollout.num_engines={self.num_engines} must be >= 1")
+        if self.engine_tp < 1:
+            raise ValueError(f"rollout.engine_tp={self.engine_tp} must be >= 1")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction < 1:
+            raise ValueError(f"rollout.gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1)")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """How long the run is and how it is seeded."""
+
+    steps: int = 40
+    """Training steps (one generation and one update each); a resumed run continues to this step."""
+    seed: int = 1234
+    """Seeds the model's initialisation, the data order and sampling."""
+
+    def __post_init__(self):
+        _positive("run.steps", self.steps)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint root ('' : no checkpoints)."""
+    interval: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep_last: Optional[int] = None
+    """Keep this many newest checkpoints (null: all)."""
+    resume: str = "auto"
+    """'auto': continue from the newest checkpoint in `dir` that verifies (start fresh when there is none; an
+    error when there are some and none verifies); 'never'; or the path of one step_XXXXXXXX directory."""
+    stop_file: str = ""
+    """When this file appears, checkpoint after the current step and stop (slurm/train.sbatch creates it on
+    USR1, before a time limit or preemption, and requeues the job; the restart loses nothing)."""
+    export_hf: bool = False
+    """Also write the actor as an HF directory (`hf/`, loadable by transformers/SGLang) into every checkpoint.
+    Any checkpoint can be exported later: tools/convert_mcore_to_hf.py --ckpt DIR/step_XXXXXXXX."""
+
+    def __post_init__(self):
+        if self.resume not in ("auto", "never") and not self.resume.rstrip("/").split("/")[-1].startswith("step_"):
+            raise ValueError(f"checkpoint.resume={self.resume!r} must be 'auto', 'never' or a checkpoint's "
+                             "step_XXXXXXXX directory")
+        if self.interval < 0:
+            raise ValueError(f"checkpoint.interval={self.interval} must be >= 0 (0: only at the end)")
+        if self.resume not in ("auto", "never") and not self.dir:
+            self.dir = str(Path(self.resume).parent)  # continue writing next to the checkpoint resumed from
+        if (self.interval or self.export_hf) and not self.dir:
+            raise ValueError("checkpoint.interval / checkpoint.export_hf need checkpoint.dir=PATH")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Validation: greedy reward and pass@k on the validation prompts."""
+
+    interval: int = 5
+    """Validate every this many steps, and before step 1 and after the last; 0: no evaluation at all."""
+    pass_k: int = 4
+    """Validation also samples k responses per prompt at the rollout temperature: pass@k."""
+    max_prompts: int = 64
+    """task=prompts without data.val_files: validate on this many training prompts (a fixed, seeded sample)."""
+
+    def __post_init__(self):
+        if not isinstance(self.interval, int) or self.interval < 0:
+            raise ValueError(f"eval.interval={self.interval} must be >= 0 (0: no evaluation)")
+        _positive("eval.pass_k", self.pass_k)
+        _positive("eval.max_prompts", self.max_prompts)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt files in verl's schema (task=prompts)."""
+
+    train_files: str = ""
+    """A .jsonl or .parquet file of prompts."""
+    val_files: str = ""
+    """Validation prompts ('': eval.max_prompts prompts sampled from the training file)."""
+
+
+@dataclass(kw_only=True)
+class RMTrainConfig:
+    """reward.rm_train: continual training of the reward model (reward.name=reward_model)."""
+
+    interval: int = 0
+    """Train the reward model every this many steps (0: never; it stays frozen)."""
+    steps: int = 10
+    """Optimizer steps per update."""
+    labels: str = ""
+    """The label source: 'task' (the task's own verifier, task=successor), a registered rule (math, format)
+    or a dotted path `pkg.mod:fn(response, ground_truth, sample) -> float in [0, 1]`."""
+    replay_fraction: float = 0.1
+    """Share of each update's training samples drawn from the replay buffer of earlier data, in [0, 1)."""
+    buffer_size: int = 2048
+    """Replay buffer capacity (samples); reservoir sampling keeps a uniform sample of all seen."""
+    batch_size: int = 32
+    """Samples per optimizer step."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    heldout_fraction: float = 0.25
+    """Share of the labelled samples kept out of training to measure rm/accuracy, in [0, 1)."""
+    seed: int = 0
+    """Seeds the held-out split, the replay draws and the mini-batch order."""
+
+    def __post_init__(self):
+        if self.interval < 0:
+            raise ValueError(f"reward.rm_train.interval={self.interval} must be >= 0 (0: the reward model stays frozen)")
+        if not 0 <= self.replay_fraction < 1:
+            raise ValueError(f"reward.rm_train.replay_fraction={self.replay_fraction} must be in [0, 1) "
+                             "(the share of replayed samples; 1 would never train on new ones)")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"reward.rm_train.heldout_fraction={self.heldout_fraction} must be in [0, 1)")
+        for name in ("steps", "buffer_size", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reward.rm_train.{name}={getattr(self, name)} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"reward.rm_train.lr={self.lr} must be > 0")
+        if self.interval and not self.labels:
+            raise ValueError("reward.rm_train.interval > 0 needs reward.rm_train.labels (a rule such as math, "
+                             "'task' for the task's own verifier, or a dotted path)")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """The reward (task=prompts): a registered name (math, format, mix, reward_model) or a dotted path.
+    Rule rewards run in a process pool, each sample on one rank (grpo_mega/rewards/scoring.py)."""
+
+    name: str = "math"
+    """A registered reward (math, format, mix, reward_model) or a dotted path `pkg.mod:fn`."""
+    on_error: str = "zero"
+    """'zero': score a failing or timed-out sample 0 and report it; 'raise': stop."""
+    weights: dict = field(default_factory=dict)
+    """For name=mix: {reward name: weight}."""
+    path: str = ""
+    """For name=reward_model: an HF sequence-classification checkpoint (scored in batches on rank 0)."""
+    device: str = ""
+    """For name=reward_model: where it runs ('cuda:1', 'cpu'); '': the trainer's device (bf16 on GPUs)."""
+    rm_batch_size: int = 64
+    """For name=reward_model: samples per forward."""
+    rm_train: RMTrainConfig = field(default_factory=RMTrainConfig)
+    """For name=reward_model: keep training it on the policy's labelled samples (iterative RL)."""
+    val_reward: str = ""
+    """What scores validation: '' the training reward; 'task' the task's own verifier (task=successor); or a
+    rule / dotted path. With a learned reward model, a rule judges the policy rather than the model."""
+    overlong: str = "keep"
+    """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
+    num_workers: Optional[int] = None
+    """Reward worker processes per rank; null: the node's cores divided among its ranks (at least 1)."""
+    timeout_s: float = 30.0
+    """Per-sample time limit: a sample still being scored is cut (its worker killed) and handled by on_error."""
+    start_method: str = "forkserver"
+    """How workers start: 'forkserver' (forked from a clean server, never from a rank's gloo/NCCL threads),
+    'spawn', or 'fork'."""
+
+    def __post_init__(self):
+        if self.overlong not in ("keep", "zero", "mask"):
+            raise ValueError(f"reward.overlong={self.overlong!r} must be 'keep', 'zero' or 'mask'")
+        if self.on_error not in ("zero", "raise"):
+            raise ValueError(f"reward.on_error={self.on_error!r} must be 'zero' or 'raise'")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1 (or null: cores per rank)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
+        if self.start_method not in ("forkserver", "spawn", "fork"):
+            raise ValueError(f"reward.start_method={self.start_method!r} must be 'forkserver', 'spawn' or 'fork'")
+        if isinstance(self.rm_train, dict):
+            self.rm_train = RMTrainConfig(**self.rm_train)
+        if self.rm_train.interval and self.name != "reward_model":
+            raise ValueError(f"reward.rm_train.interval={self.rm_train.interval} trains a learned reward model: it "
+                             f"needs reward.name=reward_model (got {self.name!r})")
+        if self.rm_batch_size < 1:
+            raise ValueError(f"reward.rm_batch_size={self.rm_batch_size} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The whole run, composed by Hydra (grpo_mega/conf/config.yaml + command-line overrides): every field of
+    every component is overridable (`algo.entropy_coef=0.01`). Each component checks its own fields; the
+    checks that need two of them run here, before any model is built."""
+
+    model: str = "tiny"
+    """A model_configs/ name (random init), or an HF directory (weights and tokenizer loaded from it)."""
+    task: str = "successor"
+    """'successor' (the toy demo) or 'prompts' (data.* files scored by reward.*)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        for f in fields(self):  # plain dicts (a checkpoint's saved config) become their dataclasses
+            kind = _COMPONENTS.get(f.name)
+            if kind is not None and isinstance(getattr(self, f.name), dict):
+                setattr(self, f.name, kind(**getattr(self, f.name)))
+        if self.task not in ("successor", "prompts"):
+            raise ValueError(f"task={self.task!r} must be 'successor' or 'prompts'")
+        if self.task == "prompts" and not self.data.train_files:
+            raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
+        self.batch.check_packing(self.parallel)
+        if self.reward.rm_train.interval and self.algo.ref_update_interval is None:
+            # Iterative RL (Algorithm 1): the reference follows the reward model's updates.
+            self.algo.ref_update_interval = self.reward.rm_train.interval
+        if self.rollout.off_policy_steps and self.algo.engine_is_cap is None:
+            # One step behind: truncated importance correction against the engine's logprobs covers the lag.
+            self.algo.engine_is_cap = OFF_POLICY_IS_CAP
+
+    def check_layout(self, model: ModelConfig, world_size: int) -> int:
+        """The layout against the model and the launched world: returns dp, or a ValueError naming the field."""
+        dp = self.parallel.check(model, world_size)
+        self.batch.check_layout(self.parallel, dp, self.rollout.n)
+        if world_size % self.rollout.num_engines:
+            raise ValueError(f"rollout.num_engines={self.rollout.num_engines} must divide the number of ranks "
+                             f"({world_size}): the engines sit on evenly spaced ranks (one per node)")
+        return dp
+
+    @classmethod
+    def from_hydra(cls, cfg) -> "TrainConfig":
+        """The typed config from Hydra's composed DictConfig (each component validating itself)."""
+        from omegaconf import OmegaConf
+
+        c = OmegaConf.to_container(cfg, resolve=True)
+        c.pop("hydra", None)
+        return cls(**c)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def shaping(self):
+        """The settings of the per-step shaping (grpo_mega.algo.shaping), as plain values."""
+        from grpo_mega.algo.shaping import StepShaping
+
+        a = self.algo
+        return StepShaping(n=self.rollout.n, overlong=self.reward.overlong, kl_in_reward=a.kl_in_reward,
+                           kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, norm_adv_by_std=a.norm_adv_by_std,
+                           global_adv_norm=a.global_adv_norm, dynamic_sampling=a.dynamic_sampling)
+
+
+OFF_POLICY_IS_CAP = 2.0
+"""algo.engine_is_cap when rollout.off_policy_steps=1 and none is set (verl's TIS default)."""
+
+_COMPONENTS = {"data": DataConfig, "reward": RewardConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
+               "optim": OptimConfig, "algo": AlgoConfig, "batch": BatchConfig, "rollout": RolloutConfig,
+               "run": RunConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig}
+
+RENAMED = {"batch.n": "rollout.n", "seed": "run.seed"}
+"""Settings that had two names: the old one is refused, naming the new."""
+
+
+def check_renamed(overrides: list[str]) -> None:
+    """A ValueError for a command-line override that uses a setting's old name."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in RENAMED:
+            raise ValueError(f"{key} is now {RENAMED[key]}: write {RENAMED[key]}={o.split('=', 1)[1] if '=' in o else '...'}")

@@ -22,57 +22,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from grpo_mega.conf.schema import RMTrainConfig
 from grpo_mega.rewards import check_reward_value
 
 Item = tuple[list[int], float]  # (reward-model token ids, label)
-
-
-@dataclass(kw_only=True)
-class RMTrainConfig:
-    """reward.rm_train: continual training of the reward model (reward.name=reward_model)."""
-
-    interval: int = 0
-    """Train the reward model every this many steps (0: never; it stays frozen)."""
-    steps: int = 10
-    """Optimizer steps per update."""
-    labels: str = ""
-    """The label source: 'task' (the task's own verifier, task=successor), a registered rule (math, format)
-    or a dotted path `pkg.mod:fn(response, ground_truth, sample) -> float in [0, 1]`."""
-    replay_fraction: float = 0.1
-    """Share of each update's training samples drawn from the replay buffer of earlier data, in [0, 1)."""
-    buffer_size: int = 2048
-    """Replay buffer capacity (samples); reservoir sampling keeps a uniform sample of all seen."""
-    batch_size: int = 32
-    """Samples per optimizer step."""
-    lr: float = 1e-4
-    """AdamW learning rate."""
-    heldout_fraction: float = 0.25
-    """Share of the labelled samples kept out of training to measure rm/accuracy, in [0, 1)."""
-    seed: int = 0
-    """Seeds the held-out split, the replay draws and the mini-batch order."""
-
-    def __post_init__(self):
-        if self.interval < 0:
-            raise ValueError(f"reward.rm_train.interval={self.interval} must be >= 0 (0: the reward model stays frozen)")
-        if not 0 <= self.replay_fraction < 1:
-            raise ValueError(f"reward.rm_train.replay_fraction={self.replay_fraction} must be in [0, 1) "
-                             "(the share of replayed samples; 1 would never train on new ones)")
-        if not 0 <= self.heldout_fraction < 1:
-            raise ValueError(f"reward.rm_train.heldout_fraction={self.heldout_fraction} must be in [0, 1)")
-        for name in ("steps", "buffer_size", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"reward.rm_train.{name}={getattr(self, name)} must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"reward.rm_train.lr={self.lr} must be > 0")
-        if self.interval and not self.labels:
-            raise ValueError("reward.rm_train.interval > 0 needs reward.rm_train.labels (a rule such as math, "
-                             "'task' for the task's own verifier, or a dotted path)")
 
 
 def check_label(value, source: str, where: str) -> float:

@@ -57,6 +57,13 @@ class EmbeddedEngine(RolloutEngine):
 
         return cls(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype), dtype, device)
 
+    @classmethod
+    def for_run(cls, spec) -> "EmbeddedEngine":
+        """The run's engine (an EngineSpec): on the rank's own device, from the HF checkpoint or the model config."""
+        if spec.hf_dir is not None:
+            return cls.from_hf_dir(spec.hf_dir, device=spec.device)
+        return cls.from_model_config(spec.model, seed=spec.seed, device=spec.device)
+
     # ---- generation -------------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -107,4 +107,25 @@ class RolloutEngine(abc.ABC):
         pass
 
 
+@dataclass
+class EngineSpec:
+    """What a colocated engine is built from (`ENGINES.get(rollout.engine).for_run(spec)`): the model, its
+    weights' source and where it runs."""
+
+    model: object
+    """The run's ModelConfig (the architecture; weights arrive with the first sync when hf_dir is None)."""
+    hf_dir: Optional[str] = None
+    """An HF checkpoint to start from."""
+    seed: int = 0
+    device: str = "cpu"
+    tp: int = 1
+    """The engine's own tensor-parallel size (rollout.engine_tp)."""
+    dtype: str = "float32"
+    mem_fraction: Optional[float] = None
+    """SGLang's mem_fraction_static (rollout.gpu_memory_fraction); None: its default."""
+    workdir: str = ""
+    """Where an engine that needs an HF directory on disk may write one."""
+
+
 ENGINES: Registry[type] = Registry("rollout engine")
+"""Engine classes by rollout.engine name; each has `for_run(spec: EngineSpec)`."""

@@ -82,6 +82,14 @@ class SGLangEngine(RolloutEngine):
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(workdir, safe_serialization=True)
         return cls(str(workdir), dtype="float32", **kwargs)
 
+    @classmethod
+    def for_run(cls, spec) -> "SGLangEngine":
+        """The run's engine (an EngineSpec): SGLang on the HF checkpoint, or on a fresh one of the model's shape."""
+        if spec.hf_dir is None:
+            return cls.from_model_config(spec.model, spec.workdir)
+        extra = {"mem_fraction_static": spec.mem_fraction} if spec.mem_fraction else {}
+        return cls(spec.hf_dir, tp=spec.tp, dtype=spec.dtype, **extra)
+
     # ---- calls with a deadline --------------------------------------------------------------------
 
     @contextlib.contextmanager

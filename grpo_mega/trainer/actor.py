@@ -42,8 +42,10 @@ def _pad_multiple(parallel: ParallelConfig) -> int:
 def _chunk_of(size: int, batch: BatchConfig) -> Optional[int]:
     """The update's mini-batch size in responses when a batch of `size` is several of them, else None: a pass
     over the whole step batch then gives each DP rank the rows it trains (the logprob passes)."""
-    per_mini = batch.ppo_mini_batch_size * batch.n
-    return per_mini if per_mini and size > per_mini and size % per_mini == 0 else None
+    if size % batch.mini_batches_per_step:
+        return None
+    per_mini = batch.mini_batch_responses(size)
+    return per_mini if size > per_mini else None
 
 
 def _padded_shares(size: int, dp: int, chunk: Optional[int]) -> list[list[int]]:
@@ -74,7 +76,7 @@ def dp_rows(seq_lens: list[int], parallel: ParallelConfig, batch: BatchConfig, d
     """Actor.dp_rows for `dp` DP ranks."""
     first = dp_shares(seq_lens, parallel, batch, dp, _chunk_of(len(seq_lens), batch))
     needs = [set(rows) for rows in first]
-    per_mini = batch.ppo_mini_batch_size * batch.n
+    per_mini = _chunk_of(len(seq_lens), batch) or len(seq_lens)
     for start in range(0, len(seq_lens), per_mini):
         for r, rows in enumerate(dp_shares(seq_lens[start:start + per_mini], parallel, batch, dp)):
             needs[r].update(start + i for i in rows)
@@ -414,10 +416,8 @@ class Actor:
             raise ValueError(f"algo.kl_coef != 0 with algo.kl_estimator={self.algo.kl_estimator!r} needs rollout.ref_logp")
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
-        per_mini = self.batch.ppo_mini_batch_size * self.batch.n
-        self.batch.check_layout(self.parallel, dp)
-        if rollout.size % per_mini:
-            raise ValueError(f"{rollout.size} responses are not whole mini-batches of {per_mini}")
+        per_mini = self.batch.mini_batch_responses(rollout.size)
+        self.batch.check_layout(self.parallel, dp, per_mini // self.batch.ppo_mini_batch_size)
         ref = reference if self.full_kl_in_loss else None
         metrics = []
         with ref.on_device() if ref is not None else contextlib.nullcontext():

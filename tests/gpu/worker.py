@@ -41,7 +41,7 @@ def _configs(dtype: str, optim: dict):
         optim=OptimConfig(**optim),
         algo_cfg=AlgoConfig(loss_agg_mode="token-mean", kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
                             clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
-        batch=BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2,
+        batch=BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2,
                           max_response_length=L.MAX_RESPONSE),
     )
 
@@ -109,7 +109,7 @@ def job_offload(out: str, model: str) -> None:
 
     assert torch.cuda.is_available(), "offload is measured on a GPU"
     cfg = load_model_config(model)
-    batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=4, max_response_length=16)
+    batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=4, max_response_length=16)
     precision = PrecisionConfig(params_dtype="bf16")
     rollout = L.rollout(vocab=cfg.vocab_size)
     # cuBLAS keeps a workspace (up to 32 MiB on Hopper) allocated from the first matmul on: take it before

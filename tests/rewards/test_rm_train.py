@@ -102,7 +102,7 @@ def _train(out: Path, ckpt: Path, rm_dir: Path, steps: int) -> dict:
            "reward.name=reward_model", f"reward.path={rm_dir}", "reward.val_reward=task", "reward.rm_train.interval=2",
            "reward.rm_train.labels=task", "reward.rm_train.steps=5", "reward.rm_train.lr=3e-3",
            "reward.rm_train.buffer_size=100", "batch.train_batch_size=8", "batch.ppo_mini_batch_size=8",
-           "batch.n=4", "algo.kl_coef=0.01", f"checkpoint.dir={ckpt}", "checkpoint.interval=2"]
+           "rollout.n=4", "algo.kl_coef=0.01", f"checkpoint.dir={ckpt}", "checkpoint.interval=2"]
     proc = run_tree(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
                     env={**__import__("os").environ, "WANDB_MODE": "disabled"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -233,7 +233,7 @@ def test_a_run_leaves_no_reward_worker_behind(tmp_path, fails):
            **({"GRPO_TEST_LABEL_RAISES": "1"} if fails else {})}
     cmd = [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "reward.name=reward_model",
            f"reward.path={tiny_rm(tmp_path / 'rm')}", "reward.rm_train.interval=1", "reward.num_workers=2",
-           "reward.rm_train.labels=tests.rewards.test_scoring:pid_label", "batch.train_batch_size=4", "batch.n=2",
+           "reward.rm_train.labels=tests.rewards.test_scoring:pid_label", "batch.train_batch_size=4", "rollout.n=2",
            "batch.ppo_mini_batch_size=4", "batch.micro_batch_size=8", "eval.pass_k=1", "run.steps=1"]
     proc = run_tree(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert proc.returncode == (2 if fails else 0), proc.stderr[-3000:]

@@ -60,7 +60,7 @@ def _trainer(urls, kill_pid, dp):
 
         actor = Actor(cfg, ParallelConfig(), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0),
-                      BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2,
+                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2,
                                   max_response_length=10))
         engines = Engines(lambda: ServerClient(urls, timeout_s=20), count=1)
         prompts = [[5, 17, 33, 2, 9], [100, 7], [250, 251, 252], [9, 9, 9, 9, 9, 9, 9]]

@@ -52,7 +52,7 @@ def _sync_sglang(hf_dir, tp, pp):
         layout = init_distributed(tp=tp, pp=pp, seed=5)
         _, _, cfg = read_hf_config(hf_dir)
         actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
-                      AlgoConfig(kl_coef=0.0), BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2,
+                      AlgoConfig(kl_coef=0.0), BatchConfig(train_batch_size=2, ppo_mini_batch_size=2,
                                                           micro_batch_size=2, max_response_length=10))
         load_hf_into_gpt(actor.built.gpt, hf_dir, cfg, layout.tp_rank, tp)
         actor.optimizer.reload_model_params()

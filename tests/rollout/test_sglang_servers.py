@@ -40,7 +40,7 @@ def _trainer(hf_dir, urls):
         layout = init_distributed(tp=2, pp=1, seed=5)
         _, _, cfg = read_hf_config(hf_dir)
         actor = Actor(cfg, ParallelConfig(tp=2), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
-                      AlgoConfig(kl_coef=0.0), BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2,
+                      AlgoConfig(kl_coef=0.0), BatchConfig(train_batch_size=2, ppo_mini_batch_size=2,
                                                           micro_batch_size=2, max_response_length=10))
         engines = Engines(lambda: ServerClient(urls, timeout_s=60), count=1)
         prompts = [[5, 17, 33, 2, 9], [100, 7], [250, 251, 252], [9, 9, 9, 9, 9, 9, 9]]

@@ -45,7 +45,7 @@ def _two_engines(tp, pp):
 
         actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0),
-                      BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
+                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
         batch = L.rollout(seed=1)
         batch.old_logp = actor.logprobs(batch, 1.0)
         actor.update(batch, 1.0)  # the engines must receive trained weights

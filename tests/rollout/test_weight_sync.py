@@ -67,7 +67,7 @@ def _sync_and_sample(tp, pp, tied, bucket_mb):
 
         actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0),
-                      BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
+                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
         # one update step, so the engine must receive trained (not initial) weights
         batch = L.rollout(seed=1)
         batch.old_logp = actor.logprobs(batch, 1.0)

@@ -57,7 +57,7 @@ def configs(mode: str, mbs: int, optim: str = "adam", batch_kw: dict | None = No
         optim=OptimConfig(**OPTIMS[optim]),
         algo_cfg=AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
                             clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
-        batch=BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=mbs,
+        batch=BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=mbs,
                           max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE, **(batch_kw or {})),
     )
 

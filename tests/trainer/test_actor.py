@@ -4,7 +4,8 @@ at start-up with the numbers and the rule."""
 import pytest
 import torch
 
-from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+from grpo_mega.conf import (AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, RolloutConfig,
+                            load_model_config)
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import RankFailed, run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
@@ -18,7 +19,7 @@ def _three_steps(tp, pp):
         init_distributed(tp=tp, pp=pp, seed=7)
         cfg = load_model_config("tiny")
         parallel = ParallelConfig(tp=tp, pp=pp)
-        batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
         actor = Actor(cfg, parallel, PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-3),
                       AlgoConfig(kl_coef=0.1, entropy_coef=0.01), batch_cfg)
         ref = Reference(cfg, parallel, PrecisionConfig(params_dtype="fp32"), batch_cfg)
@@ -73,9 +74,9 @@ def test_impossible_layouts_stop_with_the_rule():
     with pytest.raises(ValueError, match="sequence_parallel=true needs parallel.tp > 1"):
         ParallelConfig(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"24 responses does not split into dp=5 ranks x micro_batch_size=2"):
-        BatchConfig(train_batch_size=6, n=4, ppo_mini_batch_size=6, micro_batch_size=2).check_dp(5)
+        BatchConfig(train_batch_size=6, ppo_mini_batch_size=6, micro_batch_size=2).check_dp(5, 4)
     with pytest.raises(ValueError, match="rollout.n=1 must be >= 2"):
-        BatchConfig(n=1)
+        RolloutConfig(n=1)
 
 
 def _build_at(tp, pp):
@@ -108,7 +109,7 @@ def _full_kl_without_reference():
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10)
+        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10)
         actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"), OptimConfig(),
                       AlgoConfig(kl_estimator="full", kl_coef=0.1), batch_cfg)  # builds: no refusal any more
         batch = L.rollout(seed=3)
@@ -132,7 +133,7 @@ def _lr_schedule():
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=4, n=2, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        batch_cfg = BatchConfig(train_batch_size=4, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
         actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
                       OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=4, lr_decay_style="linear"),
                       AlgoConfig(kl_coef=0.0), batch_cfg)
@@ -154,7 +155,7 @@ def _nan_step(tp, pp, dtype):
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=2, n=4, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
         actor = Actor(load_model_config("tiny"), ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype=dtype),
                       OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
         batch = L.rollout(seed=3)

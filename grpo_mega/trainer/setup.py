@@ -1,0 +1,203 @@
+"""Building a run before its first step (docs/design.md, "one step"): the model and tokenizer the config names,
+the actor and the reference (HF weights loaded, a checkpoint restored), the rollout engines (through the
+ENGINES registry, or the dedicated servers' client), routing and the rollout scheduler. `Run` holds what was
+built and the per-step actions the loop calls (sync, evaluate, save, stop); `train()` only orchestrates.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from grpo_mega.conf.schema import ModelConfig, TrainConfig
+from grpo_mega.parallel import comm
+from grpo_mega.rollout.placement import Engines
+from grpo_mega.rollout.routing import Routing
+from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
+from grpo_mega.trainer.actor import Actor, Reference
+from grpo_mega.trainer.task import Task
+
+
+def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]:
+    """(the model's config, its tokenizer, the HF directory or None): an HF directory brings its own config
+    and tokenizer; a model_configs/ name runs on the toy task's tokenizer and vocabulary."""
+    if (Path(cfg.model) / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        from grpo_mega.models.hf_io import read_hf_config
+
+        return read_hf_config(cfg.model)[2], AutoTokenizer.from_pretrained(cfg.model), cfg.model
+    from grpo_mega.conf.schema import load_model_config
+    from grpo_mega.data.toy import make_tokenizer
+
+    tok = make_tokenizer()
+    model = load_model_config(cfg.model)
+    model.vocab_size = len(tok)  # the toy task's own vocabulary
+    return model, tok, None
+
+
+def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], out_dir: Path) -> Callable[[], object]:
+    """What builds one rollout engine on the ranks that hold one: the dedicated servers' client, or the
+    registered engine class of rollout.engine (colocated: on the rank's own GPU where there is one)."""
+    rollout = cfg.rollout
+
+    def build():
+        if rollout.placement == "dedicated":
+            from grpo_mega.rollout.client import ServerClient
+
+            return ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp)
+        import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
+        import grpo_mega.rollout.sglang_engine  # noqa: F401
+        from grpo_mega.rollout.interface import ENGINES, EngineSpec
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
+                          dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
+                          mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"))
+        return ENGINES.get(rollout.engine).for_run(spec)
+
+    return build
+
+
+class Run:
+    """A built run: the models, engines, scheduler and checkpoint store, and the actions the loop takes
+    between phases. Every rank holds one; every method is collective unless it says otherwise."""
+
+    def __init__(self, cfg: TrainConfig, model: ModelConfig, task: Task, engine_factory: Callable[[], object],
+                 hf_dir: Optional[str] = None):
+        self.cfg, self.model, self.task, self.hf_dir = cfg, model, task, hf_dir
+        self.n, self.steps = cfg.rollout.n, cfg.run.steps
+        cfg.check_layout(model, torch.distributed.get_world_size())
+        self.actor = Actor(model, cfg.parallel, cfg.precision, cfg.optim, cfg.algo, cfg.batch)
+        if hf_dir is not None:
+            from megatron.core import parallel_state as ps
+
+            from grpo_mega.models.hf_io import load_hf_into_gpt
+
+            load_hf_into_gpt(self.actor.built.gpt, hf_dir, model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp)
+            self.actor.optimizer.reload_model_params()
+        self.reference = None
+        if cfg.algo.kl_coef != 0:
+            self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload)
+            self.reference.load_from(self.actor)
+        self.first_step, self.store, state = 1, None, None
+        if cfg.checkpoint.dir:
+            from grpo_mega.trainer import checkpoint
+
+            self.store, state = checkpoint.open_for_run(cfg.checkpoint, self.actor, self.reference, cfg.to_dict())
+            if state is not None:
+                self.first_step = state["step"] + 1
+                if task.set_state is not None:
+                    task.set_state(state["task"])
+                if task.load_files is not None:
+                    task.load_files(Path(state["path"]) / "task")
+        self.engines = Engines(engine_factory, cfg.rollout.num_engines)
+        self.routing = Routing(self.actor.dp_rows)  # each DP replica gets only the samples it runs
+        r = cfg.rollout
+        self.rollouts = RolloutScheduler(
+            self.engines, task.train_batch, cfg.batch.train_batch_size,
+            SamplingArgs(r.n, r.temperature, r.top_p, cfg.batch.max_response_length, task.stop_token_ids, cfg.run.seed),
+            r.off_policy_steps, cfg.run.steps, task.get_state, task.set_state, share=self.routing.share)
+        self.rollouts.restore(state and state.get("rollout"))  # a batch generated before the checkpoint, not yet trained
+        self._sync = dict(cfg=model, bucket_mb=r.sync_bucket_mb, audit=r.audit_weights, dtype=self.actor.params_dtype)
+        self.sync_weights(self.first_step - 1)
+
+    @property
+    def rank0(self) -> bool:
+        return torch.distributed.get_rank() == 0
+
+    def sync_weights(self, version: int) -> None:
+        """The actor's weights into every engine, as weight version `version`."""
+        self.rollouts.sync_weights(self.actor.built.gpt, version=version, **self._sync)
+
+    def after_update(self, step: int) -> None:
+        """Weight sync; iterative RL copies the policy into the reference every algo.ref_update_interval steps."""
+        self.sync_weights(step)
+        every = self.cfg.algo.ref_update_interval
+        if self.reference is not None and every and step % every == 0:
+            self.reference.load_from(self.actor)
+
+    def eval_due(self, step: int) -> bool:
+        """Validation before step 1 (step 0), every eval.interval steps and after the last; never with interval 0."""
+        every = self.cfg.eval.interval
+        return bool(every) and (step % every == 0 or step == self.steps)
+
+    def evaluate(self) -> tuple[float, float]:
+        """(greedy validation reward, pass@k: the fraction of prompts with a full-reward answer among k samples)."""
+        task, r, k = self.task, self.cfg.rollout, self.cfg.eval.pass_k
+        val = task.validation()
+        prompts, longest = [e.prompt_ids for e in val], self.cfg.batch.max_response_length
+        gen = self.engines.generate(prompts, 1, 0.0, 1.0, longest, task.stop_token_ids, 0)
+        greedy = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
+        sampled = self.engines.generate(prompts, k, r.temperature, r.top_p, longest, task.stop_token_ids, 7)
+        solved = [max(task.reward(e, sampled.token_ids[i * k + j]) for j in range(k)) >= 1.0 for i, e in enumerate(val)]
+        return greedy, sum(solved) / len(val)
+
+    def stop_requested(self) -> bool:
+        """Has checkpoint.stop_file appeared (seen on rank 0)?"""
+        stop_file = self.cfg.checkpoint.stop_file
+        return bool(stop_file) and comm.any_rank(self.rank0 and Path(stop_file).exists())
+
+    def save_due(self, step: int, stop: bool) -> bool:
+        every = self.cfg.checkpoint.interval
+        return self.store is not None and (bool(every and step % every == 0) or step == self.steps or stop)
+
+    def save(self, step: int) -> None:
+        """A checkpoint of step `step`, with the next step's batch when it is already generated (README)."""
+        from grpo_mega.trainer import checkpoint
+
+        c = self.cfg.checkpoint
+        state = {"step": step, "weight_version": step, "config": self.cfg.to_dict(),
+                 "task": self.rollouts.task_state() if self.task.get_state else None, "rollout": self.rollouts.state()}
+        checkpoint.save(self.store, step, self.actor, self.reference, state,
+                        export=dict(model_cfg=self.model, dtype=self.actor.params_dtype, hf_dir=self.hf_dir,
+                                    hf=c.export_hf),
+                        task_files=self.task.save_files)
+
+    def end_step(self, step: int, stop: bool) -> bool:
+        """After a step's metrics: heartbeat the checkpoint lock, honour a stop file. True: stop now."""
+        if self.store is not None and self.rank0:
+            self.store.heartbeat()
+        if not stop:
+            return False
+        if self.rank0:
+            stop_file = Path(self.cfg.checkpoint.stop_file)
+            if step < self.steps:  # renamed so that it is not seen again, and the launcher can tell why it stopped
+                stop_file.rename(stop_file.with_name(stop_file.name + ".stopped"))
+                where = (f"checkpoint of step {step} saved in {self.cfg.checkpoint.dir}" if self.store is not None
+                         else "no checkpoint.dir: nothing saved")
+                print(f"stop requested ({stop_file}): stopping after step {step}; {where}", flush=True)
+            else:
+                stop_file.unlink(missing_ok=True)
+        return step < self.steps
+
+    def close(self) -> None:
+        self.engines.shutdown()
+        if self.store is not None and self.rank0:
+            self.store.release()
+
+
+def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], out_dir: Path) -> Run:
+    """Everything a run needs, built on every rank (torch.distributed already initialised; `resolve_model`
+    gave the model). The task's reward workers are closed if building fails; afterwards by the caller."""
+    from grpo_mega.trainer.task import build_task
+
+    task = build_task(cfg, tok)
+    if cfg.rollout.off_policy_steps and torch.distributed.get_rank() == 0:
+        print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction "
+              f"algo.engine_is_cap={cfg.algo.engine_is_cap}", flush=True)
+    try:
+        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir), hf_dir)
+    except BaseException:
+        getattr(task.reward, "close", lambda: None)()  # the reward's worker processes end with the run
+        raise
+
+
+def threads_per_rank() -> int:
+    """The CPU threads each rank of this node may use (taskset's affinity divided among the node's ranks)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // int(os.environ.get("WORLD_SIZE", "1")))
+

@@ -1,0 +1,94 @@
+"""What a run trains on (a Task: prompts, the reward, a validation set, the stop token) and how the config
+builds one: the toy successor task (make demo) or prompt files in verl's schema scored by a reward
+(rule rewards in a process pool, or a learned reward model)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from grpo_mega.conf.schema import RewardConfig, TrainConfig
+
+
+@dataclass(kw_only=True)
+class Task:
+    """What the loop trains on: prompts, a reward, a validation set, the stop token."""
+
+    train_batch: Callable[[int], list]  # size -> examples with .prompt_ids
+    validation: Callable[[], list]
+    reward: Callable[[object, list[int]], float]
+    """Per sample (validation); a rewards.scoring.StepScorer also scores a step's samples, once each."""
+    stop_token_ids: list[int]
+    get_state: Optional[Callable[[], object]] = None
+    """The task's own state (data cursor, sampler RNG) for checkpoints; JSON-serialisable."""
+    set_state: Optional[Callable[[object], None]] = None
+    save_files: Optional[Callable[[Path], None]] = None
+    """Rank 0 writes the task's non-JSON state (a reward model in training) into a checkpoint's directory."""
+    load_files: Optional[Callable[[Path], None]] = None
+    """Every rank is given that directory on resume."""
+
+
+def _reward_model(rew: RewardConfig, tok, verifier):
+    """reward.name=reward_model: the batched reward model, with its label source and validation judge.
+    `verifier`: the task's own rule reward (task=successor), or None."""
+    from grpo_mega.rewards.reward_model import RewardModelReward
+    from grpo_mega.rewards.scoring import PromptReward
+
+    pool = dict(num_workers=rew.num_workers, timeout_s=rew.timeout_s, start_method=rew.start_method)
+    owned = []
+
+    def rule(name: str, what: str, on_error: str):
+        if name == "task":
+            if verifier is None:
+                raise ValueError(f"{what}=task needs task=successor (a task with its own verifier); with prompt "
+                                 "files name a rule such as math, or a dotted path")
+            return lambda examples, ids: [verifier(e, r) for e, r in zip(examples, ids)]
+        r = PromptReward(tok, name, on_error=on_error, what="label source" if "labels" in what else "reward function",
+                         **pool)
+        owned.append(r)
+        return lambda examples, ids: r.score_batch(examples, ids, list(range(len(examples))), 0)[0]
+
+    labeler = rule(rew.rm_train.labels, "reward.rm_train.labels", "raise") if rew.rm_train.interval else None
+    validate = None
+    if rew.val_reward:
+        judge = rule(rew.val_reward, "reward.val_reward", rew.on_error)
+        validate = lambda example, ids: judge([example], [ids])[0]  # noqa: E731
+    return RewardModelReward(tok, rew.path, rew.device, rew.rm_batch_size, rm_train=rew.rm_train, labeler=labeler,
+                             label_name=rew.rm_train.labels, validate=validate, owned=owned)
+
+
+def build_task(cfg: TrainConfig, tok) -> Task:
+    """The Task the loop trains on: the toy successor task, or prompt files scored by a reward."""
+    from grpo_mega.data.toy import SuccessorTask
+
+    rew, batch, seed = cfg.reward, cfg.batch, cfg.run.seed
+    if cfg.task == "successor":
+        t = SuccessorTask(tok, seed=seed)
+        reward = _reward_model(rew, tok, t.reward) if rew.name == "reward_model" else t.reward
+        return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
+                    get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
+                    load_files=getattr(reward, "load_files", None))
+    from grpo_mega.data.dataset import PromptStream, load_prompts
+    from grpo_mega.rewards.scoring import PromptReward
+
+    train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length)
+    if cfg.data.val_files:
+        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length)[0]
+    else:  # a bounded, fixed sample of the training prompts, in file order (all of them when few)
+        keep = sorted(random.Random(seed).sample(range(len(train)), min(cfg.eval.max_prompts, len(train))))
+        val = [train[i] for i in keep]
+    if dropped:
+        print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
+    stream = PromptStream(train, seed)
+    kwargs = {k: getattr(rew, k) for k in ("weights", "path") if getattr(rew, k)}
+    if rew.name == "reward_model":
+        reward = _reward_model(rew, tok, None)
+    else:
+        reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
+                              timeout_s=rew.timeout_s, start_method=rew.start_method)
+
+    return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
+                stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state,
+                save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None))

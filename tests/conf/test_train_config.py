@@ -1,0 +1,115 @@
+"""The one config tree: every config class lives in grpo_mega/conf, Hydra composes one TrainConfig, the generated
+reference (docs/config.md) matches the code, old names are refused, and cross-field rules fail at construction."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_mega.conf import schema
+from grpo_mega.conf.reference import field_docs, main as reference_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config_classes(tree_root: type) -> list[type]:
+    seen, todo = [], [tree_root]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.append(cls)
+        hints = __import__("typing").get_type_hints(cls)
+        todo += [h for h in hints.values() if dataclasses.is_dataclass(h)]
+    return seen
+
+
+def test_docs_config_md_is_current():
+    """Fails when a field, default or help line changed without `python -m grpo_mega.conf.reference --write`."""
+    assert reference_main(["--check"]) == 0, "docs/config.md is stale: python -m grpo_mega.conf.reference --write"
+
+
+def test_every_field_has_a_help_line():
+    for cls in _config_classes(schema.TrainConfig) + [schema.ModelConfig]:
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs
+                   and not dataclasses.is_dataclass(__import__("typing").get_type_hints(cls)[f.name])]
+        assert not missing, f"{cls.__name__}: no docstring under {missing}"
+
+
+def test_every_config_class_lives_in_conf():
+    """The tree is closed: each component of TrainConfig is defined in grpo_mega/conf, and no module outside it
+    defines a class named *Config."""
+    classes = _config_classes(schema.TrainConfig)
+    assert len(classes) == 13  # TrainConfig and its 12 components (reward.rm_train included)
+    assert all(c.__module__.startswith("grpo_mega.conf") for c in classes)
+    outside = []
+    for path in (ROOT / "grpo_mega").rglob("*.py"):
+        if "conf" in path.relative_to(ROOT / "grpo_mega").parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
+                outside.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert not outside, outside
+
+
+def test_cfg_job_prints_one_tree():
+    out = subprocess.run([sys.executable, "-m", "grpo_mega.train", "--cfg", "job"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    top = [line.split(":")[0] for line in out.stdout.splitlines() if line and not line.startswith((" ", "#"))]
+    assert top == [f.name for f in dataclasses.fields(schema.TrainConfig)], top
+    rollout = out.stdout.split("\nrollout:")[1].split("\nrun:")[0]
+    assert "\n  'n': 8\n" in rollout  # the demo's group size, under rollout (YAML quotes the key n)
+
+
+@pytest.mark.parametrize("override,new", [("batch.n=8", "rollout.n=8"), ("seed=3", "run.seed=3"),
+                                          ("+batch.n=2", "rollout.n=2")])
+def test_old_names_are_refused_naming_the_new(override, new):
+    with pytest.raises(ValueError, match=f"is now {new.split('=')[0]}: write {new}$"):
+        schema.check_renamed(["run.steps=1", override])
+    schema.check_renamed(["rollout.n=8", "run.seed=3"])  # the new names pass
+
+
+def test_cross_field_rules_fail_at_construction():
+    with pytest.raises(ValueError, match="task=prompts needs data.train_files"):
+        schema.TrainConfig(task="prompts")
+    with pytest.raises(ValueError, match="not divisible by parallel.tp=2"):
+        schema.TrainConfig(parallel=dict(tp=2, sequence_parallel=True), batch=dict(max_tokens_per_micro_batch=259,
+                                                                                   max_response_length=3))
+    with pytest.raises(ValueError, match="needs rollout.placement=dedicated"):
+        schema.TrainConfig(rollout=dict(off_policy_steps=1))
+    with pytest.raises(ValueError, match="reward.overlong='drop'"):
+        schema.TrainConfig(reward=dict(overlong="drop"))
+    with pytest.raises(ValueError, match="eval.interval=-1"):
+        schema.TrainConfig(eval=dict(interval=-1))
+
+
+def test_derived_settings():
+    """Iterative RL: the reference follows the reward model's updates unless set; one step off-policy turns on
+    truncated importance correction unless set."""
+    c = schema.TrainConfig(reward=dict(name="reward_model", rm_train=dict(interval=3, labels="task")))
+    assert c.algo.ref_update_interval == 3
+    c = schema.TrainConfig(reward=dict(name="reward_model", rm_train=dict(interval=3, labels="task")),
+                           algo=dict(ref_update_interval=5))
+    assert c.algo.ref_update_interval == 5
+    c = schema.TrainConfig(rollout=dict(placement="dedicated", servers=["http://h:1"], off_policy_steps=1))
+    assert c.algo.engine_is_cap == schema.OFF_POLICY_IS_CAP
+    c = schema.TrainConfig(rollout=dict(placement="dedicated", servers=["http://h:1"], off_policy_steps=1),
+                           algo=dict(engine_is_cap=3.0))
+    assert c.algo.engine_is_cap == 3.0
+
+
+def test_layout_against_the_model_and_world():
+    model = schema.load_model_config("tiny")
+    cfg = schema.TrainConfig(parallel=dict(tp=2), batch=dict(packing=False, micro_batch_size=3), rollout=dict(n=4))
+    with pytest.raises(ValueError, match="ppo_mini_batch_size \\* rollout.n = 4 \\* 4 = 16 responses does not split"):
+        cfg.check_layout(model, 4)
+    assert schema.TrainConfig(parallel=dict(tp=2)).check_layout(model, 4) == 2
+    with pytest.raises(ValueError, match="rollout.num_engines=3 must divide the number of ranks \\(4\\)"):
+        schema.TrainConfig(rollout=dict(num_engines=3)).check_layout(model, 4)
