@@ -23,6 +23,7 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from grpo_mega.conf.schema import TrainConfig, check_renamed
 from grpo_mega.processes import free_port
@@ -80,7 +81,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     torch.set_num_threads(threads_per_rank())
     with cpu_compat.cpu_device_mode():
         config.check_layout(model, int(os.environ["WORLD_SIZE"]))  # before any process group or model
-        init_distributed(tp=config.parallel.tp, pp=config.parallel.pp, seed=config.run.seed)
+        init_distributed(tp=config.parallel.tp, pp=config.parallel.pp, seed=config.run.seed,
+                         timeout_s=config.dist.timeout_s)
         rank0 = torch.distributed.get_rank() == 0
         sinks = MetricSinks(out_dir, config.run.steps, config.to_dict(), rank0)
         built = build_run(config, model, tok, hf_dir, out_dir)
@@ -113,6 +115,7 @@ def main() -> None:
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
+@record  # under torchrun, a rank's exception goes to its error file: the root cause of a failed job
 def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

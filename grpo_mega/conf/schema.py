@@ -453,6 +453,8 @@ class RolloutConfig:
     """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""
     server_timeout_s: float = 300.0
     """Dedicated placement: the longest a server may take to answer one request (a generate included)."""
+    engine_timeout_s: float = 900.0
+    """A colocated SGLang engine: the longest one call (a step's generation included) may take."""
     off_policy_steps: int = 0
     """0: each step generates, then trains. 1 (placement=dedicated): step k+1's samples are generated on the
     servers while step k trains, from the weights step k-1 trained from (one version behind; samples of step
@@ -482,6 +484,8 @@ class RolloutConfig:
                              "set rollout.placement=dedicated rollout.servers=[http://host:port]")
         if self.server_timeout_s <= 0:
             raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
+        if self.engine_timeout_s <= 0:
+            raise ValueError(f"rollout.engine_timeout_s={self.engine_timeout_s} must be > 0")
         if self.num_engines < 1:
             raise ValueError(f"rollout.num_engines={self.num_engines} must be >= 1")
         if self.engine_tp < 1:
@@ -656,6 +660,28 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True)
+class DistConfig:
+    """torch.distributed and hang detection."""
+
+    timeout_s: float = 1800.0
+    """The world's and megatron's process groups: the longest any rank waits in one collective (a rank 0 that
+    generates, scores or saves while the others wait counts against it)."""
+    watchdog_factor: float = 10.0
+    """Dump every thread's stack (faulthandler, into the run directory's stacks-rank<R>.txt) when a step runs
+    longer than this many times the median step so far (at least watchdog_min_s); 0: no watchdog."""
+    watchdog_min_s: float = 300.0
+    """The watchdog never fires before a step has run this long."""
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"dist.timeout_s={self.timeout_s} must be > 0")
+        if self.watchdog_factor != 0 and self.watchdog_factor <= 1:
+            raise ValueError(f"dist.watchdog_factor={self.watchdog_factor} must be > 1 (or 0: off)")
+        if not self.watchdog_min_s > 0:
+            raise ValueError(f"dist.watchdog_min_s={self.watchdog_min_s} must be > 0")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """The whole run, composed by Hydra (grpo_mega/conf/config.yaml + command-line overrides): every field of
     every component is overridable (`algo.entropy_coef=0.01`). Each component checks its own fields; the
@@ -676,6 +702,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
         for f in fields(self):  # plain dicts (a checkpoint's saved config) become their dataclasses
@@ -730,7 +757,7 @@ OFF_POLICY_IS_CAP = 2.0
 
 _COMPONENTS = {"data": DataConfig, "reward": RewardConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
                "optim": OptimConfig, "algo": AlgoConfig, "batch": BatchConfig, "rollout": RolloutConfig,
-               "run": RunConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig}
+               "run": RunConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "dist": DistConfig}
 
 RENAMED = {"batch.n": "rollout.n", "seed": "run.seed"}
 """Settings that had two names: the old one is refused, naming the new."""

@@ -9,6 +9,7 @@ the loss.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -50,9 +51,10 @@ def default_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> Layout:
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 1800.0) -> Layout:
     """Start torch.distributed if needed (env:// rendezvous, as torchrun sets it), create megatron's
-    model-parallel groups for `tp` x `pp` (dp is what remains) and seed megatron's RNG tracker.
+    model-parallel groups for `tp` x `pp` (dp is what remains) and seed megatron's RNG tracker. `timeout_s`
+    (dist.timeout_s) bounds every collective of the world's and megatron's groups.
 
     On a machine without CUDA the CPU compatibility layer is applied first and the backend is gloo.
     """
@@ -70,7 +72,8 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: floa
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return Layout(

@@ -125,6 +125,8 @@ class EngineSpec:
     """SGLang's mem_fraction_static (rollout.gpu_memory_fraction); None: its default."""
     workdir: str = ""
     """Where an engine that needs an HF directory on disk may write one."""
+    timeout_s: float = 900.0
+    """The longest one call into the engine may take (rollout.engine_timeout_s)."""
 
 
 ENGINES: Registry[type] = Registry("rollout engine")

@@ -86,9 +86,9 @@ class SGLangEngine(RolloutEngine):
     def for_run(cls, spec) -> "SGLangEngine":
         """The run's engine (an EngineSpec): SGLang on the HF checkpoint, or on a fresh one of the model's shape."""
         if spec.hf_dir is None:
-            return cls.from_model_config(spec.model, spec.workdir)
+            return cls.from_model_config(spec.model, spec.workdir, timeout_s=spec.timeout_s)
         extra = {"mem_fraction_static": spec.mem_fraction} if spec.mem_fraction else {}
-        return cls(spec.hf_dir, tp=spec.tp, dtype=spec.dtype, **extra)
+        return cls(spec.hf_dir, tp=spec.tp, dtype=spec.dtype, timeout_s=spec.timeout_s, **extra)
 
     # ---- calls with a deadline --------------------------------------------------------------------
 

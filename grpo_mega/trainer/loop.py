@@ -35,6 +35,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
     history = History(initial_val_reward=val and val[0])
     for step in range(run.first_step, cfg.run.steps + 1):
         timer = StepTimer()
+        run.begin_step()  # arms the hang watchdog
         with timer("generate_wait"):  # one step ahead, the next step's generation starts in here
             got = rollouts.result(step)
         gen, samples = got.gen, [got.examples[i // n] for i in range(len(got.gen.token_ids))]

@@ -19,6 +19,7 @@ from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.task import Task
+from grpo_mega.trainer.watchdog import StepWatchdog
 
 
 def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]:
@@ -56,7 +57,8 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
                           dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
-                          mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"))
+                          mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
+                          timeout_s=rollout.engine_timeout_s)
         return ENGINES.get(rollout.engine).for_run(spec)
 
     return build
@@ -67,8 +69,11 @@ class Run:
     between phases. Every rank holds one; every method is collective unless it says otherwise."""
 
     def __init__(self, cfg: TrainConfig, model: ModelConfig, task: Task, engine_factory: Callable[[], object],
-                 hf_dir: Optional[str] = None):
+                 hf_dir: Optional[str] = None, out_dir: Optional[Path] = None):
         self.cfg, self.model, self.task, self.hf_dir = cfg, model, task, hf_dir
+        d = cfg.dist
+        self.watchdog = StepWatchdog(Path(out_dir or ".") / f"stacks-rank{torch.distributed.get_rank()}.txt",
+                                     d.watchdog_factor if out_dir is not None else 0.0, d.watchdog_min_s)
         self.n, self.steps = cfg.rollout.n, cfg.run.steps
         cfg.check_layout(model, torch.distributed.get_world_size())
         self.actor = Actor(model, cfg.parallel, cfg.precision, cfg.optim, cfg.algo, cfg.batch)
@@ -108,6 +113,10 @@ class Run:
     @property
     def rank0(self) -> bool:
         return torch.distributed.get_rank() == 0
+
+    def begin_step(self) -> None:
+        """Arms the hang watchdog for this step."""
+        self.watchdog.begin()
 
     def sync_weights(self, version: int) -> None:
         """The actor's weights into every engine, as weight version `version`."""
@@ -159,6 +168,7 @@ class Run:
 
     def end_step(self, step: int, stop: bool) -> bool:
         """After a step's metrics: heartbeat the checkpoint lock, honour a stop file. True: stop now."""
+        self.watchdog.end()
         if self.store is not None and self.rank0:
             self.store.heartbeat()
         if not stop:
@@ -175,6 +185,7 @@ class Run:
         return step < self.steps
 
     def close(self) -> None:
+        self.watchdog.close()
         self.engines.shutdown()
         if self.store is not None and self.rank0:
             self.store.release()
@@ -190,7 +201,7 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction "
               f"algo.engine_is_cap={cfg.algo.engine_is_cap}", flush=True)
     try:
-        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir), hf_dir)
+        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir), hf_dir, out_dir)
     except BaseException:
         getattr(task.reward, "close", lambda: None)()  # the reward's worker processes end with the run
         raise
