@@ -68,6 +68,8 @@ def layer_params(model: ModelConfig, tp: int) -> tuple[int, int]:
     fc1, fc2 = 2 * (f // tp) * h, h * (f // tp)
     bias = (q + 2 * kv) // tp if model.qkv_bias else 0
     norms = 2 * h  # input_layernorm and pre_mlp_layernorm: replicated over TP
+    if model.qk_layernorm:
+        norms += 2 * model.kv_channels  # Qwen3's per-head q/k norms, shared by all heads: replicated
     linear = qkv + proj + fc1 + fc2
     return linear + bias + norms, linear
 
@@ -107,6 +109,7 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
         2h        the fc1 input (the second norm's output; 1h as FP8)
       split over TP:
         2q + 4k   Q, K and V, kept by the attention kernel
+        2q + 2k   with qk_layernorm (Qwen3), the q/k norms' inputs (their outputs, RoPE'd, are the Q and K above)
         2q        the output projection's input (the attention output; 1q as FP8)
         4f + 2f   fc1's output (gate and up, kept by SwiGLU) and SwiGLU's output, fc2's input (1f as FP8)
         5as       softmax output, its dropout mask and output (the paper's 5as^2 b): only for unfused
@@ -126,6 +129,8 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
         return tokens * 2 * h / sp
     replicated = 4 * h + gemm_in * h + gemm_in * h
     split = 2 * q + 4 * k + gemm_in * q + 4 * f + gemm_in * f
+    if model.qk_layernorm:
+        split += 2 * q + 2 * k
     per_token = replicated / sp + split / tp
     if not flash_attention and recompute == "none":
         per_token += 5 * model.num_attention_heads * seq / tp

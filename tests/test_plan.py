@@ -81,6 +81,7 @@ def test_launch_script_layout_fits_and_params_match_meta_build(name, launch_plan
 @pytest.mark.parametrize("model_name,world,par", [
     ("smollm2-135m", 4, dict(tp=1, pp=2)),  # tied embeddings: the last stage keeps its own output weight
     ("qwen2.5-0.5b", 2, dict(tp=2, pp=1)),  # tied, pp=1: one embedding matrix; qkv bias split over TP
+    ("qwen3-32b", 16, dict(tp=8, pp=2)),  # q/k norms replicated; head_dim 128 != hidden/heads 80
     ("llama-3.1-70b", 64, dict(tp=8, pp=8)),
     ("llama-3.1-70b", 64, dict(tp=4, pp=4, num_layers_in_first_pipeline_stage=18,
                                num_layers_in_last_pipeline_stage=18)),  # uneven: 18 + 22 + 22 + 18
@@ -118,6 +119,19 @@ def test_layer_activations_by_hand():
     assert planning.layer_activation_bytes(m, s, b, t, False, "full") == 2 * sbh
     # FP8 GEMM inputs (QKV, proj, fc1, fc2 inputs) at one byte
     assert planning.layer_activation_bytes(m, s, b, 1, False, "none", fp8=True) == sbh * (33.5 - 1 - 1 - 1 - 3.5)
+
+
+def test_qwen3_activations_by_hand():
+    import dataclasses
+
+    m = load_model_config("qwen3-8b")  # h 4096, q 4096 = h, k 1024 = h/4, f 12288 = 3h
+    s, b, h, t = 4096, 1, 4096, 8
+    sbh = s * b * h
+    # 8h kept whole; split: 2q + 4k + 2q + 6f = 23h, and the q/k norms' inputs 2q + 2k = 2.5h
+    assert planning.layer_activation_bytes(m, s, b, 1, False, "none") == sbh * 33.5
+    assert planning.layer_activation_bytes(m, s, b, t, False, "none") == sbh * (8 + 25.5 / t)
+    no_qk = dataclasses.replace(m, family="llama", qk_layernorm=False)
+    assert planning.layer_activation_bytes(no_qk, s, b, t, False, "none") == sbh * (8 + 23 / t)
 
 
 def test_1f1b_stage_holds_pp_minus_stage_micro_batches():

@@ -40,13 +40,13 @@ class RopeScaling:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Architecture of a decoder-only Llama/Qwen2-family model: the fields of its HF config.json that
+    """Architecture of a decoder-only Llama/Qwen2/Qwen3-family model: the fields of its HF config.json that
     decide shapes and numerics, and nothing about parallelism or training."""
 
     name: str = "custom"
     """Name (the YAML's file name)."""
     family: str = "llama"
-    """'llama' or 'qwen2': picks the HF bridge."""
+    """'llama', 'qwen2' or 'qwen3': picks the HF bridge."""
     num_layers: int
     """Transformer layers (HF num_hidden_layers)."""
     hidden_size: int
@@ -73,14 +73,21 @@ class ModelConfig:
     """RMSNorm epsilon (HF rms_norm_eps)."""
     qkv_bias: bool = False
     """Bias on the q, k, v projections (Qwen2)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE, one weight of kv_channels shared by all heads
+    (Qwen3's q_norm/k_norm; megatron's q_layernorm/k_layernorm). Qwen3 always has it, Llama and Qwen2 never."""
     tie_word_embeddings: bool = False
     """Output layer shares the input embedding's weight."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
-        if self.family not in ("llama", "qwen2"):
-            raise ValueError(f"model.family={self.family!r} must be 'llama' or 'qwen2'")
+        if self.family not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"model.family={self.family!r} must be 'llama', 'qwen2' or 'qwen3'")
+        if self.qk_layernorm != (self.family == "qwen3"):
+            raise ValueError(f"model.qk_layernorm={self.qk_layernorm} with model.family={self.family!r}: Qwen3 "
+                             "checkpoints always have q/k norms, Llama and Qwen2 checkpoints never; set "
+                             f"model.qk_layernorm={str(self.family == 'qwen3').lower()}")
         for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings"):
             _positive(f"model.{f}", getattr(self, f))
@@ -109,6 +116,8 @@ class ModelConfig:
         attn = h * self.num_attention_heads * d + 2 * h * kv + self.num_attention_heads * d * h
         if self.qkv_bias:
             attn += self.num_attention_heads * d + 2 * kv
+        if self.qk_layernorm:
+            attn += 2 * d
         layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h

@@ -69,6 +69,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp,
@@ -115,10 +116,15 @@ def layer_spec(config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = LocalRMSNorm
     layer.submodules.pre_mlp_layernorm = LocalRMSNorm
+    if config.qk_layernorm:
+        # Per-head norms over kv_channels, after linear_qkv. Their weight gradient is a partial sum over this
+        # rank's heads; finalize_model_grads all-reduces it over TP by name (q_layernorm/k_layernorm).
+        attn = layer.submodules.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_mega.conf import load_model_config
-from grpo_mega.conf.schema import MODEL_CONFIG_DIR
+from grpo_mega.conf.schema import MODEL_CONFIG_DIR, ModelConfig
 
 # name -> (published parameter count, one unit of its last published digit)
 PUBLISHED = {
@@ -20,11 +20,19 @@ PUBLISHED = {
     "llama-3.1-8b": (8.03e9, 0.01e9),
     "llama-3.1-70b": (70.6e9, 0.1e9),
     "llama-3.3-70b": (70.6e9, 0.1e9),
+    # Qwen3 cards give 0.6B (0.44B non-embedding), 8.2B (6.95B) and 32.8B (31.2B); the hub's safetensors
+    # metadata 0.596B, 8.19B and 32.8B. Held to those.
+    "qwen3-0.6b": (0.596e9, 0.001e9),
+    "qwen3-8b": (8.19e9, 0.01e9),
+    "qwen3-32b": (32.8e9, 0.1e9),
 }
+# name -> published non-embedding parameter count, one unit of its last digit
+PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": (0.44e9, 0.01e9), "qwen3-8b": (6.95e9, 0.01e9), "qwen3-32b": (31.2e9, 0.1e9)}
+TEST_ONLY = {"tiny", "tiny-qwen3"}
 
 
 def _hf_count(cfg) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kw = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
@@ -34,6 +42,8 @@ def _hf_count(cfg) -> int:
     )
     if cfg.family == "qwen2":
         hf_cfg, cls = Qwen2Config(**kw), Qwen2ForCausalLM
+    elif cfg.family == "qwen3":
+        hf_cfg, cls = Qwen3Config(attention_bias=cfg.qkv_bias, head_dim=cfg.kv_channels, **kw), Qwen3ForCausalLM
     else:
         hf_cfg, cls = LlamaConfig(attention_bias=cfg.qkv_bias, head_dim=cfg.kv_channels, **kw), LlamaForCausalLM
     with torch.device("meta"):
@@ -42,7 +52,7 @@ def _hf_count(cfg) -> int:
 
 
 def test_every_yaml_is_covered():
-    assert {p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml")} == set(PUBLISHED) | {"tiny"}
+    assert {p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml")} == set(PUBLISHED) | TEST_ONLY
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -52,12 +62,23 @@ def test_parameter_count(name):
     assert n == _hf_count(cfg)
     published, unit = PUBLISHED[name]
     assert abs(n - published) <= unit, f"{name}: {n / 1e9:.4f}B vs published {published / 1e9}B"
+    if name in PUBLISHED_NON_EMBEDDING:
+        non_embedding = n - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        published, unit = PUBLISHED_NON_EMBEDDING[name]
+        assert abs(non_embedding - published) <= unit, f"{name}: {non_embedding / 1e9:.4f}B non-embedding"
+
+
+@pytest.mark.parametrize("name", sorted(TEST_ONLY))
+def test_test_model_parameter_count(name):
+    cfg = load_model_config(name)
+    assert cfg.num_parameters() == _hf_count(cfg)
 
 
 def test_exact_known_counts():
     assert load_model_config("smollm2-135m").num_parameters() == 134_515_008
     assert load_model_config("llama-3.1-8b").num_parameters() == 8_030_261_248
     assert load_model_config("qwen2.5-0.5b").num_parameters() == 494_032_768
+    assert load_model_config("qwen3-0.6b").num_parameters() == 596_049_920
 
 
 def test_vocabulary_padding_is_fixed_by_the_model():
@@ -68,6 +89,15 @@ def test_vocabulary_padding_is_fixed_by_the_model():
 def test_unknown_model_names_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown model 'qwen9'.*known models: .*llama-3.1-8b.*tiny"):
         load_model_config("qwen9")
+
+
+def test_qk_layernorm_goes_with_the_family():
+    with pytest.raises(ValueError, match=r"model.qk_layernorm=False with model.family='qwen3'.*set model.qk_layernorm=true"):
+        ModelConfig(family="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                    num_query_groups=2, vocab_size=320)
+    with pytest.raises(ValueError, match=r"model.qk_layernorm=True with model.family='qwen2'"):
+        ModelConfig(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                    num_query_groups=2, vocab_size=320, qk_layernorm=True)
 
 
 def test_yaml_with_unknown_or_missing_fields(tmp_path):

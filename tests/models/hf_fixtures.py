@@ -11,13 +11,18 @@ SMOLLM2_DIR = Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache" / "g
 
 
 def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0) -> Path:
-    """A 4-layer, 8-head, 4-KV-group random model saved with save_pretrained (safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A 4-layer, 8-head, 4-KV-group random model saved with save_pretrained (safetensors). Qwen3's has a
+    head_dim of 32, not hidden_size / heads (8), and random q/k norms."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tied,
               rope_theta=10000.0, initializer_range=0.15)
-    cfg, cls = (Qwen2Config(**kw), Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig(**kw), LlamaForCausalLM)
+    cfg, cls = {
+        "llama": lambda: (LlamaConfig(**kw), LlamaForCausalLM),
+        "qwen2": lambda: (Qwen2Config(**kw), Qwen2ForCausalLM),
+        "qwen3": lambda: (Qwen3Config(head_dim=32, **kw), Qwen3ForCausalLM),
+    }[family]()
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
     with torch.no_grad():  # make the norms and biases non-trivial so a swapped tensor would show

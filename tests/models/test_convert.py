@@ -22,7 +22,8 @@ LOGIT_TOL = 1e-4  # max-abs, fp32
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
-    return {fam: tiny_hf(d / fam, fam) for fam in ("llama", "qwen2")} | {"llama_tied": tiny_hf(d / "tied", "llama", tied=True)}
+    return {fam: tiny_hf(d / fam, fam) for fam in ("llama", "qwen2", "qwen3")} | {
+        f"{fam}_tied": tiny_hf(d / f"{fam}_tied", fam, tied=True) for fam in ("llama", "qwen3")}
 
 
 def _all_tensors(d: Path) -> dict:
@@ -44,15 +45,18 @@ def _roundtrip(src: Path, tmp: Path, tp: int, pp: int):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "llama_tied"])
-def test_roundtrip_bit_exact_tp2pp2(tiny, tmp_path, family):
-    out = _roundtrip(tiny[family], tmp_path, 2, 2)
+@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 2), ("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 2, 2),
+                                          ("qwen3_tied", 1, 2)])
+def test_roundtrip_bit_exact(tiny, tmp_path, family, tp, pp):
+    out = _roundtrip(tiny[family], tmp_path, tp, pp)
     assert (out / "model.safetensors.index.json").is_file()  # small shards: the index path is exercised
     from transformers import AutoConfig
 
     src_cfg, out_cfg = AutoConfig.from_pretrained(tiny[family]), AutoConfig.from_pretrained(out)
     for key in ("hidden_size", "num_key_value_heads", "vocab_size", "tie_word_embeddings", "model_type"):
         assert getattr(src_cfg, key) == getattr(out_cfg, key)
+    if family.startswith("qwen3"):
+        assert src_cfg.head_dim == out_cfg.head_dim == 32
     assert out_cfg.rope_parameters["rope_theta"] == src_cfg.rope_parameters["rope_theta"]
 
 
@@ -101,12 +105,15 @@ def _check_logits(hf_dir, tp, pp):
     with torch.no_grad():
         want = hf_model(tokens).logits
     err = (logits - want).abs().max().item()
+    print(f"{Path(hf_dir).name} TP{tp}xPP{pp}: max-abs logit error {err:.2e}, max |logit| {want.abs().max():.1f}")
     assert err <= LOGIT_TOL, f"max-abs logit error {err:.2e} at TP{tp}xPP{pp}"
     assert want.abs().max() > 1.0  # the comparison is not between two near-zero tensors
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "llama_tied"])
+# Qwen3 (per-head q/k norms, head_dim != hidden/heads) at one TP2 case: the q/k norm weights are replicated.
+@pytest.mark.parametrize("family,tp,pp", [
+    (f, tp, pp) for f in ("llama", "qwen2", "llama_tied") for tp, pp in ((1, 1), (2, 1), (1, 2))
+] + [("qwen3", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3_tied", 1, 1), ("qwen3_tied", 1, 2)])
 def test_logits_match_transformers_tiny(tiny, family, tp, pp):
     _check_logits(tiny[family], tp, pp)
 

@@ -58,10 +58,16 @@ def test_staged_and_unflattened_buckets_hold_the_same_tensors():
     assert all(b.nbytes == sum(m.nbytes for m in b.metas) for b in pack_buckets(iter(tensors), 1200, flatten=False))
 
 
-def _sync_and_sample(tp, pp, tied, bucket_mb):
+def _corrupted(cfg) -> str:
+    """The tensor the test corrupts inside the engine: Qwen3's last k_norm (replicated over TP, its gradient
+    all-reduced by name), otherwise a down projection."""
+    return "model.layers.1.self_attn.k_norm.weight" if cfg.qk_layernorm else "model.layers.2.mlp.down_proj.weight"
+
+
+def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny"):
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=5)
-        cfg = load_model_config("tiny")
+        cfg = load_model_config(model)
         cfg.tie_word_embeddings = tied
         from grpo_mega.trainer.actor import Actor
 
@@ -72,24 +78,32 @@ def _sync_and_sample(tp, pp, tied, bucket_mb):
         batch = L.rollout(seed=1)
         batch.old_logp = actor.logprobs(batch, 1.0)
         actor.update(batch, 1.0)
+        out = {"norm_spread": 0.0}
+        if cfg.qk_layernorm:  # each TP rank's q/k norm gradient covers only its heads: summed over TP, equal copies
+            from megatron.core import parallel_state as ps
+
+            for n, p in actor.built.gpt.named_parameters():
+                if "q_layernorm" in n or "k_layernorm" in n:
+                    copies = [torch.empty_like(p) for _ in range(tp)]
+                    dist.all_gather(copies, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+                    out["norm_spread"] = max(out["norm_spread"], max((c - copies[0]).abs().max().item() for c in copies))
 
         engine = EmbeddedEngine.from_model_config(cfg, seed=123) if dist.get_rank() == 0 else None
         before = engine.weight_checksums() if engine else None
         stats = sync_weights(actor.built.gpt, cfg, engine, version=1, bucket_mb=bucket_mb, audit=True)
-        out = {}
         if engine is not None:
             out["changed"] = sum(before[k] != v for k, v in engine.weight_checksums().items())
             out["stats"] = stats
             # a tensor corrupted inside the engine after the sync is caught and named
-            name = "model.layers.2.mlp.down_proj.weight"
+            name = _corrupted(cfg)
             with torch.no_grad():
-                engine.params[name][0, 0] += 1e-3
+                engine.params[name].view(-1)[0] += 1e-3
             try:
                 check_audit(stats.checksums, engine.weight_checksums())
             except WeightSyncError as e:
                 out["audit_error"] = str(e)
             with torch.no_grad():
-                engine.params[name][0, 0] -= 1e-3
+                engine.params[name].view(-1)[0] -= 1e-3
             check_audit(stats.checksums, engine.weight_checksums())  # restored exactly
         prompts = [[5, 17, 33, 2, 9], [100, 7], [250, 251, 252]]
         for temperature in (0.7, 1.0):
@@ -111,26 +125,31 @@ def _sync_and_sample(tp, pp, tied, bucket_mb):
         return out
 
 
-@pytest.mark.parametrize("tp,pp,tied", [(2, 2, False), (2, 2, True), (1, 1, False)])
-def test_sync_after_update_is_exact_and_audited(tp, pp, tied):
-    res = run_ranks(_sync_and_sample, tp * pp, tp, pp, tied, 0.01, timeout=300)
+# tiny-qwen3 at TP2xPP2: q/k norm weights are replicated over TP, their gradients partial over each rank's
+# heads; after the update step every TP rank must hold the same norm, and the engine must get it.
+@pytest.mark.parametrize("model,tp,pp,tied", [("tiny", 2, 2, False), ("tiny", 2, 2, True), ("tiny", 1, 1, False),
+                                              ("tiny-qwen3", 2, 2, False)])
+def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied):
+    res = run_ranks(_sync_and_sample, tp * pp, tp, pp, tied, 0.01, model, timeout=300)
     r0 = res[0]
     stats = r0["stats"]
     assert r0["changed"] > 0 and stats.audited and stats.version == 1
-    assert "model.layers.2.mlp.down_proj.weight" in r0["audit_error"] and "1 tensors differ" in r0["audit_error"]
+    assert all(r["norm_spread"] == 0.0 for r in res), [r["norm_spread"] for r in res]
+    assert _corrupted(load_model_config(model)) in r0["audit_error"] and "1 tensors differ" in r0["audit_error"]
     limit = 0.01 * 2**20
-    assert stats.buckets > 3 and stats.bytes == sum(4 * p for p in _hf_param_counts(tied))
-    assert stats.largest_bucket <= max(limit, 4 * max(_hf_param_counts(tied)))
+    counts = _hf_param_counts(tied, model)
+    assert stats.buckets > 3 and stats.bytes == sum(4 * p for p in counts)
+    assert stats.largest_bucket <= max(limit, 4 * max(counts))
     for temperature in (0.7, 1.0):
         for r in res:  # every rank recomputed the same logprobs
             mismatch, gen = r[temperature]
             assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
-            print(f"TP{tp}xPP{pp} tied={tied} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
+            print(f"{model} TP{tp}xPP{pp} tied={tied} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
         assert sum(len(t) for t in gen.token_ids) > 12
 
 
-def _hf_param_counts(tied):
-    cfg = load_model_config("tiny")
+def _hf_param_counts(tied, model="tiny"):
+    cfg = load_model_config(model)
     cfg.tie_word_embeddings = tied
     engine = EmbeddedEngine.from_model_config(cfg)
     return [p.numel() for p in engine.params.values()]

@@ -13,11 +13,13 @@ from grpo_mega.models.bridge.common import (
 )
 from grpo_mega.models.bridge.llama import Llama
 from grpo_mega.models.bridge.qwen2 import Qwen2
+from grpo_mega.models.bridge.qwen3 import Qwen3
 from grpo_mega.registry import Registry
 
 FAMILIES: Registry = Registry("model family")
 FAMILIES.register("llama")(Llama())
 FAMILIES.register("qwen2")(Qwen2())
+FAMILIES.register("qwen3")(Qwen3())
 
 
 def family_of_hf(hf_config: dict):

@@ -1,4 +1,4 @@
-"""The HF <-> Megatron bridge for Llama-style decoders (Llama, Qwen2): names, fused layouts, TP split/merge.
+"""The HF <-> Megatron bridge for Llama-style decoders (Llama, Qwen2, Qwen3 dense): names, fused layouts, TP split/merge.
 
 Owns the whole correspondence between an HF checkpoint and megatron-core's GPTModel:
   - names: `model.layers.{i}.self_attn.q_proj.weight` <-> `decoder.layers.{i}.self_attention.linear_qkv.weight`
@@ -6,11 +6,13 @@ Owns the whole correspondence between an HF checkpoint and megatron-core's GPTMo
   - megatron's fused QKV: rows grouped by query group, [q heads of group g | k_g | v_g] for each g, so a
     TP rank's contiguous rows are whole groups;
   - SwiGLU's fused first linear: full [gate; up], but each TP rank holds [gate_r; up_r], its own halves;
+  - Qwen3's per-head q/k RMSNorm: `self_attn.q_norm.weight` <-> `self_attention.q_layernorm.weight` ([kv_channels],
+    shared by every head, so replicated over TP);
   - vocabulary padding: embedding / output rows past the real vocabulary are zero;
   - TP split (for loading a shard straight from safetensors, reading only its rows or columns) and TP merge
     (for gathering a trained shard back to the full tensor).
 Global names carry the global layer index; a pipeline stage maps its local index j to offset + j.
-Family modules (llama.py, qwen2.py) add the config.json mapping. Weights are read only from safetensors.
+Family modules (llama.py, qwen2.py, qwen3.py) add the config.json mapping. Weights are read only from safetensors.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _LAYER_MAP = {
     "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
     "self_attention.linear_qkv.weight": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
     "self_attention.linear_qkv.bias": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "replicated"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicated"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
@@ -90,6 +94,8 @@ def hf_names(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         for key, (hf, _) in _LAYER_MAP.items():
             if key.endswith(".bias") and not cfg.qkv_bias:
+                continue
+            if "_layernorm.weight" in key and key.startswith("self_attention.") and not cfg.qk_layernorm:
                 continue
             names += [f"model.layers.{i}.{h}" for h in hf]
     names.append("model.norm.weight")
@@ -230,6 +236,7 @@ class DecoderFamily:
     family = "llama"
     model_type = "llama"
     architectures = ("LlamaForCausalLM",)
+    qk_layernorm = False  # q_norm/k_norm on every layer (Qwen3)
 
     def model_config(self, hf: dict, name: str = "hf") -> ModelConfig:
         heads = hf["num_attention_heads"]
@@ -259,6 +266,7 @@ class DecoderFamily:
             rope_scaling=rope,
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             qkv_bias=self._qkv_bias(hf),
+            qk_layernorm=self.qk_layernorm,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
 
