@@ -64,14 +64,15 @@ def _corrupted(cfg) -> str:
     return "model.layers.1.self_attn.k_norm.weight" if cfg.qk_layernorm else "model.layers.2.mlp.down_proj.weight"
 
 
-def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny"):
+def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False):
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=5)
         cfg = load_model_config(model)
         cfg.tie_word_embeddings = tied
         from grpo_mega.trainer.actor import Actor
 
-        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
+        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), PrecisionConfig(params_dtype="fp32"),
+                      OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0),
                       BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
         # one update step, so the engine must receive trained (not initial) weights
@@ -126,11 +127,13 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny"):
 
 
 # tiny-qwen3 at TP2xPP2: q/k norm weights are replicated over TP, their gradients partial over each rank's
-# heads; after the update step every TP rank must hold the same norm, and the engine must get it.
-@pytest.mark.parametrize("model,tp,pp,tied", [("tiny", 2, 2, False), ("tiny", 2, 2, True), ("tiny", 1, 1, False),
-                                              ("tiny-qwen3", 2, 2, False)])
-def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied):
-    res = run_ranks(_sync_and_sample, tp * pp, tp, pp, tied, 0.01, model, timeout=300)
+# heads; after the update step every TP rank must hold the same norm, and the engine must get it. Megatron
+# sums them over TP by name (config.qk_layernorm) or, under sequence parallelism, by their sequence_parallel tag.
+@pytest.mark.parametrize("model,tp,pp,tied,sp", [
+    ("tiny", 2, 2, False, False), ("tiny", 2, 2, True, False), ("tiny", 1, 1, False, False),
+    ("tiny-qwen3", 2, 2, False, False), ("tiny-qwen3", 2, 2, False, True)])
+def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied, sp):
+    res = run_ranks(_sync_and_sample, tp * pp, tp, pp, tied, 0.01, model, sp, timeout=300)
     r0 = res[0]
     stats = r0["stats"]
     assert r0["changed"] > 0 and stats.audited and stats.version == 1
@@ -144,7 +147,7 @@ def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied):
         for r in res:  # every rank recomputed the same logprobs
             mismatch, gen = r[temperature]
             assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
-            print(f"{model} TP{tp}xPP{pp} tied={tied} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
+            print(f"{model} TP{tp}xPP{pp} tied={tied} sp={sp} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
         assert sum(len(t) for t in gen.token_ids) > 12
 
 
