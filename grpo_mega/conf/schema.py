@@ -313,6 +313,10 @@ class AlgoConfig:
     """PPO-style: subtract beta * KL from the reward instead of adding it to the loss."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal."""
+    recompute_old_logprobs: bool = False
+    """Always run the old-logprob pass. By default it is skipped when the update is exactly on-policy (ppo_epochs
+    1, one mini-batch, no off-policy steps, no kl_in_reward): the update's own logprobs, detached, are the old
+    ones (the loss and gradient are the same; one forward pass over the batch is saved)."""
     engine_is_cap: Optional[float] = None
     """Importance correction for rollout/trainer drift: weight each token's loss by
     min(p_trainer_old / p_engine, cap) (truncated importance sampling); null: off."""
@@ -750,6 +754,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def on_policy(self) -> bool:
+        """The update is exactly on-policy: the old-logprob pass is skipped (algo.recompute_old_logprobs)."""
+        a = self.algo
+        return (a.ppo_epochs == 1 and self.batch.mini_batches_per_step == 1 and not self.rollout.off_policy_steps
+                and not a.kl_in_reward and not a.recompute_old_logprobs)
 
     def shaping(self):
         """The settings of the per-step shaping (grpo_mega.algo.shaping), as plain values."""

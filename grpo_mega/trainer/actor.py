@@ -244,6 +244,12 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
 
     with torch.no_grad():
         out = run_schedule(module, micro, length, forward_step, forward_only=True)
+    return assemble_logprobs(out, rollout)
+
+
+def assemble_logprobs(out: list[dict], rollout: RolloutBatch) -> torch.Tensor:
+    """[N, L] on every rank from the last stage's per-micro-batch {"logp", "rows"}: every row comes from exactly
+    one DP rank, so one SUM over DP assembles them; the last stage sends the result to every pipeline stage."""
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     full = torch.zeros(rollout.size, rollout.tokens.shape[1], dtype=torch.float32, device=dev)
     if _ps().is_pipeline_last_stage():
@@ -357,6 +363,9 @@ class Actor:
         a = self.algo
         logp, entropy, full_kl = _token_stats(logits, mb, self.model_cfg, self.batch, temperature, ref_logits)
         mask = mb["mask"]
+        on_policy = "old_logp" not in mb
+        if on_policy:  # the exactly on-policy step: the old logprobs are this forward's, detached (ratio 1)
+            mb["old_logp"] = logp.detach()
         use_kl = a.kl_coef != 0 and not a.kl_in_reward
         if not use_kl:
             kl = None
@@ -400,15 +409,22 @@ class Actor:
                 "extreme": algo.has_extreme_ratio(logp, mb["old_logp"], mask, a.early_stop_imp_ratio).float()
                 if a.early_stop_imp_ratio else torch.zeros(()),
             }
+            if on_policy:  # they become rollout.old_logp (engine/trainer mismatch metrics)
+                stats.update(logp=logp.detach() * mask, rows=mb["rows"])
         return loss * scale, stats
 
     def update(self, rollout: RolloutBatch, temperature: float = 1.0, reference: Optional[Reference] = None) -> list[dict]:
         """`ppo_epochs` passes over the step's mini-batches, one optimizer step each. Needs
         rollout.advantages, rollout.old_logp, and with the KL term in the loss rollout.ref_logp, or for
         `algo.kl_estimator=full` the `reference` itself (it runs in lockstep with the actor; ref_logp is
-        not used). Returns one metrics dict per mini-batch, identical on every rank."""
-        if rollout.advantages is None or rollout.old_logp is None:
-            raise ValueError("update() needs rollout.advantages and rollout.old_logp")
+        not used). Returns one metrics dict per mini-batch, identical on every rank.
+
+        Without rollout.old_logp the update is the exactly on-policy step (one epoch, one mini-batch: the
+        weights have not moved since the samples' logprobs would have been computed): each token's old logprob
+        is the update forward's own, detached, and rollout.old_logp is filled from them afterwards: the loss,
+        gradient and metrics are those of the path with a separate old-logprob pass, without its forward."""
+        if rollout.advantages is None:
+            raise ValueError("update() needs rollout.advantages")
         if self.full_kl_in_loss and reference is None:
             raise ValueError("algo.kl_estimator='full' with algo.kl_coef != 0 needs the reference's logits: "
                              "pass the Reference, Actor.update(rollout, temperature, reference=reference)")
@@ -418,15 +434,23 @@ class Actor:
         dp = ps.get_data_parallel_world_size()
         per_mini = self.batch.mini_batch_responses(rollout.size)
         self.batch.check_layout(self.parallel, dp, per_mini // self.batch.ppo_mini_batch_size)
+        on_policy = rollout.old_logp is None
+        if on_policy and (self.algo.ppo_epochs != 1 or per_mini != rollout.size):
+            raise ValueError(f"update() without rollout.old_logp is the exactly on-policy step; with algo.ppo_epochs="
+                             f"{self.algo.ppo_epochs} and {rollout.size // per_mini} mini-batches it needs the old logprobs")
         ref = reference if self.full_kl_in_loss else None
         metrics = []
         with ref.on_device() if ref is not None else contextlib.nullcontext():
             for _ in range(self.algo.ppo_epochs):
                 for start in range(0, rollout.size, per_mini):
-                    metrics.append(self._update_mini_batch(rollout.rows(start, start + per_mini), temperature, ref))
+                    mini = rollout.rows(start, start + per_mini)
+                    metrics.append(self._update_mini_batch(mini, temperature, ref, keep_logp=on_policy))
+        if on_policy:
+            rollout.old_logp = assemble_logprobs(metrics[0].pop("old_logp"), rollout)
         return metrics
 
-    def _update_mini_batch(self, mini: RolloutBatch, temperature: float, reference: Optional[Reference] = None) -> dict:
+    def _update_mini_batch(self, mini: RolloutBatch, temperature: float, reference: Optional[Reference] = None,
+                           keep_logp: bool = False) -> dict:
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
         micro, length, shape = layout(mini, self.parallel, self.batch)
@@ -475,6 +499,8 @@ class Actor:
             "lr": self.optimizer.param_groups[0]["lr"],
             **shape,
         }
+        if keep_logp:
+            m["old_logp"] = [{"logp": d["logp"], "rows": d["rows"]} for d in out]
         if comm.any_rank(sums["extreme"] > 0):
             self.skipped_early_stop += 1
             module.zero_grad_buffer()

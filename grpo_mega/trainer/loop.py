@@ -43,8 +43,9 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         with timer("reward"):  # each sample scored once, by its owner; the same scores on every rank
             rewards, reward_metrics = score_step(run.task.reward, samples, gen.token_ids, step, owned)
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids)
-        with timer("old_logprobs"):
-            rb.old_logp = actor.logprobs(rb, temperature)
+        if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
+            with timer("old_logprobs"):
+                rb.old_logp = actor.logprobs(rb, temperature)
         if run.reference is not None and not actor.full_kl_in_loss:  # the full KL's reference runs in the update
             with timer("ref_logprobs"):
                 rb.ref_logp = run.reference.logprobs(rb, temperature)
@@ -52,9 +53,9 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         shaped = shape_step(cfg.shaping(), rewards, overlong, rb.old_logp, rb.ref_logp, rb.response_mask())
         rb.advantages, rb.in_loss = shaped.advantages, shaped.in_loss
         rb.engine_logp = engine_logprobs(gen, rb)
-        mismatch = world_mismatch(rb, owned)
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
+        mismatch = world_mismatch(rb, owned)
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
             rollouts.wait()
         with timer("weight_sync"):
