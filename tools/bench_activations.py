@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
+
+REPO = bench_common.REPO
 sys.path.insert(0, str(REPO))
 
 
@@ -61,7 +61,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=1024, help="a small vocabulary: the layers are what is measured")
-    ap.add_argument("--out", default=str(REPO / "bench_results" / "activations.json"))
+    ap.add_argument("--out", default=bench_common.out_path("activations"))
     args = ap.parse_args()
 
     import torch
@@ -85,9 +85,8 @@ def main() -> int:
     result = dict(model=args.model, seq=args.seq, micro_batch=args.micro_batch, dtype="bf16", tp=1,
                   layer_spec="transformer_engine" if te else "local", machine=platform.machine(),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  torch=torch.__version__, rows=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                  torch=torch.__version__, host=bench_common.machine(), rows=rows)
+    bench_common.write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -16,27 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import bench_common
 
-
-def _status_mib() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) / 1024.0
-    return out
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+REPO = str(bench_common.REPO)
 
 
 def _model(args):
@@ -93,12 +78,12 @@ def _rank_body(estimator: str, args):
                 batch.ref_logp = ref.logprobs(batch, 1.0)
                 ref_times.append(time.perf_counter() - t0)
             torch.distributed.barrier()
-            base = _status_mib()["VmRSS"]
-            _reset_peak()
+            base = bench_common.rss_mib()["VmRSS"]
+            bench_common.reset_peak_rss()
             t0 = time.perf_counter()
             (m,) = actor.update(batch, 1.0, reference=ref)
             times.append(time.perf_counter() - t0)
-            peaks.append(_status_mib()["VmHWM"] - base)
+            peaks.append(bench_common.rss_mib()["VmHWM"] - base)
             assert m["skipped"] == 0.0, m
         destroy_distributed()
         return dict(peak_update_mib=max(peaks[1:]), update_s=min(times[1:]),
@@ -133,7 +118,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=1024, help="tokens per packed micro-batch")
     ap.add_argument("--chunk", type=int, default=None, help="batch.logprob_chunk_size (default: none)")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(REPO, "bench_results", "full_kl.json"))
+    ap.add_argument("--out", default=bench_common.out_path("full_kl"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--estimator", default="k3", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -141,7 +126,6 @@ def main() -> int:
         worker(args)
         return 0
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     loadavg_before = os.getloadavg()
     rows = {}
     for estimator in ("k3", "full"):
@@ -149,11 +133,7 @@ def main() -> int:
         for k in ("tp", "hidden", "layers", "vocab", "prompts", "prompt_len", "response_len", "budget", "chunk", "iters"):
             if getattr(args, k) is not None:
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode:
-            sys.stderr.write(out.stderr)
-            raise SystemExit(f"estimator {estimator} failed (exit {out.returncode})")
-        rows[estimator] = json.loads(out.stdout.strip().splitlines()[-1])
+        rows[estimator] = bench_common.run_worker(cmd, f"estimator {estimator}")
         r = rows[estimator]
         print(f"{estimator:>4}: update peak {r['peak_update_mib']:8.1f} MiB per rank, update {r['update_s']:.3f} s, "
               f"ref logprobs {r['ref_logprobs_s']:.3f} s", flush=True)
@@ -166,7 +146,7 @@ def main() -> int:
         shapes=dict(tp=args.tp, hidden=args.hidden, layers=args.layers, vocab=args.vocab, padded_vocab=padded_vocab,
                     responses=args.prompts * 4, prompt_len=args.prompt_len, response_len=args.response_len,
                     tokens_per_micro_batch=args.budget, logprob_chunk_size=args.chunk),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), backend="gloo (CPU)"),
+        machine=bench_common.machine(backend="gloo (CPU)"),
         loadavg=dict(before=loadavg_before, after=os.getloadavg()),
         memory="peak RSS during the update above the RSS just before it, per rank (max over ranks), MiB "
                "(VmHWM reset via /proc/self/clear_refs)",
@@ -178,9 +158,7 @@ def main() -> int:
         full_vs_k3_update_time=full["update_s"] / k3["update_s"],
         full_vs_k3_update_plus_ref_pass_time=full["update_s"] / (k3["update_s"] + k3["ref_logprobs_s"]),
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    bench_common.write_json(args.out, result)
     print(f"full/k3: peak {result['full_vs_k3_peak']:.3f}x, update time {result['full_vs_k3_update_time']:.2f}x, "
           f"update time vs k3's update + reference pass {result['full_vs_k3_update_plus_ref_pass_time']:.2f}x; "
           f"one micro-batch's gathered [tokens, vocab] logits: {result['gathered_logits_mib']:.1f} MiB")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -33,7 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
+
+REPO = bench_common.REPO
 PHASES = ("generate", "generate_wait", "reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval",
           "checkpoint")
 SHAPE = ["batch.train_batch_size=8", "rollout.n=4", "batch.ppo_mini_batch_size=8", "batch.micro_batch_size=4"]
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating in turn / one step ahead")
     ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                     help="a config override for both runs (repeatable); default: " + " ".join(SHAPE))
-    ap.add_argument("--out", default=str(REPO / "bench_results" / "overlap.json"))
+    ap.add_argument("--out", default=bench_common.out_path("overlap"))
     args = ap.parse_args(argv)
     args.set = SHAPE if args.set is None else args.set
     if args.steps < 5:
@@ -120,9 +121,9 @@ def main(argv=None) -> int:
     runs = {off: _summary(r) for off, r in rows.items()}
     result = dict(
         benchmark="one-step off-policy overlap (dedicated embedded server, tiny model, toy task)",
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), trainer_core=trainer_core,
-                     server_core=server_core, loadavg_before=load_before, loadavg_after=os.getloadavg(),
-                     busy=max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1)),
+        machine=bench_common.machine(trainer_core=trainer_core, server_core=server_core, loadavg_before=load_before,
+                                     loadavg_after=os.getloadavg(),
+                                     busy=max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1)),
         config=dict(steps=args.steps, repeats=args.repeats, max_response_length=args.response_length,
                     overrides=args.set),
         in_turn=runs[0], off_policy=runs[1],
@@ -132,8 +133,7 @@ def main(argv=None) -> int:
         / (gen + rest),
         step_over_phase_sum=runs[1]["step_over_phase_sum"],
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    bench_common.write_json(args.out, result)
     print(f"step {runs[0]['step_s']:.3f} s in turn -> {runs[1]['step_s']:.3f} s one step ahead "
           f"({result['step_ratio']:.2f}x; at best {result['step_ratio_bound']:.2f}x with these phases); off-policy step / its serial phase sum {result['step_over_phase_sum']:.2f}; "
           f"overlap {runs[1]['overlap']:.2f}; load {result['machine']['loadavg_after'][0]:.1f} -> {args.out}")

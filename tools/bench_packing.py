@@ -19,15 +19,14 @@ the same weights; their gradients are the same (tests/trainer/test_packing.py), 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
+
+REPO = bench_common.REPO
 sys.path.insert(0, str(REPO))
 
 
@@ -75,8 +74,7 @@ def run(args) -> dict:
     model.num_layers, model.vocab_size = args.layers, args.vocab
     prompt_lens, response_lens = lengths(args)
     out = dict(
-        machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
-                     threads=args.threads, torch=torch.__version__),
+        machine=bench_common.machine(threads=args.threads),
         model=dict(shape="qwen2.5-0.5b", num_layers=model.num_layers, vocab_size=model.vocab_size,
                    hidden_size=model.hidden_size, dtype="fp32"),
         lengths=dict(responses=args.responses, median=args.median, max_response=args.max_response, cut=args.cut,
@@ -153,11 +151,10 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=29533)
-    p.add_argument("--out", default=str(REPO / "bench_results" / "packing.json"))
+    p.add_argument("--out", default=bench_common.out_path("packing"))
     args = p.parse_args(argv)
     result = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    bench_common.write_json(args.out, result)
     print(f"speedup {result['speedup']:.2f}x, packed pad fraction {result['packed']['pad_fraction']:.3f} -> {args.out}")
     return result
 

@@ -25,9 +25,10 @@ import random
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
+
+REPO = bench_common.REPO
 sys.path.insert(0, str(REPO))
 
 
@@ -146,10 +147,11 @@ def main() -> None:
     p.add_argument("--rm-samples", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="pool timings, interleaved 1/2 workers; the best is kept")
     p.add_argument("--rm-batch-size", type=int, default=64)
-    p.add_argument("--out", default=str(REPO / "bench_results" / "rewards.json"))
+    p.add_argument("--out", default=bench_common.out_path("rewards"))
     a = p.parse_args()
     load_before = os.getloadavg()
-    result = {"machine": platform.node(), "cpus": os.cpu_count(), "loadavg_before": load_before}
+    result = {"machine": platform.node(), "cpus": os.cpu_count(), "host": bench_common.machine(),
+              "loadavg_before": load_before}
     result["pool"] = bench_pool(a.math_samples, a.repeats)
     # The size of the CPU experiment's reward model (README), where per-call overhead dominates; and a wider,
     # longer one, where one CPU thread is busy with arithmetic either way and padding costs extra.
@@ -157,8 +159,7 @@ def main() -> None:
     result["reward_model_compute_bound"] = bench_rm(a.rm_samples, 256, 4, 40, 160, a.rm_batch_size)
     result["loadavg_after"] = os.getloadavg()
     result["targets"] = {"pool_speedup_2_vs_1": 1.6, "rm_batched_speedup": 4.0, "rm_max_abs_score_diff": 1e-5}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    bench_common.write_json(a.out, result)
     print(json.dumps(result, indent=2))
 
 

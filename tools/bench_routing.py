@@ -14,16 +14,15 @@ rank receives (pickled). The machine's load average goes into the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
+
+REPO = bench_common.REPO
 sys.path.insert(0, str(REPO))
 
 
@@ -82,7 +81,7 @@ def main() -> int:
     ap.add_argument("--max-response", type=int, default=1024)
     ap.add_argument("--mini-prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(REPO / "bench_results" / "routing.json"))
+    ap.add_argument("--out", default=bench_common.out_path("routing"))
     args = ap.parse_args()
     import warnings
 
@@ -99,8 +98,7 @@ def main() -> int:
     out = dict(
         what="a step's samples from rank 0 to every trainer rank: broadcast of all samples vs rollout routing "
              "(each DP replica the rows it runs), TP1 so DP = world",
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), backend="gloo (CPU)",
-                     loadavg_before=load_before, loadavg_after=os.getloadavg()),
+        machine=bench_common.machine(backend="gloo (CPU)", loadavg_before=load_before, loadavg_after=os.getloadavg()),
         world=args.world, samples=res["samples"], response_tokens=res["tokens"], mini_batch_prompts=args.mini_prompts,
         broadcast=dict(seconds=b, all_seconds=res["all_times"]["broadcast"], bytes_to_other_ranks=bytes_b),
         routed=dict(seconds=r, all_seconds=res["all_times"]["routed"], bytes_to_other_ranks=bytes_r,
@@ -109,9 +107,7 @@ def main() -> int:
         timing="median of --repeats rounds, both ways alternately, from a barrier to a barrier after the last rank "
                "holds its samples; bytes: the pickled responses and logprobs each non-zero rank ends up holding",
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
+    bench_common.write_json(args.out, out)
     print(f"{res['samples']} samples ({res['tokens']} response tokens) to {args.world} ranks: broadcast {b:.3f} s, "
           f"routed {r:.3f} s ({r / b:.2f}x); bytes to the other ranks {bytes_r / bytes_b:.2f}x; rows per rank "
           f"{rows_routed} of {res['samples']}; load {load_before[0]:.1f}; wrote {args.out}")

@@ -23,22 +23,20 @@ path from rotting unseen).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
 import statistics
 import sys
 import time
-from pathlib import Path
+import bench_common
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = bench_common.REPO
 sys.path.insert(0, str(REPO))
 
 # Dense bf16 tensor-core peaks (NVIDIA datasheets), matched against torch.cuda.get_device_name in this order.
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                    ("A100", 312e12))
-GIB = 2**30
 
 
 def _single_process_env() -> None:
@@ -203,55 +201,8 @@ def step_flops(params: int, cfg, sequences: int, seq_len: int) -> float:
         * seq_len**2 * sequences
 
 
-class _Mem:
-    """torch.cuda.memory_allocated / max_memory_allocated in GiB (None on the CPU)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def now(self):
-        import torch
-
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() / GIB
-
-    def reset_peak(self):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak(self):
-        import torch
-
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / GIB
-
-
 def _diff(a, b):
     return None if a is None or b is None else a - b
-
-
-def _d2d_bytes_per_s(nbytes: int, device, repeats: int = 5) -> float:
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
@@ -266,7 +217,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mem = _Mem(cuda)
+    mem = bench_common.CudaMemory(cuda)
     cfg = load_model_config(name)
     c = _configs(groups, n, response_len, micro, dtype)
     seq = prompt_len + response_len
@@ -333,7 +284,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
             torch.cuda.synchronize()
         sync_s.append(time.perf_counter() - t0)
     sync_rate = stats.bytes / min(sync_s)
-    copy_rate = _d2d_bytes_per_s(stats.bytes, device)
+    copy_rate = bench_common.copy_bytes_per_s(stats.bytes, device)
 
     prompts = [rb.tokens[g * n, :prompt_len].tolist() for g in range(groups)]
     engine.generate(prompts[:1], 1, 1.0, 1.0, 4, [], seed=0)  # warm-up
@@ -374,18 +325,6 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
 def device_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (for the file name)."""
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
-
-
-def _machine() -> dict:
-    import megatron.core
-    import torch
-    import transformers
-
-    out = dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
-               torch=torch.__version__, megatron_core=megatron.core.__version__, transformers=transformers.__version__)
-    if torch.cuda.is_available():
-        out.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
-    return out
 
 
 def main() -> int:
@@ -450,15 +389,15 @@ def main() -> int:
                       f"({r['weight_sync_over_copy']:.3f} of a device copy)", flush=True)
             rows.append(r)
         destroy_distributed()
-    machine = _machine()
+    machine = bench_common.machine()
     if args.out:
-        out_path = Path(args.out)
+        out_path = args.out
     elif args.cpu:
-        out_path = REPO / "bench_results" / "step_cpu.json"
+        out_path = bench_common.out_path("step_cpu")
     elif args.gpu:
-        out_path = REPO / "bench_results" / f"gpu_{device_slug(machine['device'])}.json"
+        out_path = bench_common.out_path(f"gpu_{device_slug(machine['device'])}")
     else:
-        out_path = REPO / "bench_results" / "gpu_path_on_cpu.json"
+        out_path = bench_common.out_path("gpu_path_on_cpu")
     what = ("Megatron update step vs plain PyTorch (HF model, same weights, batch and GRPO loss, AdamW), fp32, CPU"
             if args.cpu else "one GPU, TP1, random weights: update throughput/MFU, embedded engine, weight sync, "
             "memory vs tools/plan.py")
@@ -466,8 +405,7 @@ def main() -> int:
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine, threads=args.threads,
                loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()), steps=args.steps,
                warmup=args.warmup, batch=shape, results=rows)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=2) + "\n")
+    bench_common.write_json(out_path, out)
     print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} "
           f"on {os.cpu_count()} cpus)")
     return 0

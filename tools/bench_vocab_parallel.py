@@ -15,27 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import bench_common
 
-
-def _status_mib() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) / 1024.0
-    return out
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+REPO = str(bench_common.REPO)
 
 
 def _rank_body(impl: str, T: int, V: int, vocab_size: int, chunk: int | None, temperature: float, iters: int):
@@ -78,8 +63,8 @@ def _rank_body(impl: str, T: int, V: int, vocab_size: int, chunk: int | None, te
     step()  # warm-up (also allocates logits.grad, which stays: it is part of the peak)
     logits.grad = None
     dist.barrier()
-    base = _status_mib()["VmRSS"]
-    _reset_peak()
+    base = bench_common.rss_mib()["VmRSS"]
+    bench_common.reset_peak_rss()
     times = []
     for _ in range(iters):
         logits.grad = None
@@ -87,7 +72,7 @@ def _rank_body(impl: str, T: int, V: int, vocab_size: int, chunk: int | None, te
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    peak = _status_mib()["VmHWM"] - base
+    peak = bench_common.rss_mib()["VmHWM"] - base
     return dict(rank=rank, peak_above_inputs_mib=peak, input_mib=input_mib, seconds=min(times))
 
 
@@ -122,7 +107,7 @@ def main() -> int:
     ap.add_argument("--vocab-size", type=int, default=128200, help="real vocabulary (the rest is padding)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(REPO, "bench_results", "vocab_parallel.json"))
+    ap.add_argument("--out", default=bench_common.out_path("vocab_parallel"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", default="vocab_parallel", help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -132,7 +117,6 @@ def main() -> int:
         worker(args)
         return 0
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     rows = []
     for impl, tp, chunk in CONFIGS:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--tp", str(tp),
@@ -140,11 +124,7 @@ def main() -> int:
                "--temperature", str(args.temperature), "--iters", str(args.iters)]
         if chunk:
             cmd += ["--chunk", str(chunk)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode:
-            sys.stderr.write(out.stderr)
-            raise SystemExit(f"configuration {impl} tp={tp} chunk={chunk} failed (exit {out.returncode})")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row = bench_common.run_worker(cmd, f"configuration {impl} tp={tp} chunk={chunk}")
         rows.append(row)
         print(f"{impl:>15} tp={tp} chunk={str(chunk):>4}: peak above inputs {row['peak_above_inputs_mib']:8.1f} MiB"
               f" per rank, {row['seconds'] * 1e3:8.1f} ms", flush=True)
@@ -158,14 +138,12 @@ def main() -> int:
     result = dict(
         what="per-token logprob + entropy + full KL(p||q), forward + backward, bf16 logits, fp32 math",
         shapes=dict(tokens=args.T, padded_vocab=args.V, vocab_size=args.vocab_size, temperature=args.temperature),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), backend="gloo (CPU)"),
+        machine=bench_common.machine(backend="gloo (CPU)"),
         memory="peak RSS above the RSS with inputs present, per rank (max over ranks), MiB",
         time="min over iterations of one forward+backward, max over ranks, seconds",
         results=rows,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    bench_common.write_json(args.out, result)
     for r in rows:
         if r["impl"] == "vocab_parallel":
             mem = "n/a" if r["memory_vs_gathered"] is None else f"{r['memory_vs_gathered']:.3f}x"

@@ -18,29 +18,15 @@ of those two ranks: the transport's own limit. The load average is recorded: the
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
+
+REPO = bench_common.REPO
 sys.path.insert(0, str(REPO))
-
-
-def _memcpy_bytes_per_s(nbytes: int, repeats: int = 5) -> float:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
@@ -118,7 +104,7 @@ def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
         if rank != 0:
             return None
         res["broadcast_seconds"] = statistics.median(times)
-        res["memcpy_bytes_per_s"] = _memcpy_bytes_per_s(res["bytes"])
+        res["memcpy_bytes_per_s"] = bench_common.copy_bytes_per_s(res["bytes"])
         return res
 
 
@@ -142,8 +128,7 @@ def _trial(args, world: int, hf_dir: str) -> dict:
     out = dict(
         what="weight sync of SmolLM2-135M-Instruct (bf16) from trainer shards into 1 and 2 embedded engines, no audit",
         layout=dict(tp=args.tp, pp=args.pp, dp=args.dp, engine_ranks=[0, world // 2]), bucket_mb=args.bucket_mb,
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), backend="gloo (CPU)",
-                     loadavg_before=load_before, loadavg_after=os.getloadavg()),
+        machine=bench_common.machine(backend="gloo (CPU)", loadavg_before=load_before, loadavg_after=os.getloadavg()),
         bytes=res["bytes"], buckets=res["buckets"], largest_bucket_bytes=res["largest_bucket"],
         timing="median of --repeats rounds, the modes interleaved within each round, after a warm-up round",
         one_engine=dict(seconds=one, bytes_per_s=res["bytes"] / one, min_seconds=res["one_engine"]["min_seconds"],
@@ -182,7 +167,7 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds (medians reported), after one warm-up round")
     ap.add_argument("--trials", type=int, default=3, help="whole measurements, each in fresh ranks; the median is reported")
-    ap.add_argument("--out", default=str(REPO / "bench_results" / "weight_sync.json"))
+    ap.add_argument("--out", default=bench_common.out_path("weight_sync"))
     args = ap.parse_args()
     import warnings
 
@@ -207,9 +192,7 @@ def main() -> int:
     out["timing"] += f"; the median of {len(trials)} trials (fresh ranks each) is reported in full, every trial under 'trials'"
     res = dict(bytes=out["bytes"], broadcast_seconds=out["broadcast"]["seconds"])
     one, two, load_before = out["one_engine"]["seconds"], out["two_engines"]["seconds"], out["machine"]["loadavg_before"]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
+    bench_common.write_json(args.out, out)
     gib = 2**30
     print(f"sync {res['bytes'] / 2**20:.1f} MiB: 1 engine {one:.3f} s ({res['bytes'] / one / gib:.2f} GiB/s), "
           f"2 engines {two:.3f} s ({res['bytes'] / two / gib:.2f} GiB/s), ratio {two / one:.2f}; plain broadcast "
