@@ -25,7 +25,7 @@ BINARY=(
   latex2sympy2-extended==1.11.0
   pytest-timeout==2.4.0        # pyproject's `timeout` and the tests' timeout markers
   tqdm==4.70.1
-  PyYAML==6.0.3
+  PyYAML==6.0.4
 )
 # antlr4-python3-runtime 4.9.3 (the version hydra-core and math-verify's parser need) is published as an sdist
 # only: it is pure Python, so a wheel built here installs anywhere.

@@ -198,8 +198,8 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
 
     task = build_task(cfg, tok)
     if cfg.rollout.off_policy_steps and torch.distributed.get_rank() == 0:
-        print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction "
-              f"algo.engine_is_cap={cfg.algo.engine_is_cap}", flush=True)
+        print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
+              f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)
     try:
         return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir), hf_dir, out_dir)
     except BaseException:
