@@ -114,7 +114,8 @@ def shape_step(shaping: StepShaping, rewards: torch.Tensor, overlong: torch.Tens
     The dynamic-sampling filter looks at the shaped scores.
     """
     if overlong.shape != rewards.shape:
-        raise ValueError(f"overlong {tuple(overlong.shape)} and rewards {tuple(rewards.shape)} must have one entry per response")
+        raise ValueError(f"overlong {tuple(overlong.shape)} and rewards {tuple(rewards.shape)}: "
+                         "both need one entry per response")
     rewards = overlong_rewards(rewards, overlong, shaping.overlong)
     scores = rewards
     if shaping.kl_in_reward:  # PPO-style: the KL penalty goes into the sequence reward

@@ -1,9 +1,10 @@
 """The actor and the reference under Megatron: logprobs of the step's responses, and the GRPO update.
 
 Owns: running batches through Megatron's pipeline schedule (`get_forward_backward_func`) in micro-batches;
-the per-micro-batch GRPO loss from vocab-parallel logits; the mini-batch normaliser, computed once per
-mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and DP
-averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics. With the full
+the token statistics from vocab-parallel logits, which the policy loss (`grpo_mega.algo.POLICY_LOSSES`, that
+also decides the loss's terms) turns into each micro-batch's loss; the mini-batch normaliser, computed once
+per mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and
+DP averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics. With the full
 KL in the loss (`algo.kl_estimator=full`), the frozen reference runs in lockstep with the actor inside the
 same schedule, so that both models' vocab-sharded logits meet in the loss of every micro-batch.
 The math is grpo_mega.algo's, the collectives grpo_mega.parallel's.

@@ -87,7 +87,7 @@ def test_other_bad_settings():
         StepShaping(n=2, kl_in_reward=True, kl_estimator="full")
     with pytest.raises(ValueError, match="kl_in_reward=true needs old_logp, ref_logp"):
         shape_step(StepShaping(n=2, kl_in_reward=True, kl_coef=0.1), torch.zeros(2), torch.zeros(2, dtype=torch.bool))
-    with pytest.raises(ValueError, match="one entry per response"):
+    with pytest.raises(ValueError, match="both need one entry per response"):
         shape_step(StepShaping(n=2), torch.zeros(4), torch.zeros(2, dtype=torch.bool))
 
 
