@@ -1,5 +1,6 @@
 """GRPO math as pure tensor functions: advantages, KL estimators, the clipped surrogate, entropy bonus, loss
-aggregation, DAPO's valid-token scale and dynamic-sampling filter, early stop and KL-in-reward shaping.
+aggregation, DAPO's valid-token scale and dynamic-sampling filter, early stop and KL-in-reward shaping;
+one step's shaping (`shape_step`) and the registry of whole policy losses (`POLICY_LOSSES`).
 Nothing here imports torch.distributed or reads a config: cross-rank normalisers arrive as arguments."""
 
 from grpo_mega.algo.advantages import group_advantages, kl_in_reward, nonuniform_groups, response_mask
@@ -17,10 +18,16 @@ from grpo_mega.algo.loss import (
     truncated_is_weight,
     valid_token_scale,
 )
+from grpo_mega.algo.policy_loss import POLICY_LOSSES, Objective
+from grpo_mega.algo.shaping import ShapedStep, StepShaping, shape_step
 
 __all__ = [
     "AGG_MODES",
     "KL_ESTIMATORS",
+    "Objective",
+    "POLICY_LOSSES",
+    "ShapedStep",
+    "StepShaping",
     "aggregate",
     "clipped_surrogate",
     "entropy_bonus",
@@ -35,6 +42,7 @@ __all__ = [
     "megatron_loss_scale",
     "nonuniform_groups",
     "response_mask",
+    "shape_step",
     "truncated_is_weight",
     "valid_token_scale",
 ]

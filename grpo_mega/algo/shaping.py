@@ -1,5 +1,23 @@
-"""Per-step shaping, pure: from a step's rewards (and, for KL-in-reward, the old and reference logprobs) to the
-rewards reported, the scores advantages are computed from, the advantages, and which rows enter the loss."""
+"""One step's reward shaping and loss rows: from the scored responses to the advantages the update trains on.
+
+Owns the per-step algorithm work between scoring and the update: overlong handling (`reward.overlong`),
+PPO-style KL in the reward (`algo.kl_in_reward`), GRPO group advantages, DAPO's dynamic-sampling mask and
+which rows enter the loss. Pure tensor math over the whole step's responses (the same on every rank): no
+torch.distributed, no config objects; the settings arrive as a `StepShaping` of plain values. Scoring,
+logprobs and the update itself belong to the trainer. Responses are group-contiguous: rows [g*n, (g+1)*n)
+are the n samples of prompt g.
+
+The trainer's loop calls it once per step, after the old (and reference) logprobs:
+
+    shaping = StepShaping(n=batch.n, overlong=task.overlong, kl_in_reward=algo_cfg.kl_in_reward,
+                          kl_coef=algo_cfg.kl_coef, kl_estimator=algo_cfg.kl_estimator,
+                          norm_adv_by_std=algo_cfg.norm_adv_by_std, global_adv_norm=algo_cfg.global_adv_norm,
+                          dynamic_sampling=algo_cfg.dynamic_sampling)      # once, before the steps
+    overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
+    shaped = shape_step(shaping, rewards, overlong, rb.old_logp, rb.ref_logp, rb.response_mask())
+    rb.advantages, rb.in_loss = shaped.advantages, shaped.in_loss
+    # shaped.rewards: the rewards after overlong zeroing (the logged `reward`)
+"""
 
 from __future__ import annotations
 
@@ -9,42 +27,103 @@ from typing import Optional
 import torch
 
 from grpo_mega.algo.advantages import group_advantages, kl_in_reward, nonuniform_groups
-from grpo_mega.algo.kl import kl_penalty
+from grpo_mega.algo.kl import KL_ESTIMATORS, kl_penalty
+
+OVERLONG_MODES = ("keep", "zero", "mask")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShaping:
+    """The settings of one step's shaping, plain values (built once from the run's config)."""
+
+    n: int
+    """Responses per prompt (rollout.n): the group size."""
+    overlong: str = "keep"
+    """reward.overlong, for responses cut at max_response_length (finish reason "length"): 'keep' their
+    reward, 'zero' it, or 'mask' the rows out of the loss (DAPO's overlong filtering, Yu et al. 2025)."""
+    kl_in_reward: bool = False
+    """algo.kl_in_reward: subtract kl_coef * KL(old || ref) from each response's reward (needs ref_logp)."""
+    kl_coef: float = 0.0
+    """algo.kl_coef: beta of the KL in the reward."""
+    kl_estimator: str = "k3"
+    """algo.kl_estimator for the KL in the reward (a sampled-token estimator: not 'full')."""
+    norm_adv_by_std: bool = True
+    """algo.norm_adv_by_std: divide advantages by the group std (false: DrGRPO)."""
+    global_adv_norm: bool = False
+    """algo.global_adv_norm: divide advantages by their std over the whole batch."""
+    dynamic_sampling: bool = False
+    """algo.dynamic_sampling: rows of groups whose (shaped) rewards are all equal leave the loss (DAPO)."""
+
+    def __post_init__(self):
+        if self.overlong not in OVERLONG_MODES:
+            raise ValueError(f"reward.overlong={self.overlong!r} must be 'keep', 'zero' or 'mask'")
+        if self.n < 2:
+            raise ValueError(f"rollout.n={self.n} must be >= 2 for GRPO: a group of one has no baseline")
+        KL_ESTIMATORS.get(self.kl_estimator)
+        if self.kl_in_reward and self.kl_estimator == "full":
+            raise ValueError("algo.kl_estimator='full' with algo.kl_in_reward=true: the reward's KL is estimated "
+                             "from the sampled tokens' logprobs; use k1, abs, k2 or k3")
 
 
 @dataclass(frozen=True)
-class StepShaping:
-    n: int
-    overlong: str = "keep"
-    kl_in_reward: bool = False
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    norm_adv_by_std: bool = True
-    global_adv_norm: bool = False
-    dynamic_sampling: bool = False
-
-
-@dataclass
 class ShapedStep:
+    """What the update trains on. All [B] (B = num_prompts * n)."""
+
     rewards: torch.Tensor
+    """The task's rewards after overlong zeroing."""
     scores: torch.Tensor
+    """The rewards the advantages come from: `rewards`, less beta * KL with kl_in_reward."""
     advantages: torch.Tensor
+    """GRPO group advantages of `scores`, one per response."""
     in_loss: torch.Tensor
+    """bool: rows that count in the loss (not masked as overlong, not in a uniform group under dynamic sampling)."""
 
 
-def shape_step(s: StepShaping, rewards: torch.Tensor, overlong: torch.Tensor, old_logp: Optional[torch.Tensor] = None,
-               ref_logp: Optional[torch.Tensor] = None, response_mask: Optional[torch.Tensor] = None) -> ShapedStep:
-    if s.overlong not in ("keep", "zero", "mask"):
-        raise ValueError(f"reward.overlong={s.overlong!r} must be 'keep', 'zero' or 'mask'")
-    if s.overlong == "zero":
-        rewards = torch.where(overlong, 0.0, rewards)
-    scores = rewards
-    if s.kl_in_reward:
-        scores = kl_in_reward(rewards, kl_penalty(old_logp, ref_logp, s.kl_estimator), response_mask, s.kl_coef)[1]
-    advantages = group_advantages(scores, s.n, s.norm_adv_by_std, s.global_adv_norm)
-    in_loss = torch.ones(len(rewards), dtype=torch.bool)
-    if s.overlong == "mask":
+def overlong_rewards(rewards: torch.Tensor, overlong: torch.Tensor, mode: str) -> torch.Tensor:
+    """reward.overlong='zero' sets the reward of truncated responses to 0; 'keep' and 'mask' leave it.
+    rewards: [B]; overlong: [B] bool. Returns [B]."""
+    if mode not in OVERLONG_MODES:
+        raise ValueError(f"reward.overlong={mode!r} must be 'keep', 'zero' or 'mask'")
+    return torch.where(overlong, 0.0, rewards) if mode == "zero" else rewards
+
+
+def loss_rows(scores: torch.Tensor, overlong: torch.Tensor, n: int, overlong_mode: str,
+              dynamic_sampling: bool) -> torch.Tensor:
+    """Which rows enter the loss: all, less truncated ones under reward.overlong='mask', less the groups
+    whose scores are all equal under dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2: they add no gradient).
+    scores: [B]; overlong: [B] bool. Returns [B] bool."""
+    if overlong_mode not in OVERLONG_MODES:
+        raise ValueError(f"reward.overlong={overlong_mode!r} must be 'keep', 'zero' or 'mask'")
+    in_loss = torch.ones(scores.numel(), dtype=torch.bool)
+    if overlong_mode == "mask":
         in_loss &= ~overlong
-    if s.dynamic_sampling:
-        in_loss &= nonuniform_groups(scores, s.n).repeat_interleave(s.n)
-    return ShapedStep(rewards, scores, advantages, in_loss)
+    if dynamic_sampling:
+        in_loss &= nonuniform_groups(scores, n).repeat_interleave(n)
+    return in_loss
+
+
+def shape_step(shaping: StepShaping, rewards: torch.Tensor, overlong: torch.Tensor,
+               old_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
+               response_mask: Optional[torch.Tensor] = None) -> ShapedStep:
+    """Shape one step: overlong zeroing, KL in the reward, group advantages, the rows in the loss.
+
+    rewards: [B] the task's scores, group-contiguous; overlong: [B] bool, the responses cut at
+    max_response_length. With `shaping.kl_in_reward`: old_logp, ref_logp: [B, L] log-probabilities of the
+    sampled tokens under the old policy and the reference, and response_mask: [B, L] bool (1 on response
+    positions); each response's score becomes score - kl_coef * sum_t KL_t (grpo_mega.algo.kl_in_reward).
+    The dynamic-sampling filter looks at the shaped scores.
+    """
+    if overlong.shape != rewards.shape:
+        raise ValueError(f"overlong {tuple(overlong.shape)} and rewards {tuple(rewards.shape)}: "
+                         "both need one entry per response")
+    rewards = overlong_rewards(rewards, overlong, shaping.overlong)
+    scores = rewards
+    if shaping.kl_in_reward:  # PPO-style: the KL penalty goes into the sequence reward
+        if old_logp is None or ref_logp is None or response_mask is None:
+            raise ValueError("algo.kl_in_reward=true needs old_logp, ref_logp and response_mask; the reference "
+                             "runs only with algo.kl_coef != 0")
+        kl = kl_penalty(old_logp, ref_logp, shaping.kl_estimator)
+        scores = kl_in_reward(rewards, kl, response_mask, shaping.kl_coef)[1]
+    advantages = group_advantages(scores, shaping.n, shaping.norm_adv_by_std, shaping.global_adv_norm)
+    in_loss = loss_rows(scores, overlong, shaping.n, shaping.overlong, shaping.dynamic_sampling)
+    return ShapedStep(rewards=rewards, scores=scores, advantages=advantages, in_loss=in_loss)

@@ -277,8 +277,11 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """The GRPO objective (DESIGN.md)."""
+    """The GRPO objective (docs/design.md)."""
 
+    policy_loss: str = "ppo_clip"
+    """The policy loss, by name (grpo_mega.algo.POLICY_LOSSES): 'ppo_clip' (the clipped surrogate, with
+    clip-higher and dual-clip)."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -324,7 +327,9 @@ class AlgoConfig:
     def __post_init__(self):
         from grpo_mega.algo.kl import KL_ESTIMATORS
         from grpo_mega.algo.loss import AGG_MODES
+        from grpo_mega.algo.policy_loss import POLICY_LOSSES
 
+        POLICY_LOSSES.get(self.policy_loss)
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
         _positive("algo.ppo_epochs", self.ppo_epochs)

@@ -1,9 +1,10 @@
 """The actor and the reference under Megatron: logprobs of the step's responses, and the GRPO update.
 
 Owns: running batches through Megatron's pipeline schedule (`get_forward_backward_func`) in micro-batches;
-the per-micro-batch GRPO loss from vocab-parallel logits; the mini-batch normaliser, computed once per
-mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and DP
-averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics. With the full
+the token statistics from vocab-parallel logits, which the policy loss (`grpo_mega.algo.POLICY_LOSSES`, that
+also decides the loss's terms) turns into each micro-batch's loss; the mini-batch normaliser, computed once
+per mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and
+DP averaging cancel (DESIGN.md); the optimizer step, LR schedule and per-mini-batch metrics. With the full
 KL in the loss (`algo.kl_estimator=full`), the frozen reference runs in lockstep with the actor inside the
 same schedule, so that both models' vocab-sharded logits meet in the loss of every micro-batch.
 The math is grpo_mega.algo's, the collectives grpo_mega.parallel's.
@@ -294,6 +295,16 @@ class Reference:
         copy_weights(actor.built.gpt, self.built.gpt)
 
 
+def objective(a: AlgoConfig) -> algo.Objective:
+    """The policy loss's settings from `algo.*`: the one place the loss reads the config."""
+    return algo.Objective(
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, dual_clip=a.dual_clip,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
+        loss_agg_mode=a.loss_agg_mode, dapo_token_scale=a.dapo_token_scale, engine_is_cap=a.engine_is_cap,
+        early_stop_imp_ratio=a.early_stop_imp_ratio,
+    )
+
+
 class Actor:
     """The trainable policy: Megatron DDP + optimizer + LR schedule, and the GRPO update."""
 
@@ -304,6 +315,8 @@ class Actor:
 
         self.model_cfg, self.parallel, self.precision = model_cfg, parallel, precision
         self.optim, self.algo, self.batch = optim, algo_cfg, batch
+        self.policy_loss = algo.POLICY_LOSSES.get(algo_cfg.policy_loss)
+        self.objective = objective(algo_cfg)
         self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
         _check_packing(self.built.gpt, batch)
         bf16 = precision.params_dtype == "bf16"
@@ -351,66 +364,26 @@ class Actor:
     @property
     def full_kl_in_loss(self) -> bool:
         """The loss's KL term is the full-vocabulary KL: the update needs the reference's logits."""
-        a = self.algo
-        return a.kl_coef != 0 and not a.kl_in_reward and a.kl_estimator == "full"
+        return self.objective.full_kl_in_loss
 
     # ---- the loss of one micro-batch (last pipeline stage) --------------------------------------------
 
     def _loss(self, mb: dict, normaliser: torch.Tensor, scale: int, temperature: float,
               ref_logits: Optional[torch.Tensor], logits: torch.Tensor):
-        """The micro-batch's scaled GRPO loss and its metric sums. logits, ref_logits: [b, s, V/tp] (the
-        reference's only with the full KL in the loss, without grad)."""
-        a = self.algo
+        """The micro-batch's scaled policy loss (`algo.policy_loss`, grpo_mega.algo.POLICY_LOSSES) and its
+        metric sums. logits, ref_logits: [b, s, V/tp] (the reference's only with the full KL in the loss,
+        without grad)."""
         logp, entropy, full_kl = _token_stats(logits, mb, self.model_cfg, self.batch, temperature, ref_logits)
-        mask = mb["mask"]
         on_policy = "old_logp" not in mb
         if on_policy:  # the exactly on-policy step: the old logprobs are this forward's, detached (ratio 1)
             mb["old_logp"] = logp.detach()
-        use_kl = a.kl_coef != 0 and not a.kl_in_reward
-        if not use_kl:
-            kl = None
-        elif a.kl_estimator == "full":
-            kl = full_kl
-        else:
-            kl = algo.kl_penalty(logp, mb["ref_logp"], a.kl_estimator)
-        token_scale = algo.valid_token_scale(mask) if a.dapo_token_scale else None
-        is_weight = None
-        if a.engine_is_cap is not None:
-            if "engine_logp" not in mb:
-                raise ValueError("algo.engine_is_cap needs the engine's logprobs (rollout.engine_logp)")
-            is_weight = algo.truncated_is_weight(mb["old_logp"], mb["engine_logp"], a.engine_is_cap)
-            token_scale = is_weight if token_scale is None else token_scale * is_weight
-        token_loss, terms = algo.grpo_token_loss(
-            logp, mb["old_logp"], mb["advantages"], a.clip_ratio_low, a.clip_ratio_high, a.dual_clip,
-            kl=kl, kl_coef=a.kl_coef if use_kl else 0.0,
-            entropy=entropy if a.entropy_coef else None, entropy_coef=a.entropy_coef,
-            token_scale=token_scale,
+        loss, stats = self.policy_loss(
+            self.objective, logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mb["mask"],
+            normaliser=normaliser, entropy=entropy, ref_logp=mb.get("ref_logp"), full_kl=full_kl,
+            engine_logp=mb.get("engine_logp"),
         )
-        loss = algo.aggregate(token_loss, mask, a.loss_agg_mode, normaliser)
-        m = mask.to(torch.float32)
-        with torch.no_grad():
-            log_ratio = algo.loss.log_ratio(logp, mb["old_logp"])
-            valid = mask.bool()
-            ratio = log_ratio.exp()
-            stats = {
-                "loss": loss.detach(),
-                "pg_loss_sum": (terms["pg_loss"] * m).sum(),
-                "entropy_sum": (entropy * m).sum(),
-                "kl_sum": (kl * m).sum() if kl is not None
-                else (algo.kl_penalty(logp, mb["ref_logp"], "k3") * m).sum() if "ref_logp" in mb else torch.zeros(()),
-                "clipped_sum": (terms["clipped"] * m).sum(),
-                "tokens": m.sum(),
-                "ratio_sum": (ratio * m).sum(),
-                "ratio_min": ratio[valid].min() if valid.any() else torch.tensor(math.inf),
-                "ratio_max": ratio[valid].max() if valid.any() else torch.tensor(-math.inf),
-                # the importance correction's effect: its mean weight and the share of tokens at the cap
-                "is_weight_sum": (is_weight * m).sum() if is_weight is not None else m.sum(),
-                "is_capped_sum": ((is_weight >= a.engine_is_cap) * m).sum() if is_weight is not None else torch.zeros(()),
-                "extreme": algo.has_extreme_ratio(logp, mb["old_logp"], mask, a.early_stop_imp_ratio).float()
-                if a.early_stop_imp_ratio else torch.zeros(()),
-            }
-            if on_policy:  # they become rollout.old_logp (engine/trainer mismatch metrics)
-                stats.update(logp=logp.detach() * mask, rows=mb["rows"])
+        if on_policy:  # they become rollout.old_logp (engine/trainer mismatch metrics)
+            stats.update(logp=logp.detach() * mb["mask"], rows=mb["rows"])
         return loss * scale, stats
 
     def update(self, rollout: RolloutBatch, temperature: float = 1.0, reference: Optional[Reference] = None) -> list[dict]:
@@ -428,7 +401,7 @@ class Actor:
         if self.full_kl_in_loss and reference is None:
             raise ValueError("algo.kl_estimator='full' with algo.kl_coef != 0 needs the reference's logits: "
                              "pass the Reference, Actor.update(rollout, temperature, reference=reference)")
-        if self.algo.kl_coef and not self.algo.kl_in_reward and not self.full_kl_in_loss and rollout.ref_logp is None:
+        if self.objective.kl_in_loss and not self.full_kl_in_loss and rollout.ref_logp is None:
             raise ValueError(f"algo.kl_coef != 0 with algo.kl_estimator={self.algo.kl_estimator!r} needs rollout.ref_logp")
         ps = _ps()
         dp = ps.get_data_parallel_world_size()
