@@ -84,7 +84,8 @@ def test_stream_is_a_reproducible_shuffle_covering_each_epoch(tmp_path, tok):
          r"d.jsonl:2: not UTF-8 \(byte 0xe9 at byte 45 of the line\); save the file as UTF-8"),
         (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": 4}, "extra_info": "x"}\n',
          r"d.jsonl:1: 'extra_info' must be an object .* or absent, got str 'x'"),
-        (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": 4}, "extra_info": [[1, 2]]}\n',
+        (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": 4}, '
+         b'"extra_info": [[1, 2]]}\n',
          r"d.jsonl:1: 'extra_info' must be an object .*got list"),
         (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": null}}\n',
          r"d.jsonl:1: 'reward_model.ground_truth' is null; give the answer"),

@@ -142,7 +142,8 @@ def test_a_sample_over_the_memory_limit_fails_alone():
         assert len(pool.started_pids) == 1  # the same worker goes on after the failed allocation
         pids = pool.started_pids
     assert got == [4.0, 0.0, 4.0] and stats.errors == 1 and stats.timeouts == 0
-    assert "failed on sample 1" in stats.examples[0] and "MemoryError (over reward.max_memory_mb=256)" in stats.examples[0]
+    assert "failed on sample 1" in stats.examples[0]
+    assert "MemoryError (over reward.max_memory_mb=256)" in stats.examples[0]
     with RewardPool("tests.rewards.test_scoring:hungry_reward", num_workers=1, timeout_s=20, max_memory_mb=0) as pool:
         assert pool.score(["mb 300"], [None], [{}]) == [6.0]  # 0: no limit
     assert _gone(pids)
