@@ -84,6 +84,12 @@ DATA_CASES = {
                             r"data\.csv: unknown data format '\.csv'; expected \.jsonl or \.parquet"),
     "data_every_prompt_too_long": (lambda d: _write_rows(d / "long.jsonl", [_row("word " * 300)] * 3),
                                    r"long\.jsonl: all 3 prompts are longer than batch\.max_prompt_length=128 tokens"),
+    "data_not_utf8": (lambda d: (p := d / "latin1.jsonl").write_bytes(json.dumps(_row("caf\u00e9?")).encode().replace(b"\\u00e9", b"\xe9")) and p,
+                      r"latin1\.jsonl:1: not UTF-8 \(byte 0xe9 at byte \d+ of the line\); save the file as UTF-8"),
+    "data_extra_info_not_an_object": (lambda d: _write_rows(d / "ei.jsonl", [_row(), _row(extra_info="split=train")]),
+                                      r"ei\.jsonl:2: 'extra_info' must be an object .* or absent, got str 'split=train'"),
+    "data_null_ground_truth": (lambda d: _write_rows(d / "nt.jsonl", [_row(truth=None)]),
+                               r"nt\.jsonl:1: 'reward_model\.ground_truth' is null; give the answer the reward checks"),
 }
 
 

@@ -656,8 +656,12 @@ class RewardConfig:
     start_method: str = "forkserver"
     """How workers start: 'forkserver' (forked from a clean server, never from a rank's gloo/NCCL threads),
     'spawn', or 'fork'."""
+    max_memory_mb: Optional[int] = None
+    """Each worker's memory cap in MiB beyond its start size (RLIMIT_AS): a sample over it fails alone; 0/null: none."""
 
     def __post_init__(self):
+        if self.max_memory_mb is not None and self.max_memory_mb < 0:
+            raise ValueError(f"reward.max_memory_mb={self.max_memory_mb} must be >= 0 (0 or null: no limit)")
         if self.overlong not in ("keep", "zero", "mask"):
             raise ValueError(f"reward.overlong={self.overlong!r} must be 'keep', 'zero' or 'mask'")
         if self.on_error not in ("zero", "raise"):

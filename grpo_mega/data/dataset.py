@@ -3,7 +3,9 @@
 A row: `prompt` (chat messages: a non-empty list of {"role", "content"}), `reward_model.ground_truth`,
 optionally `data_source` and `extra_info`. Prompts are rendered with the tokenizer's chat template (with the
 generation prompt) and tokenised here; prompts longer than `max_prompt_length` tokens are dropped and
-counted. A malformed row stops loading with an error naming the file, the line and what was expected.
+counted (one whose rendered text has more characters than that many tokens could hold is dropped before it
+is tokenised). A malformed row (bytes that are not UTF-8, a wrong-typed column, a null ground truth) stops
+loading with a one-line error naming the file, the line and what to do.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     if path.suffix == ".jsonl":
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a BOM only starts a file
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of "
+                                    f"the line); save the file as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -49,8 +56,19 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             table = pq.read_table(path)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
             raise DataError(f"{path}: not a readable parquet file ({e})") from None
-        for i, row in enumerate(table.to_pylist(), 1):
-            yield i, row
+        for start in range(0, table.num_rows, 1024):
+            try:
+                rows = table.slice(start, 1024).to_pylist()
+            except UnicodeDecodeError:  # find the row, for the message
+                for i in range(start, min(start + 1024, table.num_rows)):
+                    try:
+                        table.slice(i, 1).to_pylist()
+                    except UnicodeDecodeError as e:
+                        raise DataError(f"{path}:{i + 1}: a string column is not UTF-8 ({e.reason}); rewrite the "
+                                        f"file with its strings as UTF-8") from None
+                raise
+            for i, row in enumerate(rows, start + 1):
+                yield i, row
     else:
         raise DataError(f"{path}: unknown data format {path.suffix!r}; expected .jsonl or .parquet")
 
@@ -68,18 +86,41 @@ def _check(row: Any, where: str) -> tuple[list[dict], Any]:
     rm = row.get("reward_model")
     if not isinstance(rm, dict) or "ground_truth" not in rm:
         raise DataError(f"{where}: missing column 'reward_model.ground_truth'")
+    if rm["ground_truth"] is None:
+        raise DataError(f"{where}: 'reward_model.ground_truth' is null; give the answer the reward checks against, "
+                        f"or drop the row")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"{where}: 'extra_info' must be an object ({{\"key\": value, ...}}) or absent, got "
+                        f"{type(extra).__name__} {str(extra)[:40]!r}; wrap it, e.g. {{\"note\": ...}}, or drop it")
     return msgs, rm["ground_truth"]
+
+
+def _chars_per_token(tokenizer) -> int | None:
+    """An upper bound on the characters one token covers: its longest vocabulary entry (a byte-level entry
+    spells each byte as one character; a text character is at least one byte), times 4 for a normaliser that
+    merges characters (NFKC composes at most a few into one). None where the tokenizer lists no vocabulary."""
+    try:
+        return 4 * max(len(t) for t in tokenizer.get_vocab())
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: tokenise every prompt
+        return None
 
 
 def load_prompts(path: str, tokenizer, max_prompt_length: int) -> tuple[list[PromptExample], int]:
     """(examples, number dropped for being longer than max_prompt_length). Raises DataError on bad input."""
     p = Path(path)
     out, dropped, seen = [], 0, 0
+    per_token = _chars_per_token(tokenizer)
     for line_no, row in _rows(p):
         where = f"{p}:{line_no}"
         msgs, truth = _check(row, where)
         seen += 1
         try:
+            if per_token and sum(len(m["content"]) for m in msgs) > per_token * max_prompt_length and len(
+                    tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            ) > per_token * max_prompt_length:  # (rendered: a template may leave a message out)
+                dropped += 1  # more text than max_prompt_length tokens can spell: dropped without tokenising it
+                continue
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # noqa: BLE001 - template errors come in many types
             raise DataError(f"{where}: the tokenizer's chat template failed on this prompt ({e})") from None

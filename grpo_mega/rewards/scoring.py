@@ -5,14 +5,18 @@ with a hard per-sample time limit, and the one collective that gives every rank 
 model, such as the batched reward model, scores them all on rank 0 instead); each rank writes its scores
 into a zero vector and one SUM all-reduce (grpo_mega.parallel.comm) assembles the whole vector, exactly,
 since every entry is x + 0 + ... + 0. Rule rewards (math-verify, user functions by dotted path) run in a
-`RewardPool` of worker processes; a sample still running after `timeout_s` has its worker killed by PID and
-replaced, and is handled like a raising reward (`on_error`). What the pool runs and how the reward functions
+`RewardPool` of worker processes; a sample still running after `timeout_s` has its worker and every process
+under it (what the reward function started) killed by PID and replaced, and is handled like a raising reward
+(`on_error`). A worker found dead while idle is replaced without failing anything; `max_memory_mb` caps each
+worker's address space (RLIMIT_AS, set in the worker), so a sample over it fails alone instead of waking the
+node's OOM killer, which may pick a trainer rank. What the pool runs and how the reward functions
 themselves behave is rewards/__init__.py's; the learned reward model is rewards/reward_model.py's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -20,10 +24,13 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
+from grpo_mega.processes import kill_tree
 from grpo_mega.rewards import RewardError, RewardStats, build_reward, check_reward_value, report_failure
 
 if TYPE_CHECKING:  # pool workers import this module: torch stays out of them
     import torch
+
+log = logging.getLogger(__name__)
 
 
 def default_num_workers() -> int:
@@ -59,15 +66,35 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(conn, name: str, kwargs: dict) -> None:
+def _limit_memory(max_memory_mb: Optional[int]) -> None:
+    """Cap this process's address space (RLIMIT_AS) at its size now plus `max_memory_mb` MiB (0 or None: no
+    cap). Relative to the start, so a worker forked from a large rank ('fork') gets the same room as one from
+    the forkserver; an allocation over it raises MemoryError (or kills this worker, in C code that aborts)."""
+    if not max_memory_mb:
+        return
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            start = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        start = 0
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = start + max_memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+def _worker(conn, name: str, kwargs: dict, max_memory_mb: Optional[int] = None) -> None:
     """A pool worker: build the reward once, then score (index, response, ground truth, sample) requests
     until the parent closes the pipe. Failures go back as text; the parent reports them with the sample."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends us
+    over = f" (over reward.max_memory_mb={max_memory_mb})" if max_memory_mb else ""
     try:
+        _limit_memory(max_memory_mb)
         fn = build_reward(name, **kwargs)
     except BaseException as e:  # noqa: BLE001 - a reward that cannot be built is reported by the parent
-        conn.send(("fatal", -1, f"{type(e).__name__}: {e}"))
+        conn.send(("fatal", -1, f"{type(e).__name__}{over if isinstance(e, MemoryError) else ''}: {e}"))
         return
     conn.send(("ready", -1, getattr(fn, "__qualname__", None) or type(fn).__name__))
     while True:
@@ -77,6 +104,8 @@ def _worker(conn, name: str, kwargs: dict) -> None:
             return
         try:
             reply = ("ok", i, fn(response, ground_truth, sample))
+        except MemoryError as e:  # over the cap: this sample fails, the worker (its memory freed) goes on
+            reply = ("error", i, f"MemoryError{over}: {e}")
         except Exception as e:  # noqa: BLE001 - user code: reported with the sample
             reply = ("error", i, f"{type(e).__name__}: {e}")
         try:
@@ -86,9 +115,10 @@ def _worker(conn, name: str, kwargs: dict) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, name: str, kwargs: dict):
+    def __init__(self, ctx, name: str, kwargs: dict, max_memory_mb: Optional[int]):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker, args=(child, name, kwargs), daemon=True, name="grpo-mega-reward")
+        self.proc = ctx.Process(target=_worker, args=(child, name, kwargs, max_memory_mb), daemon=True,
+                                name="grpo-mega-reward")
         self.proc.start()
         child.close()
         self.busy: Optional[int] = None  # the sample index in flight
@@ -96,12 +126,10 @@ class _Worker:
         self.ready = False
 
     def kill(self) -> None:
-        """SIGKILL this worker by its PID and reap it (never by name)."""
+        """SIGKILL this worker and every process under it (what its reward function started), each by its PID
+        (never by name), and reap it."""
         if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(self.proc.pid)
         self.proc.join(10)
         self.conn.close()
 
@@ -112,25 +140,29 @@ class RewardPool:
 
     The workers start on first use with `start_method` ('forkserver': forked from a clean server process, not
     from a trainer rank running gloo/NCCL threads; 'spawn'; 'fork': fastest start, only safe before threads
-    exist). `close()` (also on `with` exit) ends them all; tests check that none outlives it.
+    exist). `max_memory_mb` (0 or None: no cap) caps each worker's address space beyond its size at start; a
+    sample over it fails alone. `close()` (also on `with` exit) ends them all; tests check that none outlives it.
     """
 
     def __init__(self, name: str, kwargs: Optional[dict] = None, *, num_workers: int = 1, timeout_s: float = 30.0,
-                 start_method: str = "forkserver", what: str = "reward function"):
+                 start_method: str = "forkserver", what: str = "reward function",
+                 max_memory_mb: Optional[int] = None):
         if num_workers < 1:
             raise ValueError(f"reward.num_workers={num_workers} must be >= 1")
         if not timeout_s > 0:
             raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
         if start_method not in ("forkserver", "spawn", "fork"):
             raise ValueError(f"reward.start_method={start_method!r} must be 'forkserver', 'spawn' or 'fork'")
-        self.name, self.kwargs, self.what = name, dict(kwargs or {}), what
+        if max_memory_mb is not None and max_memory_mb < 0:
+            raise ValueError(f"reward.max_memory_mb={max_memory_mb} must be >= 0 (0 or null: no limit)")
+        self.name, self.kwargs, self.what, self.max_memory_mb = name, dict(kwargs or {}), what, max_memory_mb
         self.num_workers, self.timeout_s, self.start_method = num_workers, timeout_s, start_method
         self._workers: list[_Worker] = []
         self.started_pids: list[int] = []  # every worker ever started (tests check that all are gone)
         self.fn_name = name  # the function's own name once a worker has built it (for messages)
 
     def _spawn(self) -> _Worker:
-        w = _Worker(mp.get_context(self.start_method), self.name, self.kwargs)
+        w = _Worker(mp.get_context(self.start_method), self.name, self.kwargs, self.max_memory_mb)
         self.started_pids.append(w.proc.pid)
         return w
 
@@ -139,7 +171,12 @@ class RewardPool:
             w.kill()
             raise RewardError(f"reward worker for {self.name!r} (pid {w.proc.pid}) did not start within "
                               f"{max(60.0, self.timeout_s):.0f} s")
-        kind, _, detail = w.conn.recv()
+        try:
+            kind, _, detail = w.conn.recv()
+        except (EOFError, OSError):
+            w.kill()
+            raise RewardError(f"reward worker for {self.name!r} (pid {w.proc.pid}) exited with code "
+                              f"{w.proc.exitcode} before it was ready") from None
         if kind == "fatal":
             w.kill()
             raise ValueError(f"reward {self.name!r} could not be built in a worker process: {detail}")
@@ -181,10 +218,10 @@ class RewardPool:
 
         try:
             while todo or any(w.busy is not None for w in self._workers):
-                for w in self._workers:
+                for idx, w in enumerate(list(self._workers)):
                     if w.busy is None and todo:
                         k = todo.pop()
-                        w.conn.send((k, responses[k], ground_truths[k], samples[k]))
+                        w = self._send(idx, (k, responses[k], ground_truths[k], samples[k]))
                         w.busy, w.deadline = k, time.monotonic() + self.timeout_s
                 busy = [w for w in self._workers if w.busy is not None]
                 wait = max(0.0, min(w.deadline for w in busy) - time.monotonic())
@@ -211,10 +248,11 @@ class RewardPool:
                             fail(k, value)
                     elif time.monotonic() >= w.deadline:
                         k = w.busy
-                        w.kill()  # stuck (math-verify on adversarial LaTeX, a user loop, C code): end it by PID
+                        w.kill()  # stuck (math-verify on adversarial LaTeX, a user loop, C code): end its tree
                         self._workers[idx] = self._replace()
                         fail(k, f"timed out after {self.timeout_s:g} s (reward.timeout_s); its worker "
-                                f"(pid {w.proc.pid}) was killed and replaced", timeout=True)
+                                f"(pid {w.proc.pid}) was killed with the processes under it and replaced",
+                             timeout=True)
         except BaseException:
             self.close()  # an error (on_error=raise, Ctrl-C) must not leave workers behind
             raise
@@ -224,6 +262,26 @@ class RewardPool:
         w = self._spawn()
         self._await_ready(w)
         return w
+
+    def _send(self, idx: int, request: tuple) -> _Worker:
+        """Give worker `idx` a request; one that died while idle (killed from outside, a crash between samples)
+        is replaced first, without failing anything: the request had not reached it."""
+        for attempt in range(2):
+            w = self._workers[idx]
+            if w.proc.is_alive():
+                try:
+                    w.conn.send(request)
+                    return w
+                except OSError:  # BrokenPipeError, ConnectionResetError: it died since the check
+                    pass
+            if attempt:
+                break
+            w.kill()
+            log.warning("reward worker for %r (pid %s) exited while idle (code %s); starting a new one",
+                        self.name, w.proc.pid, w.proc.exitcode)
+            self._workers[idx] = self._replace()
+        raise RewardError(f"reward worker for {self.name!r} (pid {self._workers[idx].proc.pid}) exited right after "
+                          f"it started (code {self._workers[idx].proc.exitcode})")
 
     def close(self) -> None:
         """End every worker (closing its pipe ends an idle one; a busy or stuck one is killed by PID)."""
@@ -235,7 +293,7 @@ class RewardPool:
         for w in workers:
             w.proc.join(2)
             if w.proc.is_alive():
-                os.kill(w.proc.pid, signal.SIGKILL)
+                kill_tree(w.proc.pid)
                 w.proc.join(10)
 
     def __enter__(self) -> "RewardPool":
@@ -254,13 +312,13 @@ class PromptReward:
 
     def __init__(self, tokenizer, name: str, kwargs: Optional[dict] = None, *, on_error: str = "zero",
                  num_workers: Optional[int] = None, timeout_s: float = 30.0, start_method: str = "forkserver",
-                 what: str = "reward function"):
+                 what: str = "reward function", max_memory_mb: Optional[int] = None):
         if on_error not in ("zero", "raise"):
             raise ValueError(f"reward.on_error={on_error!r} must be 'zero' or 'raise'")
         self.tok, self.on_error = tokenizer, on_error
         build_reward(name, **(kwargs or {}))  # fail at start-up, in this process, on a bad name or path
         self.pool = RewardPool(name, kwargs, num_workers=num_workers or default_num_workers(), timeout_s=timeout_s,
-                               start_method=start_method, what=what)
+                               start_method=start_method, what=what, max_memory_mb=max_memory_mb)
         self.stats = RewardStats()
 
     def _inputs(self, example, response_ids) -> tuple[str, Any, dict]:

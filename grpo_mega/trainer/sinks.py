@@ -23,7 +23,7 @@ class MetricSinks:
         from torch.utils.tensorboard import SummaryWriter
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out_dir / "metrics.jsonl", "w")
+        self.jsonl = open(out_dir / "metrics.jsonl", "a")  # a rerun into the same directory adds to it
         self.writer = SummaryWriter(str(out_dir / "tensorboard"))
         if _wandb_wanted():
             import wandb

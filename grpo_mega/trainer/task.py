@@ -36,7 +36,8 @@ def _reward_model(rew: RewardConfig, tok, verifier):
     from grpo_mega.rewards.reward_model import RewardModelReward
     from grpo_mega.rewards.scoring import PromptReward
 
-    pool = dict(num_workers=rew.num_workers, timeout_s=rew.timeout_s, start_method=rew.start_method)
+    pool = dict(num_workers=rew.num_workers, timeout_s=rew.timeout_s, start_method=rew.start_method,
+                max_memory_mb=rew.max_memory_mb)
     owned = []
 
     def rule(name: str, what: str, on_error: str):
@@ -87,7 +88,7 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         reward = _reward_model(rew, tok, None)
     else:
         reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
-                              timeout_s=rew.timeout_s, start_method=rew.start_method)
+                              timeout_s=rew.timeout_s, start_method=rew.start_method, max_memory_mb=rew.max_memory_mb)
 
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
                 stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state,

@@ -74,3 +74,50 @@ def test_stream_is_a_reproducible_shuffle_covering_each_epoch(tmp_path, tok):
     assert sorted(e.index for e in first) == list(range(10))  # one epoch = every prompt once
     assert [e.index for e in first] == [e.index for e in b.next_batch(10)]
     assert [e.index for e in a.next_batch(10)] != [e.index for e in first]  # a new order next epoch
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": 4}}\n'
+         b'{"prompt": [{"role": "user", "content": "caf\xe9"}], "reward_model": {"ground_truth": 4}}\n',
+         r"d.jsonl:2: not UTF-8 \(byte 0xe9 at byte 45 of the line\); save the file as UTF-8"),
+        (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": 4}, "extra_info": "x"}\n',
+         r"d.jsonl:1: 'extra_info' must be an object .* or absent, got str 'x'"),
+        (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": 4}, '
+         b'"extra_info": [[1, 2]]}\n',
+         r"d.jsonl:1: 'extra_info' must be an object .*got list"),
+        (b'{"prompt": [{"role": "user", "content": "3"}], "reward_model": {"ground_truth": null}}\n',
+         r"d.jsonl:1: 'reward_model.ground_truth' is null; give the answer"),
+    ],
+)
+def test_bytes_and_types_name_the_line(tmp_path, tok, content, match):
+    (tmp_path / "d.jsonl").write_bytes(content)
+    with pytest.raises(DataError, match=match):
+        load_prompts(str(tmp_path / "d.jsonl"), tok, 10)
+
+
+def test_a_utf8_bom_and_a_null_extra_info_are_fine(tmp_path, tok):
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(_row("3", extra_info=None)).encode() + b"\n")
+    ex, _ = load_prompts(str(tmp_path / "d.jsonl"), tok, 10)
+    assert ex[0].prompt_ids == [1, 6, 13] and ex[0].extra_info == {}
+
+
+def test_parquet_string_that_is_not_utf8_names_the_row(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = pa.Table.from_pylist([_row("3"), _row("4")])
+    source = pa.array(["ok", "caf\xe9".encode("latin1")], type=pa.binary()).cast(pa.string(), safe=False)
+    pq.write_table(good.append_column("data_source", source), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d.parquet:2: a string column is not UTF-8 \(unexpected end of data\)"):
+        load_prompts(str(tmp_path / "d.parquet"), tok, 10)
+
+
+def test_a_prompt_too_long_to_fit_is_dropped_without_tokenising(tmp_path, tok, monkeypatch):
+    calls = []
+    real = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda m, **kw: calls.append(kw["tokenize"]) or real(m, **kw))
+    ex, dropped = load_prompts(str(_jsonl(tmp_path / "d.jsonl", [_row("3"), _row("1" * 10_000)])), tok, 10)
+    assert len(ex) == 1 and dropped == 1
+    assert calls == [True, False]  # the long one was rendered (its length checked), never tokenised

@@ -87,6 +87,68 @@ def test_on_error_raise_stops_and_leaves_no_worker():
     assert pool.pids() == [] and _gone(pool.started_pids)
 
 
+def forking_reward(response, ground_truth, sample):
+    """Starts a process of its own (as a reward that shells out to a checker might), records its PID, then hangs
+    on a response containing 'hang'."""
+    import subprocess
+
+    if "hang" in response:
+        child = subprocess.Popen(["sleep", "3600"])
+        with open(sample["extra_info"]["log"], "a") as f:
+            f.write(f"{child.pid}\n")
+        time.sleep(3600)
+    return float(len(response))
+
+
+def hungry_reward(response, ground_truth, sample):
+    """Allocates the MiB the response names ('mb 512'), then scores its length."""
+    held = bytearray(int(response.split()[1]) * 2**20)
+    return float(len(response) + len(held) * 0)
+
+
+def test_a_timed_out_worker_is_killed_with_the_processes_it_started(tmp_path):
+    log = tmp_path / "children"
+    rows = [{"data_source": "s", "extra_info": {"log": str(log)}}] * 3
+    stats = RewardStats()
+    with RewardPool("tests.rewards.test_scoring:forking_reward", num_workers=1, timeout_s=1.0) as pool:
+        got = pool.score(["a", "hang", "ccc"], [None] * 3, rows, stats=stats)
+        pids = pool.started_pids
+    grandchild = int(log.read_text())
+    assert got == [1.0, 0.0, 3.0] and stats.timeouts == 1
+    assert "was killed with the processes under it" in stats.examples[0]
+    assert _gone([grandchild]) and _gone(pids)
+
+
+def test_an_idle_worker_killed_from_outside_is_replaced_and_scoring_goes_on():
+    import signal
+
+    stats = RewardStats()
+    with RewardPool("tests.rewards.test_scoring:sleepy_reward", num_workers=2, timeout_s=10) as pool:
+        assert pool.score(["a", "bb"], [None] * 2, [{}] * 2, stats=stats) == [1.0, 2.0]
+        victim = pool.pids()[0]
+        os.kill(victim, signal.SIGKILL)  # by its PID, while it waits for a sample
+        assert _gone([victim])
+        assert pool.score(["a", "bb", "ccc"], [None] * 3, [{}] * 3, stats=stats) == [1.0, 2.0, 3.0]
+        assert victim not in pool.pids() and len(pool.started_pids) == 3
+        pids = pool.started_pids
+    assert stats.errors == 0 and _gone(pids)
+
+
+def test_a_sample_over_the_memory_limit_fails_alone():
+    stats = RewardStats()
+    responses = ["mb 1", "mb 4096", "mb 2"]
+    with RewardPool("tests.rewards.test_scoring:hungry_reward", num_workers=1, timeout_s=20, max_memory_mb=256) as pool:
+        got = pool.score(responses, [None] * 3, [{}] * 3, stats=stats)
+        assert len(pool.started_pids) == 1  # the same worker goes on after the failed allocation
+        pids = pool.started_pids
+    assert got == [4.0, 0.0, 4.0] and stats.errors == 1 and stats.timeouts == 0
+    assert "failed on sample 1" in stats.examples[0]
+    assert "MemoryError (over reward.max_memory_mb=256)" in stats.examples[0]
+    with RewardPool("tests.rewards.test_scoring:hungry_reward", num_workers=1, timeout_s=20, max_memory_mb=0) as pool:
+        assert pool.score(["mb 300"], [None], [{}]) == [6.0]  # 0: no limit
+    assert _gone(pids)
+
+
 def test_pool_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"reward.num_workers=0 must be >= 1"):
         RewardPool("math", num_workers=0)
@@ -94,6 +156,8 @@ def test_pool_config_errors_name_the_field():
         RewardPool("math", timeout_s=0)
     with pytest.raises(ValueError, match=r"reward.start_method='thread' must be"):
         RewardPool("math", start_method="thread")
+    with pytest.raises(ValueError, match=r"reward.max_memory_mb=-1 must be >= 0"):
+        RewardPool("math", max_memory_mb=-1)
 
 
 def test_default_workers_divide_the_node_among_local_ranks(monkeypatch):
