@@ -51,3 +51,11 @@ def hermes(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(name=obj["name"], arguments=args))
     return calls
+
+
+@PARSERS.register("expression")
+def expression(text: str) -> list[ToolCall]:
+    """`<tool_call>EXPR</tool_call>`: the calculator on EXPR (whitespace dropped); for small vocabularies
+    (task=product_tool) that cannot spell JSON."""
+    return [ToolCall(name="calculator", arguments={"expression": "".join(m.group(1).split())})
+            for m in _HERMES.finditer(text)]
