@@ -440,6 +440,36 @@ class BatchConfig:
 
 
 @dataclass(kw_only=True)
+class MultiTurnConfig:
+    """rollout.multi_turn: multi-turn rollouts with tool calls (grpo_mega.rollout.multi_turn), token in and
+    token out; tool results carry no loss."""
+
+    enable: bool = False
+    """Generate each sample turn by turn, running the tool calls the model writes (off: single-turn)."""
+    max_turns: int = 4
+    """The model's turns per sample; the last turn's tool calls are not run. All turns and tool results fit
+    in batch.max_response_length tokens (a trajectory cut by it ends 'length')."""
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """Tools by registered name (calculator) or dotted path to a grpo_mega.tools.Tool (`pkg.mod:MyTool`)."""
+    parser: str = "hermes"
+    """How tool calls are found in a model turn: 'hermes' (alias 'qwen': <tool_call>{json}</tool_call>)."""
+    tool_timeout_s: float = 10.0
+    """A tool call still running after this is killed (its worker, by PID) and answers with an error."""
+    tool_workers: int = 2
+    """Worker processes per rollout engine running tool calls."""
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.multi_turn.max_turns={self.max_turns} must be >= 1")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"rollout.multi_turn.tool_timeout_s={self.tool_timeout_s} must be > 0")
+        if self.tool_workers < 1:
+            raise ValueError(f"rollout.multi_turn.tool_workers={self.tool_workers} must be >= 1")
+        if self.enable and not self.tools:
+            raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tools=[calculator,...]")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """Sampling and weight sync."""
 
@@ -478,8 +508,16 @@ class RolloutConfig:
     servers while step k trains, from the weights step k-1 trained from (one version behind; samples of step
     k >= 2 carry weight version k-2, version v being the weights after v steps); truncated importance
     correction (algo.engine_is_cap, default 2.0 here) covers the lag."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tool calls (off by default)."""
 
     def __post_init__(self):
+        if isinstance(self.multi_turn, dict):  # a checkpoint's saved config
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if self.multi_turn.enable and (self.engine != "embedded" or self.placement != "colocated"):
+            raise ValueError(f"rollout.multi_turn.enable=true runs on the colocated embedded engine only (got "
+                             f"rollout.engine={self.engine!r}, rollout.placement={self.placement!r}); set "
+                             "rollout.engine=embedded rollout.placement=colocated")
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"rollout.engine={self.engine!r} must be 'embedded' or 'sglang'")
         if not isinstance(self.n, int) or self.n < 2:
@@ -712,7 +750,8 @@ class TrainConfig:
     model: str = "tiny"
     """A model_configs/ name (random init), or an HF directory (weights and tokenizer loaded from it)."""
     task: str = "successor"
-    """'successor' (the toy demo) or 'prompts' (data.* files scored by reward.*)."""
+    """'successor' (the toy demo), 'product_tool' (the toy tool task: 2-digit products, solvable with
+    rollout.multi_turn's calculator) or 'prompts' (data.* files scored by reward.*)."""
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -731,8 +770,8 @@ class TrainConfig:
             kind = _COMPONENTS.get(f.name)
             if kind is not None and isinstance(getattr(self, f.name), dict):
                 setattr(self, f.name, kind(**getattr(self, f.name)))
-        if self.task not in ("successor", "prompts"):
-            raise ValueError(f"task={self.task!r} must be 'successor' or 'prompts'")
+        if self.task not in ("successor", "product_tool", "prompts"):
+            raise ValueError(f"task={self.task!r} must be 'successor', 'product_tool' or 'prompts'")
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)

@@ -61,6 +61,10 @@ class Generation:
     finish_reasons: list[str]  # "stop" (a stop token ended it; it is included) or "length"
     weight_version: int
     extra: dict = field(default_factory=dict)
+    model_mask: Optional[list[list[int]]] = None
+    """Multi-turn rollouts (grpo_mega.rollout.multi_turn): per token of token_ids, 1 where the model sampled it
+    (its stop tokens included), 0 for tool results and chat-template glue; logprobs are 0.0 at the 0s.
+    None: every token is the model's."""
 
 
 def tensor_checksum(t: torch.Tensor) -> str:

@@ -95,8 +95,17 @@ class Engines:
             raise RolloutError(f"the rollout engines answered with different weight versions {sorted(versions)}")
         if len(parts) == 1:
             return parts[0]
+        masks = None
+        if any(g.model_mask is not None for g in parts):
+            masks = [m for g in parts for m in (g.model_mask or [[1] * len(t) for t in g.token_ids])]
+        extra = {}
+        if any("multi_turn" in g.extra for g in parts):
+            from grpo_mega.rollout.multi_turn import join_stats
+
+            extra["multi_turn"] = join_stats([g.extra.get("multi_turn") for g in parts])
         return Generation(token_ids=[t for g in parts for t in g.token_ids], logprobs=[lp for g in parts for lp in g.logprobs],
-                          finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version)
+                          finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version,
+                          extra=extra, model_mask=masks)
 
     def sync(self, gpt, version: int, **kwargs):
         """The trainer's weights into every engine (collective): each bucket gathered once and broadcast to

@@ -40,12 +40,13 @@ class Routing:
         """Rank 0's `gen` (None elsewhere) as every rank needs it: whole on rank 0, this replica's rows
         elsewhere (the rest placeholders), finish reasons and weight version everywhere."""
         meta = comm.broadcast_object(None if gen is None else ([len(t) for t in gen.token_ids], gen.finish_reasons,
-                                                               gen.weight_version))
-        lens, finish, version = meta
+                                                               gen.weight_version, gen.extra.get("multi_turn")))
+        lens, finish, version, multi_turn = meta
         needs = self.rows_for([p + r for p, r in zip(prompt_lens, lens)])[1]
         payloads = None
         if self.rank == 0:
-            payloads = [None if r == 0 else {i: (gen.token_ids[i], gen.logprobs[i]) for i in needs[d]}
+            masks = gen.model_mask
+            payloads = [None if r == 0 else {i: (gen.token_ids[i], gen.logprobs[i], masks and masks[i]) for i in needs[d]}
                         for r, d in enumerate(self.dp_of)]
             self.sent_rows = sum(len(p) for p in payloads if p is not None)
         mine = comm.scatter_objects(payloads)
@@ -53,10 +54,16 @@ class Routing:
             return gen
         token_ids = [[0] * n for n in lens]
         logprobs = [[0.0] * n for n in lens]
-        for i, (t, lp) in mine.items():
+        masks = None if multi_turn is None else [[1] * n for n in lens]  # placeholders, like the tokens
+        for i, (t, lp, m) in mine.items():
             token_ids[i], logprobs[i] = t, lp
+            if masks is not None and m is not None:
+                masks[i] = m
+        extra = {"held": sorted(mine)}
+        if multi_turn is not None:
+            extra["multi_turn"] = multi_turn
         return Generation(token_ids=token_ids, logprobs=logprobs, finish_reasons=finish, weight_version=version,
-                          extra={"held": sorted(mine)})
+                          extra=extra, model_mask=masks)
 
     def owned(self, seq_lens: list[int]) -> list[int]:
         """The rows this rank owns (scores and counts): each row once in the world, on a rank that holds it."""

@@ -28,9 +28,14 @@ class RolloutBatch:
     ref_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned
     engine_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned: the rollout engine's logprobs
     in_loss: Optional[torch.Tensor] = None  # [N] bool: rows that count in the loss (overlong=mask, dynamic sampling)
+    model_mask: Optional[torch.Tensor] = None
+    """[N, L] bool, position-aligned: False where the predicted response token is not the model's (a tool result
+    or chat-template glue of a multi-turn rollout, grpo_mega.rollout.multi_turn); None: every response token is."""
 
     @classmethod
-    def from_samples(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> "RolloutBatch":
+    def from_samples(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                     model_masks: Optional[Sequence[Sequence[int]]] = None) -> "RolloutBatch":
+        """`model_masks`: per response token, 1 where the model sampled it (Generation.model_mask), or None."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -40,10 +45,19 @@ class RolloutBatch:
         tokens = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             tokens[i, : lengths[i]] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        model_mask = None
+        if model_masks is not None:
+            model_mask = torch.ones(tokens.shape, dtype=torch.bool)
+            for i, (p, r, m) in enumerate(zip(prompts, responses, model_masks)):
+                if len(m) != len(r):
+                    raise ValueError(f"sample {i}: a model mask of {len(m)} for a response of {len(r)} tokens")
+                start = len(p) - 1  # the logits at position P-1+t predict response token t
+                model_mask[i, start:start + len(r)] = torch.tensor(list(m), dtype=torch.bool)
         return cls(
             tokens=tokens,
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
             response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
+            model_mask=model_mask,
         )
 
     @property
@@ -57,10 +71,12 @@ class RolloutBatch:
         return out
 
     def response_mask(self) -> torch.Tensor:
-        """[N, L] bool: positions whose logits predict a response token (EOS/stop included)."""
+        """[N, L] bool: positions whose logits predict a response token the model sampled (EOS/stop included;
+        a multi-turn rollout's tool results and template glue excluded, `model_mask`)."""
         pos = torch.arange(self.tokens.shape[1]).unsqueeze(0)
         start = (self.prompt_lens - 1).unsqueeze(1)
-        return (pos >= start) & (pos < start + self.response_lens.unsqueeze(1))
+        m = (pos >= start) & (pos < start + self.response_lens.unsqueeze(1))
+        return m if self.model_mask is None else m & self.model_mask
 
     def loss_mask(self) -> torch.Tensor:
         """[N, L] bool: the response mask, less the rows excluded from the loss (`in_loss`)."""
@@ -73,7 +89,7 @@ class RolloutBatch:
         return replace(
             self, tokens=self.tokens[lo:hi], prompt_lens=self.prompt_lens[lo:hi], response_lens=self.response_lens[lo:hi],
             advantages=f(self.advantages), old_logp=f(self.old_logp), ref_logp=f(self.ref_logp), in_loss=f(self.in_loss),
-            engine_logp=f(self.engine_logp),
+            engine_logp=f(self.engine_logp), model_mask=f(self.model_mask),
         )
 
     def rows_at(self, index: torch.Tensor) -> "RolloutBatch":
@@ -83,6 +99,7 @@ class RolloutBatch:
             self, tokens=self.tokens[index], prompt_lens=self.prompt_lens[index],
             response_lens=self.response_lens[index], advantages=f(self.advantages), old_logp=f(self.old_logp),
             ref_logp=f(self.ref_logp), in_loss=f(self.in_loss), engine_logp=f(self.engine_logp),
+            model_mask=f(self.model_mask),
         )
 
 

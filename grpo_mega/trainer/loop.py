@@ -15,6 +15,7 @@ import torch
 from grpo_mega.algo.shaping import shape_step
 from grpo_mega.parallel import comm
 from grpo_mega.rewards.scoring import score_step
+from grpo_mega.rollout.multi_turn import rollout_metrics
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.setup import Run
 from grpo_mega.trainer.timing import StepTimer, throughput
@@ -42,7 +43,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
         with timer("reward"):  # each sample scored once, by its owner; the same scores on every rank
             rewards, reward_metrics = score_step(run.task.reward, samples, gen.token_ids, step, owned)
-        rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids)
+        rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask)
         if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
             with timer("old_logprobs"):
                 rb.old_logp = actor.logprobs(rb, temperature)
@@ -72,7 +73,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
                    overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(shaped.in_loss.sum()),
                    response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
                    weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"],
-                   **update_means(updates), **reward_metrics, **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
+                   **update_means(updates), **reward_metrics, **rollout_metrics(gen), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
         history.rows.append(row)
         if log is not None:
             log(row)

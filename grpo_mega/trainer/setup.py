@@ -33,17 +33,21 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
         return read_hf_config(cfg.model)[2], AutoTokenizer.from_pretrained(cfg.model), cfg.model
     from grpo_mega.conf.schema import load_model_config
     from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.data.toy_tools import make_tool_tokenizer
 
-    tok = make_tokenizer()
+    tok = make_tool_tokenizer() if cfg.task == "product_tool" else make_tokenizer()
     model = load_model_config(cfg.model)
     model.vocab_size = len(tok)  # the toy task's own vocabulary
     return model, tok, None
 
 
-def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], out_dir: Path) -> Callable[[], object]:
+def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], out_dir: Path, tok=None,
+                   stop_token_ids: Optional[list[int]] = None) -> Callable[[], object]:
     """What builds one rollout engine on the ranks that hold one: the dedicated servers' client, or the
-    registered engine class of rollout.engine (colocated: on the rank's own GPU where there is one)."""
+    registered engine class of rollout.engine (colocated: on the rank's own GPU where there is one), driven
+    turn by turn with tools when rollout.multi_turn.enable (`tok` renders the tool turns)."""
     rollout = cfg.rollout
+    mt = rollout.multi_turn
 
     def build():
         if rollout.placement == "dedicated":
@@ -59,7 +63,14 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
                           dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
                           mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
                           timeout_s=rollout.engine_timeout_s)
-        return ENGINES.get(rollout.engine).for_run(spec)
+        engine = ENGINES.get(rollout.engine).for_run(spec)
+        if not mt.enable:
+            return engine
+        from grpo_mega.rollout.multi_turn import MultiTurnEngine
+        from grpo_mega.tools.pool import ToolPool
+
+        pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s)
+        return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids)
 
     return build
 
@@ -201,7 +212,8 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)
     try:
-        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir), hf_dir, out_dir)
+        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids), hf_dir,
+                   out_dir)
     except BaseException:
         getattr(task.reward, "close", lambda: None)()  # the reward's worker processes end with the run
         raise

@@ -61,7 +61,7 @@ def _reward_model(rew: RewardConfig, tok, verifier):
 
 
 def build_task(cfg: TrainConfig, tok) -> Task:
-    """The Task the loop trains on: the toy successor task, or prompt files scored by a reward."""
+    """The Task the loop trains on: the toy successor task, the toy tool task, or prompt files scored by a reward."""
     from grpo_mega.data.toy import SuccessorTask
 
     rew, batch, seed = cfg.reward, cfg.batch, cfg.run.seed
@@ -71,6 +71,12 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
                     get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
                     load_files=getattr(reward, "load_files", None))
+    if cfg.task == "product_tool":
+        from grpo_mega.data.toy_tools import ProductTask
+
+        t = ProductTask(tok, seed=seed)
+        return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
+                    stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state)
     from grpo_mega.data.dataset import PromptStream, load_prompts
     from grpo_mega.rewards.scoring import PromptReward
 

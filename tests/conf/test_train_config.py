@@ -46,7 +46,7 @@ def test_every_config_class_lives_in_conf():
     """The tree is closed: each component of TrainConfig is defined in grpo_mega/conf, and no module outside it
     defines a class named *Config."""
     classes = _config_classes(schema.TrainConfig)
-    assert len(classes) == 14  # TrainConfig and its 13 components (reward.rm_train included)
+    assert len(classes) == 15  # TrainConfig and its 14 components (reward.rm_train, rollout.multi_turn included)
     assert all(c.__module__.startswith("grpo_mega.conf") for c in classes)
     outside = []
     for path in (ROOT / "grpo_mega").rglob("*.py"):
@@ -113,3 +113,15 @@ def test_layout_against_the_model_and_world():
     assert schema.TrainConfig(parallel=dict(tp=2)).check_layout(model, 4) == 2
     with pytest.raises(ValueError, match="rollout.num_engines=3 must divide the number of ranks \\(4\\)"):
         schema.TrainConfig(rollout=dict(num_engines=3)).check_layout(model, 4)
+
+
+def test_multi_turn_config():
+    cfg = schema.TrainConfig()
+    assert cfg.rollout.multi_turn.enable is False  # off by default: the single-turn path is untouched
+    with pytest.raises(ValueError, match="rollout.multi_turn.max_turns=0 must be >= 1"):
+        schema.MultiTurnConfig(max_turns=0)
+    with pytest.raises(ValueError, match="colocated embedded engine only"):
+        schema.RolloutConfig(engine="sglang", multi_turn=schema.MultiTurnConfig(enable=True))
+    restored = schema.TrainConfig(**{**cfg.to_dict(), "rollout": {**cfg.to_dict()["rollout"],
+                                                                "multi_turn": {"enable": True, "max_turns": 3}}})
+    assert restored.rollout.multi_turn.max_turns == 3

@@ -1,0 +1,67 @@
+"""The toy tool task (task=product_tool, with rollout.multi_turn.enable=true): multiply two 2-digit numbers
+("<bos>37*58=" -> "2146"), which a tiny model cannot do by itself (a guess is right about 1 time in 10^4) and
+can by calling the calculator: `<tool_call>37*58</tool_call><eos>` (the `expression` parser), the tool's turn
+`<tool>2146</tool>`, then `2146<eos>`. The tokenizer is made in-process: the successor task's symbols plus
+'*' and the tool-call markers, with a chat template for the tool turns."""
+
+from __future__ import annotations
+
+import random
+
+from grpo_mega.data.toy import SPECIALS, ToyExample
+
+SYMBOLS = [str(d) for d in range(10)] + [">", "+", "=", "*"]
+MARKERS = ["<tool_call>", "</tool_call>", "<tool>", "</tool>"]
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<eos>"
+                 "{% elif m.role == 'tool' %}<tool>{{ m.content }}</tool>{% else %}{{ m.content }}{% endif %}"
+                 "{% endfor %}")
+
+
+def make_tool_tokenizer():
+    """A character-level PreTrainedTokenizerFast: <pad>=0, <bos>=1, <eos>=2, the symbols, the markers (whole)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + SYMBOLS + MARKERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIALS + MARKERS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+class ProductTask:
+    """Prompts "<bos>a*b=" for a, b in [10, 99]; the answer is a*b, the last model turn, followed by <eos>."""
+
+    def __init__(self, tokenizer, seed: int = 0):
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        self.tool_end = tokenizer.convert_tokens_to_ids("</tool>")
+
+    def example(self, a: int, b: int) -> ToyExample:
+        ids = [self.tok.bos_token_id] + self.tok.convert_tokens_to_ids(list(f"{a}*{b}="))
+        return ToyExample(prompt_ids=ids, answer=str(a * b))
+
+    def train_batch(self, size: int) -> list[ToyExample]:
+        return [self.example(self.rng.randint(10, 99), self.rng.randint(10, 99)) for _ in range(size)]
+
+    def get_state(self):
+        version, internal, gauss = self.rng.getstate()
+        return [version, list(internal), gauss]
+
+    def set_state(self, state) -> None:
+        self.rng.setstate((state[0], tuple(state[1]), state[2]))
+
+    def validation(self) -> list[ToyExample]:
+        r = random.Random(99)
+        return [self.example(r.randint(10, 99), r.randint(10, 99)) for _ in range(16)]
+
+    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+        """1 when the model's last turn (after the last tool result) is exactly the product and <eos>."""
+        ids = list(response_ids)
+        if self.tool_end in ids:
+            ids = ids[len(ids) - ids[::-1].index(self.tool_end):]
+        want = self.tok.convert_tokens_to_ids(list(example.answer)) + [self.tok.eos_token_id]
+        return 1.0 if ids == want else 0.0
