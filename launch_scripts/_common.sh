@@ -1,5 +1,5 @@
-# The body shared by the large-model launch scripts (qwen2.5-7b.sh, llama-3.1-70b.sh, qwen2.5-72b.sh), sourced
-# by each after it has set its own layout: NODES, MODEL, TP, PP, MICRO_BATCH, ENGINE_TP and ENGINES. This file
+# The body shared by the large-model launch scripts (qwen2.5-7b.sh, llama-3.1-70b.sh, qwen2.5-72b.sh, qwen3-8b.sh,
+# qwen3-32b.sh), sourced by each after it has set its own layout: NODES, MODEL, TP, PP, MICRO_BATCH, ENGINE_TP and ENGINES. This file
 # sets the defaults they share and builds `overrides`, the Hydra overrides the script hands to
 # slurm/train.sbatch; the script itself then runs `exec sbatch ...` (tools/plan.py --from-launch-script looks
 # for that line in the script it is given). Not run on its own.

@@ -22,6 +22,8 @@ SCRIPTS = {  # launch script -> (model, GPUs, tp, pp)
     "qwen2.5-7b.sh": ("qwen2.5-7b", 8, 4, 1),
     "llama-3.1-70b.sh": ("llama-3.1-70b", 64, 8, 4),
     "qwen2.5-72b.sh": ("qwen2.5-72b", 64, 8, 4),
+    "qwen3-8b.sh": ("qwen3-8b", 8, 4, 1),
+    "qwen3-32b.sh": ("qwen3-32b", 32, 8, 2),
 }
 # The scripts read these from the environment; the tests plan their defaults.
 _SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "RECOMPUTE", "PROMPTS", "N", "MINI_BATCH",
@@ -240,7 +242,7 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     assert (parallel.tp, parallel.pp, parallel.sequence_parallel) == (tp, pp, True)
     assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
     assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
-    assert rollout.num_engines == 8 and gpus % rollout.num_engines == 0  # one per node (70B) or per GPU (7B)
+    assert rollout.num_engines == (gpus // 8 if gpus > 8 else 8) and gpus % rollout.num_engines == 0  # one per node or per GPU
     dp = parallel.check(load_model_config(model_name), world_size=gpus)
     assert dp == gpus // (tp * pp)
     batch.check_dp(dp, rollout.n)
