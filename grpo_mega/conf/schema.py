@@ -106,7 +106,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The vocabulary rounded up to make_vocab_size_divisible_by (DESIGN.md: fixed by the model, not by tp)."""
+        """The vocabulary rounded up to make_vocab_size_divisible_by (docs/design.md: fixed by the model, not by tp)."""
         m = self.make_vocab_size_divisible_by
         return int(math.ceil(self.vocab_size / m) * m)
 
@@ -349,7 +349,7 @@ class AlgoConfig:
 
 @dataclass(kw_only=True)
 class BatchConfig:
-    """Batch semantics (DESIGN.md). All sizes global, counted in prompts unless named otherwise."""
+    """Batch semantics (docs/design.md). All sizes global, counted in prompts unless named otherwise."""
 
     train_batch_size: int = 8
     """Prompts per step."""

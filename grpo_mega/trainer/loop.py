@@ -107,7 +107,7 @@ def world_mismatch(rb: RolloutBatch, owned: list[int]) -> float:
 
 
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
-    """[N, L] position-aligned: the rollout engine's logprob of each response token (DESIGN.md)."""
+    """[N, L] position-aligned: the rollout engine's logprob of each response token (docs/design.md, the algorithm: tokens and masks)."""
     out = torch.zeros(rb.tokens.shape, dtype=torch.float32)
     for i, lps in enumerate(gen.logprobs):
         start = int(rb.prompt_lens[i]) - 1
