@@ -207,12 +207,13 @@ def seal(store: CheckpointStore, step: int, tmp: Path, meta: Optional[dict] = No
     """Collective, once every rank's files are in `tmp`: rank 0 lists them and shares the hashing out
     (CheckpointStore.plan), each rank hashes and fsyncs its share, rank 0 writes the gathered digests into the
     manifest and renames the checkpoint into place. Every rank returns the final path, or raises rank 0's
-    CheckpointError. `store.hash_s` / `store.hash_bytes`: this rank's hashing time and bytes."""
+    CheckpointError. `store.hash_s` / `hash_cpu_s` / `hash_bytes`: this rank's hashing time and bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shares = comm.broadcast_object(store.plan(tmp, world) if rank == 0 else None)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     digests = hash_share(tmp, shares[rank])
-    store.hash_s, store.hash_bytes = time.perf_counter() - start, sum(n for _, _, n in shares[rank])
+    store.hash_s, store.hash_cpu_s = time.perf_counter() - start, time.thread_time() - cpu
+    store.hash_bytes = sum(n for _, _, n in shares[rank])
     gathered = comm.gather_objects(digests)
     result = None
     if rank == 0:
