@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 WRITER_SHARES = (0.4, 0.2, 0.2, 0.2)
-TIMEOUT_S = 600.0  # torch.distributed's default collective timeout for the world group (gloo and NCCL)
+TIMEOUT_S = 600.0
+NOTE = ("hash_wall_vs_rank0 needs a core per rank: with fewer cores than ranks the sharded ranks queue for them "
+        "(best case cores/ranks); hash_cpu_vs_rank0 and hash_bytes_vs_rank0 are each rank's share of the work")  # torch.distributed's default collective timeout for the world group (gloo and NCCL)
 
 
 def _rank(root: str, total_bytes: int, mode: str, repeats: int, piece_bytes: int):
@@ -106,7 +108,7 @@ def run_world(world: int, mode: str, total_bytes: int, repeats: int, piece_bytes
     return dict(world=world, mode=mode, total_bytes=total_bytes, repeats=repeats, **out)
 
 
-def projection_70b(rate_bytes_s: float, ranks: int = 64, piece_bytes: int = 256 << 20) -> dict:
+def projection_70b(rate_bytes_s: float, cpu_rate_bytes_s: float, ranks: int = 64, piece_bytes: int = 256 << 20) -> dict:
     from grpo_mega import planning
     from grpo_mega.conf.schema import ParallelConfig, load_model_config
 
@@ -117,12 +119,14 @@ def projection_70b(rate_bytes_s: float, ranks: int = 64, piece_bytes: int = 256 
     per_rank = total / ranks + piece_bytes  # the plan's bound: an even share plus at most one piece
     return dict(model="llama-3.1-70b", params=n, ranks=ranks, bytes=parts, total_bytes=total,
                 total_gb=total / 1e9, per_rank_bytes_bound=per_rank, per_rank_gb=per_rank / 1e9,
-                hash_rate_gb_s=rate_bytes_s / 1e9,
+                hash_rate_gb_s=rate_bytes_s / 1e9, hash_rate_cpu_gb_s=cpu_rate_bytes_s / 1e9,
                 rank0_alone_s=total / rate_bytes_s, per_rank_s=per_rank / rate_bytes_s, timeout_s=TIMEOUT_S,
                 rank0_alone_vs_timeout=total / rate_bytes_s / TIMEOUT_S,
                 per_rank_vs_timeout=per_rank / rate_bytes_s / TIMEOUT_S,
-                note="hash rate: one rank's sha256 of page-cached files on this machine; on a cluster each rank "
-                     "also reads its share back from the filesystem (64 readers in parallel instead of one)")
+                rank0_alone_s_at_cpu_rate=total / cpu_rate_bytes_s, per_rank_s_at_cpu_rate=per_rank / cpu_rate_bytes_s,
+                note="hash_rate: one rank's sha256 of page-cached files, wall time on this shared machine (the "
+                     "seconds use it: conservative); hash_rate_cpu: the same per CPU second (an unloaded core). On a "
+                     "cluster each rank also reads its share back from the filesystem: 64 readers instead of one")
 
 
 def main(argv=None) -> None:
@@ -144,7 +148,7 @@ def main(argv=None) -> None:
                   f"{row['hash_cpu_s_max']:.2f} s, {row['hash_bytes_max'] / 1e6:.0f} MB max per rank), verify "
                   f"{row['verify_s']:.2f} s", flush=True)
     one = next(r for r in rows if r["world"] == min(args.worlds))
-    rate = one["hash_bytes_max"] / one["hash_s_max"]
+    rate, cpu_rate = one["hash_bytes_max"] / one["hash_s_max"], one["hash_bytes_max"] / one["hash_cpu_s_max"]
     summary = {}
     for world in args.worlds:
         sh = next(r for r in rows if r["world"] == world and r["mode"] == "sharded")
@@ -158,7 +162,8 @@ def main(argv=None) -> None:
     data = dict(bench="checkpoint", python=platform.python_version(), cores=os.cpu_count(), mb=args.mb,
                 piece_mb=args.piece_mb, loadavg={"before": load_before, "after": os.getloadavg()}, rows=rows,
                 summary=summary, target="4 ranks: hashing at most 0.35x of rank-0-only hashing",
-                projection_70b=projection_70b(rate))
+                projection_70b=projection_70b(rate, cpu_rate),
+                note=NOTE)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
     print(json.dumps({"summary": summary, "projection_70b": data["projection_70b"]}, indent=1))
