@@ -209,15 +209,29 @@ def seal(store: CheckpointStore, step: int, tmp: Path, meta: Optional[dict] = No
     manifest and renames the checkpoint into place. Every rank returns the final path, or raises rank 0's
     CheckpointError. `store.hash_s` / `hash_cpu_s` / `hash_bytes`: this rank's hashing time and bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    shares = comm.broadcast_object(store.plan(tmp, world) if rank == 0 else None)
+    shares = None
+    if rank == 0:
+        try:
+            shares = store.plan(tmp, world)
+        except OSError as e:
+            shares = CheckpointError(f"checkpoint {step} not sealed: listing {tmp}: {e}")
+    shares = comm.broadcast_object(shares)
+    if isinstance(shares, CheckpointError):
+        raise shares
     start, cpu = time.perf_counter(), time.thread_time()
-    digests = hash_share(tmp, shares[rank])
+    try:
+        digests = hash_share(tmp, shares[rank])
+    except OSError as e:  # reported by rank 0 to every rank, not left waiting in the gather
+        digests = f"rank {rank}: {e}"
     store.hash_s, store.hash_cpu_s = time.perf_counter() - start, time.thread_time() - cpu
     store.hash_bytes = sum(n for _, _, n in shares[rank])
     gathered = comm.gather_objects(digests)
     result = None
     if rank == 0:
+        failed = [g for g in gathered if isinstance(g, str)]
         try:
+            if failed:
+                raise CheckpointError("; ".join(failed))
             result = str(store.seal(step, tmp, meta, digests=merge_digests(gathered)))
         except (CheckpointError, OSError) as e:
             result = CheckpointError(f"checkpoint {step} not sealed: {e}")

@@ -258,12 +258,15 @@ class CheckpointStore:
                 continue
             f, info = path / rel, files[rel]
             problem = None
-            if not f.is_file():
-                problem = f"{path}: {rel} is missing"
-            elif f.stat().st_size != info["bytes"]:
-                problem = f"{path}: {rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']} (truncated?)"
-            elif _sha256(f, offset, length) != info["sha256"][offset // piece]:
-                problem = f"{path}: {rel} fails its checksum (corrupt)"
+            try:
+                if not f.is_file():
+                    problem = f"{path}: {rel} is missing"
+                elif f.stat().st_size != info["bytes"]:
+                    problem = f"{path}: {rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']} (truncated?)"
+                elif _sha256(f, offset, length) != info["sha256"][offset // piece]:
+                    problem = f"{path}: {rel} fails its checksum (corrupt)"
+            except OSError as e:
+                problem = f"{path}: {rel} cannot be read ({e})"
             if problem:
                 bad.add(rel)
                 problems.append((order[rel], problem))
@@ -461,17 +464,12 @@ class CheckpointStore:
 
     def release(self) -> None:
         """Remove the lock, if it is still this run's (a lock taken over by another run stays)."""
-        lock, self._lock = self._lock, None
         if getattr(self, "_stop", None) is not None:
             self._stop.set()
             self._beat.join(timeout=5)
-        if lock is None:
-            return
-        self._lock = lock
-        ours = self.owns_lock()
+        if self._lock is not None and self.owns_lock():
+            self._lock.unlink(missing_ok=True)
         self._lock = None
-        if ours:
-            lock.unlink(missing_ok=True)
 
     # ---- housekeeping --------------------------------------------------------------------------------------
 

@@ -235,3 +235,21 @@ def test_a_takers_staleness_is_the_holders_own(tmp_path, monkeypatch):
     os.utime(lock, (old, old))
     with pytest.raises(CheckpointError, match="in use by another run"):
         CheckpointStore(str(tmp_path)).acquire(stale_after_s=1800)
+
+
+def test_a_checkpoint_sealed_before_issue_28_still_verifies(tmp_path):
+    """Format 1 manifests (one sha256 per whole file, no piece size) are checked whole, shared out by file."""
+    import hashlib
+
+    d = tmp_path / "step_00000001"
+    (d / "model").mkdir(parents=True)
+    files = {"model/a.distcp": b"a" * 1000, "loop_state.json": b"{}"}
+    for rel, data in files.items():
+        (d / rel).write_bytes(data)
+    (d / "manifest.json").write_text(json.dumps({"step": 1, "meta": {}, "files": {
+        rel: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in files.items()}}))
+    store = CheckpointStore(str(tmp_path))
+    assert store.latest()[0] == 1
+    (d / "model" / "a.distcp").write_bytes(b"b" * 1000)
+    problems = store.check_share(d, 0, 2) + store.check_share(d, 1, 2)
+    assert [msg.split(": ", 1)[1] for _, msg in problems] == ["model/a.distcp fails its checksum (corrupt)"]
