@@ -174,7 +174,7 @@ def _racer(root: str, barrier, done, results) -> None:
 def test_two_runs_racing_for_a_stale_lock_exactly_one_wins(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     ctx = mp.get_context("fork")
-    for round_ in range(8):
+    for round_ in range(12):  # the take-over before issue 28 let two win in ~30% of rounds
         root = tmp_path / str(round_)
         root.mkdir()
         _stale_lock(root)
