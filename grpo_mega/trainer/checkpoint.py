@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore
+from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore, hash_share, merge_digests
 
 # The DistributedOptimizer's default checkpoint format needs TE/Apex on CPU ("ShardedTensor.flattened_range
 # is not supported"); fully_reshardable also lets a checkpoint load at another TP/PP/DP.
@@ -167,7 +168,8 @@ def model_dir(path: str) -> str:
 
 def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
          export: Optional[dict] = None, task_files: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
-    """Collective: every rank writes its shards; rank 0 seals. Returns the path on rank 0.
+    """Collective: every rank writes its shards, then every rank hashes its share of them and rank 0 seals
+    (`seal`). Returns the path on rank 0.
     `export` (model_cfg, dtype, hf_dir) also writes the actor as an HF directory `hf/` into the checkpoint.
     `task_files(dir)` (rank 0) writes the task's non-JSON state (a reward model in training) into `task/`."""
     from megatron.core import dist_checkpointing
@@ -190,15 +192,64 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
             export_hf(tmp / "hf", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in _rng_state().items()}, str(tmp / "rng" / f"rank_{dist.get_rank():05d}.safetensors"))
+    if dist.get_rank() == 0:
+        if task_files is not None:
+            task_files(tmp / "task")
+        with open(tmp / "loop_state.json", "w") as f:
+            json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size(),
+                       "rng_device": _rng_device(), "has_reference": reference is not None}, f)
     dist.barrier()
-    if dist.get_rank() != 0:
-        return None
-    if task_files is not None:
-        task_files(tmp / "task")
-    with open(tmp / "loop_state.json", "w") as f:
-        json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size(),
-                   "rng_device": _rng_device(), "has_reference": reference is not None}, f)
-    return store.seal(step, tmp, meta={"step": step})
+    final = seal(store, step, tmp, meta={"step": step})
+    return final if dist.get_rank() == 0 else None
+
+
+def seal(store: CheckpointStore, step: int, tmp: Path, meta: Optional[dict] = None) -> Path:
+    """Collective, once every rank's files are in `tmp`: rank 0 lists them and shares the hashing out
+    (CheckpointStore.plan), each rank hashes and fsyncs its share, rank 0 writes the gathered digests into the
+    manifest and renames the checkpoint into place. Every rank returns the final path, or raises rank 0's
+    CheckpointError. `store.hash_s` / `hash_cpu_s` / `hash_bytes`: this rank's hashing time and bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares = None
+    if rank == 0:
+        try:
+            shares = store.plan(tmp, world)
+        except OSError as e:
+            shares = CheckpointError(f"checkpoint {step} not sealed: listing {tmp}: {e}")
+    shares = comm.broadcast_object(shares)
+    if isinstance(shares, CheckpointError):
+        raise shares
+    start, cpu = time.perf_counter(), time.thread_time()
+    try:
+        digests = hash_share(tmp, shares[rank])
+    except OSError as e:  # reported by rank 0 to every rank, not left waiting in the gather
+        digests = f"rank {rank}: {e}"
+    store.hash_s, store.hash_cpu_s = time.perf_counter() - start, time.thread_time() - cpu
+    store.hash_bytes = sum(n for _, _, n in shares[rank])
+    gathered = comm.gather_objects(digests)
+    result = None
+    if rank == 0:
+        failed = [g for g in gathered if isinstance(g, str)]
+        try:
+            if failed:
+                raise CheckpointError("; ".join(failed))
+            result = str(store.seal(step, tmp, meta, digests=merge_digests(gathered)))
+        except (CheckpointError, OSError) as e:
+            result = CheckpointError(f"checkpoint {step} not sealed: {e}")
+    result = comm.broadcast_object(result)
+    if isinstance(result, CheckpointError):
+        raise result
+    return Path(result)
+
+
+def verify(store: CheckpointStore, path: Path) -> dict:
+    """Collective: each rank checks its share of checkpoint `path` (the same sharing out as when it was
+    sealed), the problems are gathered on every rank. Returns the manifest, or raises the same
+    CheckpointError (naming the first bad file) on every rank."""
+    start = time.perf_counter()
+    mine = store.check_share(path, dist.get_rank(), dist.get_world_size())
+    store.verify_s = time.perf_counter() - start
+    problems = [p for part in comm.all_gather_objects(mine) for p in part]
+    return store.conclude(path, problems)
 
 
 def load(path: Path, actor, reference) -> dict:
@@ -272,15 +323,16 @@ def open_for_run(ckpt, actor, reference, resolved_config: Optional[dict] = None)
     if error is not None:
         raise CheckpointError(error)
     found = None
+    check = lambda path: verify(store, path)  # noqa: E731  (every rank checks its share)
     if ckpt.resume == "auto":
-        found = store.latest()
+        found = store.latest(check, candidates=comm.broadcast_object(store.complete() if dist.get_rank() == 0 else None))
         if found is None and store.skipped:  # never silently start over from step 0
             raise CheckpointError(
                 f"checkpoint.resume=auto: no checkpoint in {ckpt.dir} verifies:\n  " + "\n  ".join(store.skipped)
                 + "\nmove the broken ones aside to resume from an earlier one, or set checkpoint.resume=never "
                 "to start over")
     elif ckpt.resume != "never":
-        found = store.verified(ckpt.resume)
+        found = store.verified(ckpt.resume, check)
         newer = [s for s, _ in store.complete() if s > found[0]]
         if newer:
             raise CheckpointError(
