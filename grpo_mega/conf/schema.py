@@ -99,7 +99,8 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The vocabulary rounded up to make_vocab_size_divisible_by (DESIGN.md: fixed by the model, not by tp)."""
+        """The vocabulary rounded up to make_vocab_size_divisible_by: fixed by the model, not by tp
+        (docs/design.md, "Vocabulary padding")."""
         m = self.make_vocab_size_divisible_by
         return int(math.ceil(self.vocab_size / m) * m)
 
@@ -264,7 +265,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """The GRPO objective (DESIGN.md)."""
+    """The GRPO objective (docs/design.md, "The algorithm")."""
 
     ppo_epochs: int = 1
     """Passes over the step's responses."""
@@ -327,7 +328,8 @@ class AlgoConfig:
 
 @dataclass(kw_only=True)
 class BatchConfig:
-    """Batch semantics (DESIGN.md). All sizes global, counted in prompts unless named otherwise."""
+    """Batch semantics (docs/design.md, "Batch semantics"). All sizes global, counted in prompts unless named
+    otherwise."""
 
     train_batch_size: int = 8
     """Prompts per step."""

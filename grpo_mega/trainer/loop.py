@@ -1,4 +1,5 @@
-"""The GRPO loop, as DESIGN.md's step: rollout -> reward -> advantage -> old/ref logprobs -> update ->
+"""The GRPO loop, as docs/design.md's "One training step": rollout -> reward -> advantage -> old/ref
+logprobs -> update ->
 weight sync -> eval/metrics. Every rank runs it; the rollout engines (one by default, on global rank 0;
 `rollout.num_engines` spreads them evenly over the ranks, e.g. one per node) each sample a contiguous share
 of the prompts (or dedicated servers answer them: rollout.placement), and every rank receives all the
@@ -184,7 +185,8 @@ def world_mismatch(rb: RolloutBatch, owned: list[int]) -> float:
 
 
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
-    """[N, L] position-aligned: the rollout engine's logprob of each response token (DESIGN.md)."""
+    """[N, L] position-aligned: the rollout engine's logprob of each response token (docs/design.md, "Tokens,
+    masks and logprobs")."""
     out = torch.zeros(rb.tokens.shape, dtype=torch.float32)
     for i, lps in enumerate(gen.logprobs):
         start = int(rb.prompt_lens[i]) - 1
