@@ -106,7 +106,8 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The vocabulary rounded up to make_vocab_size_divisible_by (docs/design.md: fixed by the model, not by tp)."""
+        """The vocabulary rounded up to make_vocab_size_divisible_by: fixed by the model, not by tp
+        (docs/design.md, "Vocabulary padding")."""
         m = self.make_vocab_size_divisible_by
         return int(math.ceil(self.vocab_size / m) * m)
 
@@ -277,7 +278,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """The GRPO objective (docs/design.md)."""
+    """The GRPO objective (docs/design.md, "The algorithm")."""
 
     policy_loss: str = "ppo_clip"
     """The policy loss, by name (grpo_mega.algo.POLICY_LOSSES): 'ppo_clip' (the clipped surrogate, with
@@ -349,7 +350,8 @@ class AlgoConfig:
 
 @dataclass(kw_only=True)
 class BatchConfig:
-    """Batch semantics (docs/design.md). All sizes global, counted in prompts unless named otherwise."""
+    """Batch semantics (docs/design.md, "Batch semantics"). All sizes global, counted in prompts unless named
+    otherwise."""
 
     train_batch_size: int = 8
     """Prompts per step."""

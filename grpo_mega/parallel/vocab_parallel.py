@@ -9,7 +9,8 @@ returns, per token,
     kl       KL(p_t || q_t) = sum_v p_t(v) (log p_t(v) - log q_t(v))      (when reference logits are given)
 
 with p = softmax(logits / temperature), q = softmax(ref_logits / temperature). Columns at or beyond
-`vocab_size` (the padding of docs/design.md) are treated as -inf: excluded from every sum, zero gradient.
+`vocab_size` (docs/design.md, "Vocabulary padding") are treated as -inf: excluded from every sum, zero
+gradient.
 
 The math follows Megatron's `tensor_parallel/cross_entropy.py`: static steps on one rank's shard, and a thin
 autograd.Function with the collectives between them. Each shard is reduced to per-token statistics (its max,

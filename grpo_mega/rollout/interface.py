@@ -2,8 +2,9 @@
 
 Owns the contract only. Samples are group-contiguous (the n samples of prompt g are rows [g*n, (g+1)*n)).
 Logprobs are of softmax(logits / temperature) at each sampled token, the definition the trainer uses
-(docs/design.md, tokens and masks), whatever top_p did to the sampling distribution. Weights arrive as buckets of HF-named tensors
-flattened into one byte buffer each (grpo_mega.rollout.weight_sync builds them).
+(docs/design.md, "Tokens, masks and logprobs"), whatever top_p did to the sampling distribution. Weights
+arrive as buckets of HF-named tensors flattened into one byte buffer each (grpo_mega.rollout.weight_sync
+builds them).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def tensor_checksum(t: torch.Tensor) -> str:
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """Per-sample generator seed from (seed, prompt index, sample index) (docs/design.md: callers fold the step
-    into `seed`). Stable across runs and machines."""
+    """Per-sample generator seed from (seed, prompt index, sample index) (docs/design.md, "Seeds": callers
+    fold the step into `seed`). Stable across runs and machines."""
     digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 

@@ -7,8 +7,9 @@ every rank, so the draws are those of the serial loop) and, one step ahead, star
 `wait()` (collective) waits for it and hands the samples, or the failure, from rank 0 to every rank (with
 `share`, grpo_mega.rollout.routing: each rank only its DP replica's samples);
 `sync_weights` refuses to run while a generation is in flight, so that a server's weights never change while it
-generates; `result(step)` is the batch to train on. Versions (docs/design.md, placements): version v is the trainer's weights
-after v steps, synced as `version=v`; step k trains from version k-1. In turn, step k's samples carry k-1; one
+generates; `result(step)` is the batch to train on. Versions (docs/design.md, "Versions and
+off-policy"): version v is the trainer's weights after v steps, synced as `version=v`; step k trains from
+version k-1. In turn, step k's samples carry k-1; one
 step ahead, step 1's carry 0 and step k >= 2's carry k-2 (the weights step k-1 trained from: one version
 behind the trainer's). `state()` / `restore()` carry a generated, not yet trained batch through a checkpoint.
 What the samples are made of (the client, the engines, the weight transfer) is grpo_mega.rollout's other

@@ -4,8 +4,8 @@ Owns: running batches through Megatron's pipeline schedule (`get_forward_backwar
 the token statistics from vocab-parallel logits, which the policy loss (`grpo_mega.algo.POLICY_LOSSES`, that
 also decides the loss's terms) turns into each micro-batch's loss; the mini-batch normaliser, computed once
 per mini-batch over DP ranks, and the loss scaling that makes Megatron's own per-micro-batch division and
-DP averaging cancel (docs/design.md, the algorithm); the optimizer step, LR schedule and per-mini-batch metrics. With the full
-KL in the loss (`algo.kl_estimator=full`), the frozen reference runs in lockstep with the actor inside the
+DP averaging cancel (docs/design.md, "Loss aggregation"); the optimizer step, LR schedule and per-mini-batch
+metrics. With the full KL in the loss (`algo.kl_estimator=full`), the frozen reference runs in lockstep with the actor inside the
 same schedule, so that both models' vocab-sharded logits meet in the loss of every micro-batch.
 The math is grpo_mega.algo's, the collectives grpo_mega.parallel's.
 """
@@ -90,7 +90,8 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     rank: micro_batches (per rank), computed and useful tokens (all ranks), dp_token_imbalance.
 
     Packed (batch.packing): sequences balanced over DP ranks by tokens and packed into rows of at most
-    batch.token_budget tokens (docs/design.md, packing); with pipeline parallelism every row of a rank is padded to the
+    batch.token_budget tokens (docs/design.md, "Batch semantics"); with pipeline parallelism every row of a
+    rank is padded to the
     rank's longest (one tensor shape for the schedule's point-to-point sends). Padded: contiguous DP shares
     in micro_batch_size rows, each trimmed to its share's longest. With `chunk`, the DP shares are those of
     each run of `chunk` rows (the update's mini-batches) joined: each rank runs the rows it will train. Every

@@ -4,7 +4,8 @@ balanced over DP ranks by tokens, then packed back to back into rows of at most 
 
 Everything is in position space: row i holds prompt_i + response_i right-padded to L, and per-token
 quantities (logprobs, masks) sit at the position of the logits that predict the token. Response token t of
-row i is predicted by the logits at position prompt_len_i + t - 1 (docs/design.md, tokens and masks), so the response mask is 1
+row i is predicted by the logits at position prompt_len_i + t - 1 (docs/design.md, "Tokens, masks and
+logprobs"), so the response mask is 1
 exactly on positions [P_i - 1, P_i - 1 + R_i): built from lengths, never from a pad id.
 """
 

@@ -1,5 +1,5 @@
-"""The GRPO loop (docs/design.md, "one step"): rollout -> reward -> advantage -> old/ref logprobs -> update ->
-weight sync -> eval/save. `train()` only orchestrates: the run is built before it (grpo_mega.trainer.setup),
+"""The GRPO loop (docs/design.md, "One training step"): rollout -> reward -> advantage -> old/ref logprobs ->
+update -> weight sync -> eval/save. `train()` only orchestrates: the run is built before it (grpo_mega.trainer.setup),
 the per-step shaping of rewards, advantages and masks is algo's (grpo_mega.algo.shaping), the loss the
 actor's. Every rank runs it; every sample is scored once, on the rank that trains it, and the scores reach
 every rank, so advantages are the same everywhere. Each phase is timed (grpo_mega.trainer.timing).
@@ -107,7 +107,8 @@ def world_mismatch(rb: RolloutBatch, owned: list[int]) -> float:
 
 
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
-    """[N, L] position-aligned: the rollout engine's logprob of each response token (docs/design.md, the algorithm: tokens and masks)."""
+    """[N, L] position-aligned: the rollout engine's logprob of each response token (docs/design.md, "Tokens,
+    masks and logprobs")."""
     out = torch.zeros(rb.tokens.shape, dtype=torch.float32)
     for i, lps in enumerate(gen.logprobs):
         start = int(rb.prompt_lens[i]) - 1
