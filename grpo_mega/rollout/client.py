@@ -12,12 +12,17 @@ broadcast of the bucket's bytes to all of them, /end_weight_update and /flush_ca
 our server's /grpo_mega/weight_checksums, or, where a server has no such route (SGLang), reads each tensor
 back with /get_weights_by_name. Every call has a timeout; a server that dies or stops answering raises
 ServerError naming its URL. Where the client lives and how samples reach the ranks is grpo_mega.rollout.placement'.
+
+Authentication: with GRPO_MEGA_SERVER_API_KEY in the environment (slurm/train.sbatch makes one per job), every
+request carries `Authorization: Bearer KEY`, what SGLang's --api-key and the stand-in server check. The key is
+read from the environment only: never from a config file or argv, which other users of a node can read.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import threading
 import urllib.error
@@ -29,6 +34,34 @@ import torch.distributed as dist
 
 from grpo_mega.processes import free_port
 from grpo_mega.rollout.interface import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+
+API_KEY_ENV = "GRPO_MEGA_SERVER_API_KEY"
+"""The environment variable holding the dedicated servers' API key (unset: servers without a key)."""
+
+
+def auth_headers() -> dict:
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def routable_address(urls: list[str]) -> str:
+    """This host's address as the servers reach it: the source address of a route to the first server that
+    is not on this machine (a UDP connect sends nothing), or 127.0.0.1 when every server is local. Not
+    gethostbyname(gethostname()), which is 127.0.1.1 on many clusters, or an interface the servers cannot reach."""
+    from urllib.parse import urlparse
+
+    for url in urls:
+        u = urlparse(url)
+        if u.hostname in ("127.0.0.1", "localhost", "::1"):
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(u.hostname), u.port or 80))
+            addr = s.getsockname()[0]
+        if addr.startswith("127."):
+            raise ValueError(f"rollout server {url} is reached through {addr} (loopback): the servers could not "
+                             "connect back for the weight update; give rollout.servers by routable addresses")
+        return addr
+    return "127.0.0.1"
 
 
 class ServerError(RuntimeError):
@@ -104,7 +137,7 @@ class ServerClient(RolloutEngine):
         as its text, an empty one as {}."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_headers()})
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
                 raw = resp.read()
@@ -204,8 +237,7 @@ class ServerClient(RolloutEngine):
         if self._group is not None:
             return
         port, world = free_port("0.0.0.0"), 1 + len(self.urls) * self.server_tp
-        host = socket.gethostbyname(socket.gethostname()) if any("127.0.0.1" not in u and "localhost" not in u
-                                                                for u in self.urls) else "127.0.0.1"
+        host = routable_address(self.urls)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
 
         def host_group():

@@ -1,6 +1,11 @@
 """Starting real SGLang servers for dedicated placement (`rollout.placement=dedicated`): their command line as the
 client expects it (token ids in and out, weight version 0 until the first sync) and `launch_sglang`, which
-starts several at once and waits until each answers /health. `grpo_mega.processes.stop` ends them."""
+starts several at once and waits until each answers /health. `grpo_mega.processes.stop` ends them.
+
+`python -m grpo_mega.rollout.sglang_launch SGLANG_ARGS...` runs `sglang.launch_server` in this process with
+`--api-key` taken from GRPO_MEGA_SERVER_API_KEY: SGLang 0.5.23 takes its key only as a command-line option,
+and a key on a command line is readable by every user of the node (/proc/PID/cmdline); set in-process, the
+visible command line never holds it."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 from typing import Optional
 
 from grpo_mega.processes import free_port, stop, tail
+from grpo_mega.rollout.client import API_KEY_ENV
 
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",
@@ -20,7 +26,8 @@ def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int 
     then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel (tests/fixtures) first on PYTHONPATH."""
     import torch
 
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port),
+    module = "grpo_mega.rollout.sglang_launch" if os.environ.get(API_KEY_ENV) else "sglang.launch_server"
+    cmd = [python, "-m", module, "--model-path", str(model_path), "--host", host, "--port", str(port),
            "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init", "--weight-version", "0"]
     if cpu if cpu is not None else not torch.cuda.is_available():
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -77,3 +84,16 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
     return started
 
 
+def main() -> None:
+    """SGLang's server with the API key from the environment (see the module's docstring)."""
+    import runpy
+
+    key = os.environ.get(API_KEY_ENV)
+    if not key:
+        sys.exit(f"error: {API_KEY_ENV} is not set: start sglang.launch_server directly to serve without a key")
+    sys.argv = ["sglang.launch_server", *sys.argv[1:], "--api-key", key]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

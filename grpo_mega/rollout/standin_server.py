@@ -14,6 +14,13 @@ the embedded engine's.
 
     python -m grpo_mega.rollout.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
+Hardened as a server on a shared network: with an API key in the environment (`--api-key-env`, default
+GRPO_MEGA_SERVER_API_KEY) every route but GET /health needs `Authorization: Bearer KEY` (401, nothing read or
+changed, without it); request bodies are capped (MAX_BODY_BYTES; 413) and must state a valid Content-Length;
+sockets time out (a half-sent request does not hold a thread); /generate's batch, prompt lengths, token ids and
+max_new_tokens are checked before anything is allocated; a weight bucket's names, shapes and dtypes are checked
+whole against the model before any byte is received or any weight changes.
+
 `launch` starts the stand-in as a process of its own; `grpo_mega.processes.stop` ends it
 (`grpo_mega.rollout.sglang_launch` starts real SGLang servers).
 """
@@ -21,7 +28,9 @@ the embedded engine's.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,13 +45,31 @@ from grpo_mega.rollout.embedded import EmbeddedEngine
 from grpo_mega.rollout.interface import Bucket, TensorMeta
 
 
+MAX_BODY_BYTES = 64 << 20
+"""The largest request body read (a /generate of many prompts; weights travel over the update group)."""
+MAX_BATCH = 4096
+"""Inputs per /generate."""
+MAX_TOKENS = 65536
+"""Tokens per input, and max_new_tokens."""
+SOCKET_TIMEOUT_S = 60.0
+"""A connection idle this long mid-request is dropped."""
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 class EngineServer:
     """What the HTTP handlers call; one request at a time (the lock)."""
 
-    def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0):
+    def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0, api_key: str = ""):
         self.engine, self.model_path, self.timeout_s = engine, model_path, timeout_s
+        self.api_key = api_key
         self.lock = threading.Lock()
         self.groups: dict[str, dist.ProcessGroup] = {}
+
+    def authorized(self, header: Optional[str]) -> bool:
+        """No key configured, or the request's `Authorization: Bearer KEY` (compared in constant time)."""
+        if not self.api_key:
+            return True
+        return hmac.compare_digest((header or "").encode(), f"Bearer {self.api_key}".encode())
 
     def generate(self, req: dict):
         """SGLang's /generate for token ids: one output per input; each input's sampling_params carry its
@@ -52,10 +79,20 @@ class EngineServer:
             raise ValueError("/generate needs input_ids (a list of token-id lists; text is not supported)")
         single = isinstance(ids[0], int)
         ids = [ids] if single else ids
+        vocab = self.engine.model.config.vocab_size
+        if len(ids) > MAX_BATCH:
+            raise ValueError(f"/generate got {len(ids)} inputs; at most {MAX_BATCH}")
+        for row in ids:
+            if (not isinstance(row, list) or not 0 < len(row) <= MAX_TOKENS
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)):
+                raise ValueError(f"/generate: every input must be 1..{MAX_TOKENS} token ids in [0, {vocab})")
         params = req.get("sampling_params") or {}
         params = [params] * len(ids) if isinstance(params, dict) else params
-        if len(params) != len(ids):
-            raise ValueError(f"/generate got {len(ids)} input_ids and {len(params)} sampling_params")
+        if not isinstance(params, list) or len(params) != len(ids) or not all(isinstance(p, dict) for p in params):
+            raise ValueError(f"/generate got {len(ids)} input_ids and sampling_params that are not one dict each")
+        for p in params:
+            if not 0 < int(p.get("max_new_tokens", 128)) <= MAX_TOKENS:
+                raise ValueError(f"/generate: max_new_tokens must be in 1..{MAX_TOKENS}")
         outs: list[Optional[dict]] = [None] * len(ids)
         groups: dict[tuple, list[int]] = {}  # inputs with the same settings are sampled together
         for i, p in enumerate(params):
@@ -82,17 +119,29 @@ class EngineServer:
         return dict(success=True, message=f"joined {name} as rank {req.get('rank_offset', 1)}")
 
     def update_weights_from_distributed(self, req: dict) -> dict:
-        group = self.groups.get(req.get("group_name", "weight_update_group"))
-        if group is None:
-            return dict(success=False, message="no weight update group: call /init_weights_update_group first")
         if req.get("load_format") != "flattened_bucket":
             return dict(success=False, message=f"load_format={req.get('load_format')!r}: only 'flattened_bucket'")
+        names, dtypes, shapes = req.get("names"), req.get("dtypes"), req.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            return dict(success=False, message="names, dtypes and shapes must be lists of one entry per tensor")
         metas, offset = [], 0
-        for name, dtype, shape in zip(req["names"], req["dtypes"], req["shapes"]):
+        for name, dtype, shape in zip(names, dtypes, shapes):  # the whole bucket, before any byte or weight moves
+            param = self.engine.params.get(name) if isinstance(name, str) else None
+            if param is None:
+                return dict(success=False, message=f"unknown tensor {name!r}: nothing loaded")
+            if dtype not in DTYPES:
+                return dict(success=False, message=f"{name}: dtype {dtype!r} is not one of {DTYPES}: nothing loaded")
+            if not isinstance(shape, list) or tuple(shape) != tuple(param.shape):
+                return dict(success=False, message=f"{name}: shape {shape!r} is not the model's "
+                                                   f"{tuple(param.shape)}: nothing loaded")
             dt = getattr(torch, dtype)
             nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
             metas.append(TensorMeta(name, dt, tuple(shape), offset, nbytes))
             offset += nbytes
+        group = self.groups.get(req.get("group_name", "weight_update_group"))
+        if group is None:
+            return dict(success=False, message="no weight update group: call /init_weights_update_group first")
         flat = torch.empty(offset, dtype=torch.uint8)
         group.broadcast(flat, 0).wait()
         bucket = Bucket(metas, flat)
@@ -102,7 +151,10 @@ class EngineServer:
         return dict(success=True, message=f"loaded {len(metas)} tensors")
 
     def update_weight_version(self, req: dict) -> dict:
-        self.engine.weight_version = int(req["new_version"])
+        version = req.get("new_version")
+        if isinstance(version, bool) or not isinstance(version, (int, str)) or not str(version).isdigit():
+            return dict(success=False, message=f"new_version={version!r} is not a non-negative integer")
+        self.engine.weight_version = int(version)
         return dict(success=True, message="ok")
 
     def weight_checksums(self, req: dict) -> dict:
@@ -127,6 +179,7 @@ def make_handler(server: EngineServer):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = SOCKET_TIMEOUT_S  # a client that stops mid-request frees its thread
 
         def _reply(self, code: int, body) -> None:
             data = json.dumps(body).encode()
@@ -145,19 +198,48 @@ def make_handler(server: EngineServer):
             ok = not (isinstance(out, dict) and out.get("success") is False)
             self._reply(200 if ok else 400, out)
 
+        def _refused(self) -> bool:
+            """401 for a request without the server's key (GET /health stays open for liveness probes)."""
+            if self.path.split("?")[0] == "/health" and self.command == "GET" or server.authorized(
+                    self.headers.get("Authorization")):
+                return False
+            self.close_connection = True  # its body, if any, is never read
+            self._reply(401, {"error": {"message": "missing or wrong API key (Authorization: Bearer ...)"}})
+            return True
+
         def do_GET(self):
+            if self._refused():
+                return
             fn = gets.get(self.path.split("?")[0])
             if fn is None:
                 return self._reply(404, {"error": {"message": f"no GET {self.path}"}})
             self._run(fn)
 
         def do_POST(self):
+            if self._refused():
+                return
             fn = posts.get(self.path)
-            length = int(self.headers.get("Content-Length") or 0)
+            raw_length = self.headers.get("Content-Length") or "0"
+            if not raw_length.isdigit():
+                self.close_connection = True
+                return self._reply(400, {"error": {"message": f"Content-Length {raw_length!r} is not a length"}})
+            length = int(raw_length)
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                return self._reply(413, {"error": {"message": f"a body of {length} bytes; at most {MAX_BODY_BYTES}"}})
             try:
-                req = json.loads(self.rfile.read(length) or b"{}")
-            except json.JSONDecodeError as e:
+                body = self.rfile.read(length)
+                if len(body) != length:
+                    self.close_connection = True
+                    return self._reply(400, {"error": {"message": f"the body ended after {len(body)} of {length} bytes"}})
+                req = json.loads(body or b"{}")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 return self._reply(400, {"error": {"message": f"the body of POST {self.path} is not JSON: {e}"}})
+            except OSError as e:  # the socket timed out mid-body
+                self.close_connection = True
+                return self._reply(408, {"error": {"message": f"the body did not arrive: {e}"}})
+            if not isinstance(req, dict):
+                return self._reply(400, {"error": {"message": f"the body of POST {self.path} must be a JSON object"}})
             if fn is None:
                 return self._reply(404, {"error": {"message": f"no POST {self.path}"}})
             self._run(fn, req)
@@ -201,6 +283,9 @@ def main(argv=None) -> int:
                     "make_tokenizer; print(len(make_tokenizer()))')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="for joining and using the update group")
+    ap.add_argument("--api-key-env", default="GRPO_MEGA_SERVER_API_KEY",
+                    help="the environment variable holding the API key requests must carry (unset or empty: none); "
+                         "a key is never taken on the command line, which every user of the node can read")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.hf_dir:
@@ -212,8 +297,8 @@ def main(argv=None) -> int:
         if args.vocab_size:
             cfg.vocab_size = args.vocab_size
         engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(EngineServer(engine, args.hf_dir or args.model,
-                                                                                  args.timeout_s)))
+    server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=os.environ.get(args.api_key_env, ""))
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
     httpd.serve_forever()
     return 0
