@@ -1,5 +1,7 @@
 # make demo  - set up .venv and run the main job on the embedded default
 # make test  - set up .venv and .venv-sglang and run both test tiers (what CI runs)
+# make test-quick - the quick tier (pytest -m quick, under 5 minutes on a CPU): math, configs, single-process
+#              checks and one 2-rank layout; tests/conftest.py lists what it holds
 #
 # One environment per tier, each created and filled here, so a fresh machine needs nothing but Python 3.11:
 #   .venv          torch 2.13.0 (the CPU wheel where there is no GPU; the default CUDA wheel where there is
@@ -34,7 +36,7 @@ SGLANG_PY   := $(SGLANG_VENV)/bin/python
 GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
 SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
 
-.PHONY: demo test test-main test-sglang setup smollm2 slurm-packages clean
+.PHONY: demo test test-quick test-main test-sglang setup smollm2 slurm-packages clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +93,14 @@ ifeq ($(HAVE_GPU),1)
 	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m gpu
 else
 	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang"
+endif
+
+# The quick tier: on a GPU machine with CUDA hidden, as for the CPU tier above.
+test-quick: $(VENV)/.installed smollm2
+ifeq ($(HAVE_GPU),1)
+	CUDA_VISIBLE_DEVICES= GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "quick and not sglang and not gpu"
+else
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "quick and not sglang"
 endif
 
 test-sglang: $(SGLANG_VENV)/.installed

@@ -17,12 +17,43 @@ import megatron.core.models.gpt  # noqa: E402,F401
 import megatron.core.optimizer  # noqa: E402,F401
 
 
+# The quick tier (`make test-quick`, `pytest -m quick`): pure math, configs and plans, single-process checks,
+# the forked-rank harness and small multi-rank parity checks, the bad inputs refused before training, and one
+# 2-rank layout of the GRPO update against the single-process run. Node-id prefixes; each test under one of
+# them is marked `quick`.
+QUICK = [
+    "tests/algo/",
+    "tests/conf/",
+    "tests/data/",
+    "tests/models/test_builder.py",
+    "tests/parallel/",
+    "tests/rewards/test_rewards.py",
+    "tests/rewards/test_reward_model.py",
+    "tests/rollout/test_scheduler.py",
+    "tests/test_plan.py",
+    "tests/test_bad_inputs.py",
+    "tests/trainer/test_actor.py",
+    "tests/trainer/test_checkpoint_store.py",
+    "tests/trainer/test_packing.py::test_first_fit",
+    "tests/trainer/test_packing.py::test_plan",
+    "tests/trainer/test_packing.py::test_block_causal",
+    "tests/trainer/test_packing.py::test_packed_row",
+    "tests/trainer/test_packing.py::test_a_sequence",
+    "tests/trainer/test_packing.py::test_the_fused",
+    "tests/trainer/test_layout_invariance.py::test_reference_is_nontrivial",
+    "tests/trainer/test_layout_invariance.py::test_layout_matches_single_process[DP2]",
+]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are collected everywhere and skipped, with the reason "no CUDA", only where torch
-    sees no GPU."""
+    """Tests under QUICK are marked `quick`. Tests marked `gpu` are collected everywhere and skipped, with
+    the reason "no CUDA", only where torch sees no GPU."""
     import pytest
     import torch
 
+    for item in items:
+        if item.nodeid.startswith(tuple(QUICK)):
+            item.add_marker(pytest.mark.quick)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA")

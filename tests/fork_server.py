@@ -1,16 +1,25 @@
-"""A warm, clean process that runs `python -m grpo_mega.train ARGV` by forking: for the bad-input cases that
-are refused before any training starts, each of which would otherwise pay a new interpreter's start-up and
-the torch / megatron-core / Hydra imports (29 cases: about 6 minutes of the main tier).
+"""A warm, clean process that runs `python -m grpo_mega.train ARGV` by forking, alone or as the ranks of a
+`torchrun --nproc-per-node N -m grpo_mega.train ARGV`: each run would otherwise pay a new interpreter's
+start-up and the torch / megatron-core / Hydra imports (5-6 s a process, and torchrun's own interpreter), for
+the bad-input cases refused before training (29 cases: about 6 minutes of the main tier) and for the trainer
+runs of the resume, engine, export and off-policy tests.
 
 The server is a new interpreter that imports those modules once and never runs a torch op, so a child forked
 from it starts as clean as a new process would (forking pytest itself was tried: torch's OpenMP pool, once
 the parent has used it, hangs the child at its first parallel op). One request at a time, JSON lines over
-its stdin/stdout: {"argv", "cwd", "out", "err"} in, {"pid"} then {"rc"} back; the child writes its stdout
-and stderr to the files named. `run_main` is the pytest side; the server ends with pytest (at exit, or when
-its stdin closes), and a child past its timeout is SIGKILLed with everything under it, by PID.
+its stdin/stdout: {"argv", "cwd", "out", "err", "nproc", "port", "env"} in, {"pids"} then {"rc", "rcs"}
+back; the children append their stdout and stderr to the files named (all ranks to the same two files, line
+by line, as torchrun's console would show them). With `nproc`, every rank gets torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT); as torchrun does, when a
+rank fails the others are SIGKILLed (they would wait in a collective for the one that left) and the run's rc
+is the failed rank's. A child runs what a new interpreter would at exit (non-daemon threads joined, atexit
+handlers: the trainer's checkpoint lock release, multiprocessing's finalizers) before its os._exit.
+`run_main` / `start_main` are the pytest side; the server ends with pytest (at exit, or when its stdin
+closes), and a child past its timeout is SIGKILLed with everything under it, by PID.
 
-Only for runs that do not train: a run that trains starts helper processes and relies on exit handlers
-(os._exit skips them), so it is started as a new interpreter (tests/proc.run_tree)."""
+The genuine entry path (a new interpreter, torchrun's own launcher) stays tested by tests/test_train.py's
+demo run and the torchrun run in tests/trainer/test_export.py; the tests that watch for leaked processes
+(tests/rewards/test_scoring.py) start new interpreters too."""
 
 from __future__ import annotations
 
@@ -29,13 +38,22 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- the server (python tests/fork_server.py) ---------------------------------------------------------
 
 
-def _child(req: dict) -> None:
-    """In the forked child: Hydra's entry point with the request's argv; never returns."""
+def _child(req: dict, rank: int | None) -> None:
+    """In the forked child: Hydra's entry point with the request's argv (as rank `rank` of a torchrun-like
+    world, or alone when None); never returns."""
     code = 1
     try:
         os.setsid()  # a session of its own, like a new process: kill_tree reaches all it starts
-        out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if req.get("env") is not None:
+            os.environ.clear()
+            os.environ.update(req["env"])
+        if rank is not None:
+            n = req["nproc"]
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                              GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(req["port"]), TORCHELASTIC_RUN_ID="fork_server")
+        out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, 1)
         os.dup2(err, 2)
         sys.stdin = open(os.devnull)
@@ -59,10 +77,54 @@ def _child(req: dict) -> None:
         code = 1
     finally:
         try:
+            _at_exit()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _at_exit() -> None:
+    """What the interpreter runs at a normal exit, in its order: join non-daemon threads, then the atexit
+    handlers (an exception in one is printed, as the interpreter would)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()
+    except BaseException:  # noqa: BLE001
+        pass
+    atexit._run_exitfuncs()
+
+
+def _run(req: dict, reply) -> None:
+    """Fork the request's process(es), report their PIDs, wait; on a rank's failure SIGKILL the rest."""
+    from grpo_mega.processes import kill_tree
+
+    for path in (req["out"], req["err"]):
+        open(path, "w").close()
+    ranks = [None] if not req.get("nproc") else list(range(req["nproc"]))
+    pids = []
+    for rank in ranks:
+        pid = os.fork()
+        if pid == 0:
+            _child(req, rank)
+        pids.append(pid)
+    reply.write(json.dumps({"pids": pids}) + "\n")
+    reply.flush()
+    rcs, failed = {}, None
+    while len(rcs) < len(pids):
+        pid, status = os.wait()
+        if pid not in pids:
+            continue
+        rcs[pid] = os.waitstatus_to_exitcode(status)
+        if rcs[pid] != 0 and failed is None:
+            failed = rcs[pid]
+            for other in pids:  # torchrun's behaviour: the rest would wait for the failed rank forever
+                if other not in rcs:
+                    kill_tree(other)
+    reply.write(json.dumps({"rc": failed or 0, "rcs": [rcs[p] for p in pids]}) + "\n")
+    reply.flush()
 
 
 def serve() -> None:
@@ -80,16 +142,10 @@ def serve() -> None:
     sys.stdout = sys.stderr  # anything an import prints must not reach the protocol
     reply.write(json.dumps({"ready": os.getpid()}) + "\n")
     reply.flush()
+    import grpo_mega.processes  # noqa: F401 - kill_tree (psutil)
+
     for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(req)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
-        reply.flush()
+        _run(json.loads(line), reply)
 
 
 # ---- the pytest side ------------------------------------------------------------------------------------
@@ -134,27 +190,67 @@ class _Server:
 _server = None
 
 
-def run_main(argv: list[str], timeout: float, cwd, scratch: Path) -> subprocess.CompletedProcess:
-    """`python -m grpo_mega.train ARGV` (in `cwd`), forked from the warm server; stdout and stderr come back
-    through files in `scratch`. On a timeout the child and everything under it are SIGKILLed, by PID,
-    before TimeoutExpired is raised."""
-    from grpo_mega.processes import kill_tree
+class ForkedRun:
+    """A started run: `pids` (one per rank), `wait` for its CompletedProcess, `kill` (SIGKILL every rank's
+    tree, by PID: what a preemption does to a torchrun job). One run at a time: wait before the next."""
+
+    def __init__(self, argv, cmd, pids, out: Path, err: Path):
+        self.argv, self.cmd, self.pids, self.out, self.err = argv, cmd, pids, out, err
+        self.returncode = None
+
+    def poll(self):
+        """The rc once every rank has ended (the server's answer has come), else None."""
+        ready = b"\n" in _server._buf or select.select([_server.proc.stdout.fileno()], [], [], 0)[0]
+        if self.returncode is None and ready:
+            self.wait(timeout=60)
+        return self.returncode
+
+    def kill(self) -> None:
+        from grpo_mega.processes import kill_tree
+
+        for pid in self.pids:
+            kill_tree(pid)
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        if self.returncode is None:
+            try:
+                self.returncode = _server.read(timeout=timeout)["rc"]
+            except TimeoutError:
+                self.kill()  # the server reaps them and answers
+                _server.read(timeout=60)
+                raise subprocess.TimeoutExpired(self.cmd, timeout) from None
+        return subprocess.CompletedProcess(self.cmd, self.returncode, self.out.read_text(errors="replace"),
+                                           self.err.read_text(errors="replace"))
+
+
+def start_main(argv: list[str], cwd, scratch: Path, nproc: int | None = None, env: dict | None = None,
+               out: Path | None = None, err: Path | None = None) -> ForkedRun:
+    """Start `python -m grpo_mega.train ARGV` (in `cwd`), or with `nproc` the ranks of `torchrun
+    --nproc-per-node NPROC --master-port <free> -m grpo_mega.train ARGV`, forked from the warm server; stdout
+    and stderr go to `out` and `err` (default: files in `scratch`). `env`: the whole environment (default:
+    the server's, which is pytest's at the server's start)."""
+    from grpo_mega.processes import free_port
 
     global _server
     if _server is None or _server.proc.poll() is not None:
         _server = _Server(Path(scratch) / "fork_server.log")
-    out, err = Path(scratch) / "fork.out", Path(scratch) / "fork.err"
-    _server.proc.stdin.write((json.dumps(dict(argv=list(argv), cwd=str(cwd), out=str(out), err=str(err))) + "\n").encode())
-    _server.proc.stdin.flush()
-    pid = _server.read(timeout=60)["pid"]
+    out, err = Path(out or Path(scratch) / "fork.out"), Path(err or Path(scratch) / "fork.err")
+    req = dict(argv=list(argv), cwd=str(cwd), out=str(out), err=str(err), nproc=nproc, env=env)
     cmd = [sys.executable, "-m", "grpo_mega.train", *argv]
-    try:
-        rc = _server.read(timeout=timeout)["rc"]
-    except TimeoutError:
-        kill_tree(pid)  # the server reaps it and answers
-        _server.read(timeout=60)
-        raise subprocess.TimeoutExpired(cmd, timeout) from None
-    return subprocess.CompletedProcess(cmd, rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
+    if nproc:
+        req["port"] = free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m",
+               "grpo_mega.train", *argv]
+    _server.proc.stdin.write((json.dumps(req) + "\n").encode())
+    _server.proc.stdin.flush()
+    return ForkedRun(argv, cmd, _server.read(timeout=60)["pids"], out, err)
+
+
+def run_main(argv: list[str], timeout: float, cwd, scratch: Path, nproc: int | None = None,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """`start_main(...).wait(timeout)`: on a timeout every rank and everything under it is SIGKILLed, by
+    PID, before TimeoutExpired is raised."""
+    return start_main(argv, cwd, scratch, nproc, env).wait(timeout)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_mega.rewards.rm_train import RMTrainConfig, RMTrainer, replay_count, reservoir_add
-from tests.proc import run_tree
+from tests.fork_server import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,12 +97,13 @@ def test_updates_learn_and_a_saved_state_continues_exactly(tmp_path):
 
 
 def _train(out: Path, ckpt: Path, rm_dir: Path, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"run.steps={steps}", "eval.interval=2",
+    argv = [f"hydra.run.dir={out}", f"run.steps={steps}", "eval.interval=2",
            "reward.name=reward_model", f"reward.path={rm_dir}", "reward.val_reward=task", "reward.rm_train.interval=2",
            "reward.rm_train.labels=task", "reward.rm_train.steps=5", "reward.rm_train.lr=3e-3",
            "reward.rm_train.buffer_size=100", "batch.train_batch_size=8", "batch.ppo_mini_batch_size=8",
            "rollout.n=4", "algo.kl_coef=0.01", f"checkpoint.dir={ckpt}", "checkpoint.interval=2"]
-    proc = run_tree(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
+    # forked from the warm fork server (tests/fork_server.py), not a new interpreter
+    proc = run_main(argv, timeout=400, cwd=ROOT, scratch=out.parent,
                     env={**__import__("os").environ, "WANDB_MODE": "disabled"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}

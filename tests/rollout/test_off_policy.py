@@ -22,7 +22,8 @@ import pytest
 from grpo_mega.processes import free_port, stop
 from grpo_mega.rollout import standin_server
 
-from tests.proc import kill_tree, run_tree
+from tests.fork_server import run_main
+from tests.proc import kill_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-6
@@ -55,9 +56,9 @@ def _args(out, url, *extra):
 
 
 def _train(out, url, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "grpo_mega.train", *_args(out, url, *extra)]
-    done = run_tree(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=ENV)
+    """2 ranks forked from the warm fork server with torchrun's environment (tests/fork_server.py)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = run_main(_args(out, url, *extra), timeout=400, cwd=REPO, scratch=out.parent, nproc=2, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout, {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
 

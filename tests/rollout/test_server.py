@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega import algo
-from grpo_mega.processes import free_port, stop
+from grpo_mega.processes import stop
 from grpo_mega.rollout import standin_server
 from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
 from grpo_mega.parallel import cpu_compat
@@ -133,8 +133,8 @@ def test_a_dedicated_run_trains_against_a_server(tmp_path):
     import json
 
     from grpo_mega.data.toy import make_tokenizer
-    from tests.proc import run_tree
-    
+    from tests.fork_server import run_main
+
     proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.standin_server", "--model", "tiny", "--port", "0",
                              "--vocab-size", str(len(make_tokenizer()))], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
@@ -146,13 +146,12 @@ def test_a_dedicated_run_trains_against_a_server(tmp_path):
                 line = proc.stdout.readline()
         assert "ready on " in line, "the rollout server did not start"
         url = line.split("ready on ")[1].strip()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-               "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "run.steps=2", "eval.interval=2",
-               "rollout.placement=dedicated", f"rollout.servers=[{url}]", "rollout.audit_weights=true"]
-        done = run_tree(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+        argv = [f"hydra.run.dir={tmp_path / 'run'}", "run.steps=2", "eval.interval=2", "rollout.placement=dedicated",
+                f"rollout.servers=[{url}]", "rollout.audit_weights=true"]
+        done = run_main(argv, timeout=300, cwd=REPO, scratch=tmp_path, nproc=2,  # 2 ranks forked, as torchrun's
                         env={**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"})
         assert done.returncode == 0, done.stderr[-3000:]
-        rows = [json.loads(r) for r in open(tmp_path / "metrics.jsonl")]
+        rows = [json.loads(r) for r in open(tmp_path / "run" / "metrics.jsonl")]
         assert [r["step"] for r in rows] == [1, 2]
         assert all(r["logprob_mismatch"] < LOGP_TOL for r in rows)
     finally:

@@ -2,20 +2,20 @@
 receives the weights after every step, and the run is the one-engine run."""
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
-from grpo_mega.processes import free_port
+from tests.fork_server import run_main
 
-from tests.proc import run_tree
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "grpo_mega.train", f"hydra.run.dir={out}", "run.steps=3", "eval.interval=3", *extra]
-    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
+    """2 ranks forked from the warm fork server with torchrun's environment (tests/fork_server.py)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = run_main([f"hydra.run.dir={out}", "run.steps=3", "eval.interval=3", *extra], timeout=300, cwd=ROOT,
+                    scratch=out.parent, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
@@ -37,6 +37,6 @@ def test_two_engines_sample_what_one_engine_samples(tmp_path):
 
 
 def test_engines_that_do_not_divide_the_ranks_are_refused(tmp_path):
-    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", "rollout.num_engines=2"],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_main([f"hydra.run.dir={tmp_path / 'run'}", "rollout.num_engines=2"], timeout=300, cwd=ROOT,
+                    scratch=tmp_path)
     assert proc.returncode == 2 and "rollout.num_engines=2 must divide the number of ranks (1)" in proc.stderr

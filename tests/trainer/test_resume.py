@@ -1,30 +1,30 @@
 """Exact resume: a run killed with SIGKILL (after a checkpoint, or in the middle of writing one) and resumed with
 resume=auto, at its own layout or at another one, gives the same per-step metrics as the run that never
-stopped."""
+stopped.
+
+The runs are forked from a warm server (tests/fork_server.py: `python -m grpo_mega.train`, and at TP2 two
+ranks with torchrun's environment), not new interpreters: about 5-10 s of start-up and imports less per run;
+a kill SIGKILLs every rank's process tree by PID, as a preemption of a torchrun job does."""
 
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from grpo_mega.processes import free_port
-from tests.proc import kill_tree, run_tree
+from tests.fork_server import run_main, start_main
 
 TOL = 1e-6
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(out: Path, ckpt: Path, steps: int, tp: int, *extra):
-    # torchrun with --master-port 0 hung here: give it a real free port.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(free_port()), "-m", "grpo_mega.train"] if tp > 1 else [sys.executable, "-m", "grpo_mega.train"]
-    cmd += [f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}", "eval.interval=2",
+    argv = [f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}", "eval.interval=2",
             f"checkpoint.dir={ckpt}", "checkpoint.interval=2", *extra]
-    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = run_main(argv, timeout=300, cwd=ROOT, scratch=out.parent, nproc=tp if tp > 1 else None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
 
@@ -35,25 +35,23 @@ def _same(a: dict, b: dict, steps):
             assert b[s][key] == pytest.approx(a[s][key], rel=TOL, abs=TOL), (s, key, a[s][key], b[s][key])
 
 
-def _start(out: Path, ckpt: Path, steps: int, tp: int, *extra) -> subprocess.Popen:
-    """A TP`tp` torchrun run in its own session, to be killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(free_port()), "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}",
-           "eval.interval=2", f"checkpoint.dir={ckpt}", *extra]
+def _start(out: Path, ckpt: Path, steps: int, tp: int, *extra):
+    """A TP`tp` run on `tp` ranks (each in a session of its own), to be killed."""
+    argv = [f"hydra.run.dir={out}", f"parallel.tp={tp}", f"run.steps={steps}", "eval.interval=2",
+            f"checkpoint.dir={ckpt}", *extra]
     out.mkdir(parents=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"), start_new_session=True)
+    proc = start_main(argv, cwd=ROOT, scratch=out, nproc=tp, out=out / "stdout.txt", err=out / "stderr.txt")
     proc.stderr_path = out / "stderr.txt"
     return proc
 
 
-def _sigkill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every worker, as a preemption or an OOM killer would: by PID (torchrun starts
-    its workers in sessions of their own, so the process group alone would miss them)."""
-    kill_tree(proc.pid)
+def _sigkill_tree(proc) -> None:
+    """SIGKILL every rank and everything under it, as a preemption or an OOM killer would: by PID."""
+    proc.kill()
     proc.wait(timeout=30)
 
 
-def _wait_for(proc: subprocess.Popen, found, timeout: float = 240.0, poll: float = 0.001):
+def _wait_for(proc, found, timeout: float = 240.0, poll: float = 0.001):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         hit = found()
@@ -174,14 +172,14 @@ def test_resume_reports_changed_settings_and_a_changed_lr_takes_effect(uninterru
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(full_dir / "ckpt" / "step_00000002", ckpt / "step_00000002")
-    cmd = [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", "run.steps=3", "eval.interval=2",
-           f"checkpoint.dir={ckpt}", "optim.lr=0.002"]
-    proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
+    argv = [f"hydra.run.dir={tmp_path / 'run'}", "run.steps=3", "eval.interval=2", f"checkpoint.dir={ckpt}",
+            "optim.lr=0.002"]
+    proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "changed since the checkpoint: optim.lr: 0.001 -> 0.002" in proc.stdout
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [3] and rows[0]["lr"] == pytest.approx(0.002) and full[2]["lr"] == pytest.approx(0.001)
     saved = json.loads((ckpt / "step_00000003" / "loop_state.json").read_text())
     assert saved["config"]["optim"]["lr"] == 0.002 and saved["weight_version"] == 3
-    again = run_tree(cmd, capture_output=True, text=True, timeout=300)  # already at run.steps
+    again = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path)  # already at run.steps
     assert again.returncode == 0 and "nothing to do: the run resumed at run.steps=3" in again.stdout
