@@ -18,7 +18,7 @@ import megatron.core.optimizer  # noqa: E402,F401
 
 
 # The quick tier (`make test-quick`, `pytest -m quick`): pure math, configs and plans, single-process checks,
-# the forked-rank harness and small multi-rank parity checks, the bad inputs refused before training, and one
+# the forked-rank harness and small multi-rank parity checks, the configurations refused before training, and one
 # 2-rank layout of the GRPO update against the single-process run. Node-id prefixes; each test under one of
 # them is marked `quick`.
 QUICK = [
@@ -32,7 +32,9 @@ QUICK = [
     "tests/rewards/test_reward_model.py",
     "tests/rollout/test_scheduler.py",
     "tests/test_plan.py",
-    "tests/test_bad_inputs.py",
+    "tests/test_bad_inputs.py::test_bad_configuration",  # refused before training (forked: ~1 s each)
+    "tests/test_bad_inputs.py::test_hf_model_with_pickle",
+    "tests/test_bad_inputs.py::test_the_corpus",
     "tests/trainer/test_actor.py",
     "tests/trainer/test_checkpoint_store.py",
     "tests/trainer/test_watchdog.py",

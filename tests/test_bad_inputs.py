@@ -31,11 +31,11 @@ def text_reward(response, ground_truth, sample):
     return "correct"
 
 
-def _cli(out: Path, *overrides: str, timeout: int = 300, fork: bool = False) -> subprocess.CompletedProcess:
-    """`python -m grpo_mega.train hydra.run.dir=OUT OVERRIDES` in a new interpreter, as a user's shell would
-    start it; `fork=True` forks it from a warm server instead (tests/fork_server: the same entry point
-    without an interpreter's start-up and imports each time), for the cases refused before any training
-    starts (a run that trains starts helper processes and relies on exit handlers: a new interpreter)."""
+def _cli(out: Path, *overrides: str, timeout: int = 300, fork: bool = True) -> subprocess.CompletedProcess:
+    """`python -m grpo_mega.train hydra.run.dir=OUT OVERRIDES`, forked from a warm server (tests/fork_server:
+    the same entry point, exit handlers included, without an interpreter's start-up and imports each time);
+    `fork=False`: in a new interpreter, as a user's shell would start it (kept for the refusals that Hydra
+    and the model YAML loader make, so the real entry path's exit codes stay tested here too)."""
     argv = [f"hydra.run.dir={out}", *overrides]
     if fork:
         return run_main(argv, timeout=timeout, cwd=ROOT, scratch=out.parent)
@@ -149,13 +149,13 @@ def test_bad_configuration(case, tmp_path):
 
 def test_unknown_override_key_names_the_field(tmp_path):
     """Hydra's own check (before any of ours): a misspelt key is named with its config group."""
-    _refused(_cli(tmp_path / "run", "algo.kl_coeff=0.1"), r"Could not override 'algo.kl_coeff'[\s\S]*Key 'kl_coeff' not in 'AlgoConfig'", rc=1)
+    _refused(_cli(tmp_path / "run", "algo.kl_coeff=0.1", fork=False), r"Could not override 'algo.kl_coeff'[\s\S]*Key 'kl_coeff' not in 'AlgoConfig'", rc=1)
 
 
 def test_model_yaml_with_an_unknown_field(tmp_path):
     bad = tmp_path / "mine.yaml"
     bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nnum_experts: 8\n")
-    _refused(_cli(tmp_path / "run", f"model={bad}"), r"mine\.yaml: unknown fields \['num_experts'\]; allowed:")
+    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False), r"mine\.yaml: unknown fields \['num_experts'\]; allowed:")
 
 
 def test_hf_model_with_pickle_weights_is_refused(tmp_path):
