@@ -129,7 +129,7 @@ CONFIG_CASES = {
     "model_unknown_yaml": (["model=gpt-9"], r"unknown model 'gpt-9': .*known models: .*llama-3\.1-70b"),
     "model_hf_dir_missing": (["model=/nonexistent/Llama-3-8B"], r"unknown model '/nonexistent/Llama-3-8B'"),
     "option_unknown_kl_estimator": (["algo.kl_estimator=k9"], r"unknown KL estimator 'k9'; valid:"),
-    "option_unknown_policy_loss": (["algo.policy_loss=ppo9"], r"unknown policy loss 'ppo9'; valid: ppo_clip"),
+    "option_unknown_policy_loss": (["algo.policy_loss=ppo9"], r"unknown policy loss 'ppo9'; valid: cispo, gspo, gspo_token, ppo_clip"),
     "option_unknown_engine": (["rollout.engine=vllm"], r"rollout\.engine='vllm' must be 'embedded' or 'sglang'"),
     "option_off_policy_colocated": (["rollout.off_policy_steps=1"],
                                     r"rollout\.off_policy_steps=1 needs rollout\.placement=dedicated \(got 'colocated'\)"),
