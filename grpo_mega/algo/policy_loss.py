@@ -13,7 +13,8 @@ Pure tensor math: the settings arrive as an `Objective` of plain values.
 Every row of [B, T] is one whole response: the trainer unpacks packed rows into per-sequence rows before the
 loss, a sequence is never split over DP ranks or micro-batches, and the last pipeline stage holds every
 position of its logits (sequence parallelism gathers the sequence before the output layer; the vocab-parallel
-ops reduce over TP). So GSPO's and the correction's per-sequence reductions over t are exact here;
+ops reduce over TP; there is no context parallelism, which would need a CP all-reduce of these sums). So
+GSPO's and the correction's per-sequence reductions over t are exact here;
 tests/trainer/test_policy_loss_layouts.py checks them against a single process under TP2+SP, PP2 and DP2.
 
 Every entry has the signature of `ppo_clip` and returns (loss, metric sums): the loss a scalar with a
@@ -38,7 +39,6 @@ from grpo_mega.algo.loss import (
     grpo_token_loss,
     has_extreme_ratio,
     log_ratio,
-    truncated_is_weight,
     valid_token_scale,
 )
 from grpo_mega.registry import Registry

@@ -160,7 +160,8 @@ def test_bad_correction_settings_are_one_line_errors(kw, message):
 
 def dense_gspo(x, eps_low, eps_high, kl_coef, ent_coef, w=None):
     """-(1/G) sum_i [min(s_i A_i, clip(s_i) A_i) - (1/|y_i|) sum_t (beta k3_t - c_H H_t)], each token's part
-    times w_t; s_i = exp((1/|y_i|) sum_t (logp - old)) (Zheng et al. 2025, eq. 5-7); k3 = e^(ref-logp) - (ref-logp) - 1."""
+    times w_t; s_i = exp((1/|y_i|) sum_t (logp - old)) (Zheng et al. 2025, eq. 5-7);
+    k3 = e^(ref-logp) - (ref-logp) - 1."""
     def per_seq(i, ts, logp):
         a = float(x["adv"][i])
         s = torch.exp(sum(logp[i, t] - x["old"][i, t] for t in ts) / len(ts))
@@ -175,7 +176,8 @@ def dense_gspo(x, eps_low, eps_high, kl_coef, ent_coef, w=None):
 
 
 def dense_cispo(x, eps_low, eps_high, kl_coef, ent_coef, w=None):
-    """(1/N) sum_i,t [-sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_i logp_t + beta k3_t - c_H H_t] (MiniMax-M1, eq. 4)."""
+    """(1/N) sum_i,t [-sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_i logp_t + beta k3_t - c_H H_t]
+    (MiniMax-M1, eq. 4)."""
     n = int(x["mask"].sum())
 
     def per_seq(i, ts, logp):

@@ -162,7 +162,8 @@ def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
         combos = combos or [(m, b) for m in MODES for b in MICRO]
         cfg = model_cfg(tied, spec.get("variant", "tiny"))
         lengths = spec.get("lengths", "random")
-        actor = Actor(cfg, ParallelConfig(), **configs(combos[0][0], 1, optim, spec.get("batch_kw"), spec.get("algo_kw")))
+        kw = configs(combos[0][0], 1, optim, spec.get("batch_kw"), spec.get("algo_kw"))
+        actor = Actor(cfg, ParallelConfig(), **kw)
         os.makedirs(w0_dir, exist_ok=True)
         dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), w0_dir)
         w0 = full_state(actor.built.gpt)
