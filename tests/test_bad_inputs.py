@@ -129,7 +129,14 @@ CONFIG_CASES = {
     "model_unknown_yaml": (["model=gpt-9"], r"unknown model 'gpt-9': .*known models: .*llama-3\.1-70b"),
     "model_hf_dir_missing": (["model=/nonexistent/Llama-3-8B"], r"unknown model '/nonexistent/Llama-3-8B'"),
     "option_unknown_kl_estimator": (["algo.kl_estimator=k9"], r"unknown KL estimator 'k9'; valid:"),
-    "option_unknown_policy_loss": (["algo.policy_loss=ppo9"], r"unknown policy loss 'ppo9'; valid: ppo_clip"),
+    "option_unknown_policy_loss": (["algo.policy_loss=ppo9"], r"unknown policy loss 'ppo9'; valid: cispo, gspo, gspo_token, ppo_clip"),
+    "option_gspo_token_level_agg_mode": (["algo.policy_loss=gspo"],
+                                         r"algo\.policy_loss='gspo' needs algo\.loss_agg_mode=seq-mean-token-mean "
+                                         r"\(got 'token-mean'\)"),
+    "option_rollout_correction_bounds": (["algo.rollout_correction=sequence", "algo.rollout_correction_low=3",
+                                          "algo.rollout_correction_high=2"],
+                                         r"algo\.rollout_correction_low=3\.0 and algo\.rollout_correction_high=2\.0 "
+                                         r"must satisfy 0 <= low < high"),
     "option_unknown_engine": (["rollout.engine=vllm"], r"rollout\.engine='vllm' must be 'embedded' or 'sglang'"),
     "option_off_policy_colocated": (["rollout.off_policy_steps=1"],
                                     r"rollout\.off_policy_steps=1 needs rollout\.placement=dedicated \(got 'colocated'\)"),

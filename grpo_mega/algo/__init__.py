@@ -1,5 +1,6 @@
 """GRPO math as pure tensor functions: advantages, KL estimators, the clipped surrogate, entropy bonus, loss
-aggregation, DAPO's valid-token scale and dynamic-sampling filter, early stop and KL-in-reward shaping;
+aggregation, DAPO's valid-token scale and dynamic-sampling filter, early stop and KL-in-reward shaping; the
+rollout correction against the engine's logprobs (token, sequence, geometric; truncate or mask);
 one step's shaping (`shape_step`) and the registry of whole policy losses (`POLICY_LOSSES`).
 Nothing here imports torch.distributed or reads a config: cross-rank normalisers arrive as arguments."""
 
@@ -18,11 +19,13 @@ from grpo_mega.algo.loss import (
     truncated_is_weight,
     valid_token_scale,
 )
+from grpo_mega.algo.correction import Correction, correction_weight
 from grpo_mega.algo.policy_loss import POLICY_LOSSES, Objective
 from grpo_mega.algo.shaping import ShapedStep, StepShaping, shape_step
 
 __all__ = [
     "AGG_MODES",
+    "Correction",
     "KL_ESTIMATORS",
     "Objective",
     "POLICY_LOSSES",
@@ -30,6 +33,7 @@ __all__ = [
     "StepShaping",
     "aggregate",
     "clipped_surrogate",
+    "correction_weight",
     "entropy_bonus",
     "full_kl",
     "group_advantages",

@@ -4,9 +4,18 @@ A policy loss decides which terms the objective has (the KL to the reference in 
 the entropy bonus, DAPO's per-response token scale, the truncated importance correction against the
 engine's logprobs), combines them per token and aggregates with the mini-batch normaliser. The trainer
 computes the token statistics from the logits (vocab-parallel logprobs, entropy, full KL), sums the
-normaliser over micro-batches and ranks, and scales the loss for Megatron; a new loss (GSPO, CISPO) is a
-new function registered in `POLICY_LOSSES`, not a branch in the trainer (verl `core_algos.py`,
-`@register_policy_loss`). Pure tensor math: the settings arrive as an `Objective` of plain values.
+normaliser over micro-batches and ranks, and scales the loss for Megatron; a new loss is a new function
+registered in `POLICY_LOSSES`, not a branch in the trainer (verl `core_algos.py`, `@register_policy_loss`):
+`ppo_clip` (GRPO/DAPO), `gspo` and `gspo_token` (Zheng et al. 2025), `cispo` (MiniMax-M1). The rollout
+correction against the engine's logprobs (grpo_mega.algo.correction) weights every loss's tokens the same way.
+Pure tensor math: the settings arrive as an `Objective` of plain values.
+
+Every row of [B, T] is one whole response: the trainer unpacks packed rows into per-sequence rows before the
+loss, a sequence is never split over DP ranks or micro-batches, and the last pipeline stage holds every
+position of its logits (sequence parallelism gathers the sequence before the output layer; the vocab-parallel
+ops reduce over TP; there is no context parallelism, which would need a CP all-reduce of these sums). So
+GSPO's and the correction's per-sequence reductions over t are exact here;
+tests/trainer/test_policy_loss_layouts.py checks them against a single process under TP2+SP, PP2 and DP2.
 
 Every entry has the signature of `ppo_clip` and returns (loss, metric sums): the loss a scalar with a
 gradient graph, the sums detached scalars the trainer adds over micro-batches (`token_metrics` gives the
@@ -17,18 +26,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from grpo_mega.algo.correction import Correction, correction_weight, resolve
 from grpo_mega.algo.kl import KL_ESTIMATORS, kl_penalty
 from grpo_mega.algo.loss import (
     AGG_MODES,
     aggregate,
+    entropy_bonus,
     grpo_token_loss,
     has_extreme_ratio,
     log_ratio,
-    truncated_is_weight,
     valid_token_scale,
 )
 from grpo_mega.registry import Registry
@@ -57,13 +67,43 @@ class Objective:
     dapo_token_scale: bool = False
     """Scale each token's loss by 1 / (valid tokens of its response)."""
     engine_is_cap: Optional[float] = None
-    """Truncated importance correction min(p_old / p_engine, cap) per token, or None."""
+    """Truncated importance correction min(p_old / p_engine, cap) per token, or None (the same as
+    rollout_correction=token, truncate, [0, cap])."""
+    rollout_correction: Optional[str] = None
+    """Rollout correction level ('token', 'sequence', 'geometric') or preset ('icepop'), or None (off)."""
+    rollout_correction_mode: Optional[str] = None
+    """'truncate' or 'mask' (None: the level's default, see grpo_mega.algo.correction.resolve)."""
+    rollout_correction_low: Optional[float] = None
+    """Lower bound on the correction's ratio (None: the default)."""
+    rollout_correction_high: Optional[float] = None
+    """Upper bound on the correction's ratio (None: the default)."""
     early_stop_imp_ratio: Optional[float] = None
     """Flag a micro-batch with an importance ratio above this (or below its inverse), or None."""
+    gspo_clip_low: float = 3e-4
+    """GSPO's eps_low on the sequence ratio s_i (Zheng et al. 2025, sec. 5.1: 3e-4)."""
+    gspo_clip_high: float = 4e-4
+    """GSPO's eps_high on s_i (the paper's 4e-4)."""
+    cispo_eps_low: float = 1.0
+    """CISPO: the IS weight is clipped below at 1 - eps_low (MiniMax-M1 sets no lower bound: 1.0)."""
+    cispo_eps_high: float = 4.0
+    """CISPO: the IS weight is clipped above at 1 + eps_high."""
 
     def __post_init__(self):
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
+        _ = self.correction  # a bad correction setting fails here, not in the first micro-batch
+        if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
+            raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
+                             f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
+        if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
+            raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
+                             f"must be >= 0")
+
+    @property
+    def correction(self) -> Optional[Correction]:
+        """The rollout correction (level, mode, low, high), or None when off."""
+        return resolve(self.rollout_correction, self.rollout_correction_mode, self.rollout_correction_low,
+                       self.rollout_correction_high, self.engine_is_cap)
 
     @property
     def kl_in_loss(self) -> bool:
@@ -91,29 +131,42 @@ def kl_term(obj: Objective, logp: torch.Tensor, ref_logp: Optional[torch.Tensor]
     return kl_penalty(logp, ref_logp, obj.kl_estimator)
 
 
+class Weights(NamedTuple):
+    """token_scale: DAPO's valid-token scale times the rollout correction's weight ([B, T] or None); the
+    correction's weight, ratio and where its bound acted ([B, T] each, None when it is off)."""
+
+    token_scale: Optional[torch.Tensor]
+    is_weight: Optional[torch.Tensor] = None
+    is_ratio: Optional[torch.Tensor] = None
+    is_hit: Optional[torch.Tensor] = None
+
+
 def token_weights(obj: Objective, mask: torch.Tensor, old_logp: torch.Tensor,
-                  engine_logp: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(token_scale, is_weight), each [B, T] or None: DAPO's valid-token scale times the truncated importance
-    weight, and that weight alone (for its metrics)."""
+                  engine_logp: Optional[torch.Tensor]) -> Weights:
+    """The per-token weights every loss applies: DAPO's valid-token scale (dapo_token_scale) times the rollout
+    correction's weight (grpo_mega.algo.correction; algo.engine_is_cap is its token-level truncation)."""
     token_scale = valid_token_scale(mask) if obj.dapo_token_scale else None
-    is_weight = None
-    if obj.engine_is_cap is not None:
-        if engine_logp is None:
-            raise ValueError("algo.engine_is_cap needs the engine's logprobs (rollout.engine_logp)")
-        is_weight = truncated_is_weight(old_logp, engine_logp, obj.engine_is_cap)
-        token_scale = is_weight if token_scale is None else token_scale * is_weight
-    return token_scale, is_weight
+    c = obj.correction
+    if c is None:
+        return Weights(token_scale)
+    if engine_logp is None:
+        which = "algo.engine_is_cap" if obj.engine_is_cap is not None else "algo.rollout_correction"
+        raise ValueError(f"{which} needs the engine's logprobs (rollout.engine_logp)")
+    is_weight, rho, hit = correction_weight(old_logp, engine_logp, mask, c)  # engine_is_cap: TIS, bit for bit
+    token_scale = is_weight if token_scale is None else token_scale * is_weight
+    return Weights(token_scale, is_weight, rho, hit)
 
 
 @torch.no_grad()
 def token_metrics(obj: Objective, loss: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor,
                   mask: torch.Tensor, entropy: torch.Tensor, kl: Optional[torch.Tensor],
-                  ref_logp: Optional[torch.Tensor], is_weight: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+                  ref_logp: Optional[torch.Tensor], w: Weights) -> dict[str, torch.Tensor]:
     """The metric sums every policy loss reports, over the micro-batch's valid tokens (the trainer divides
-    by the summed `tokens`): loss, entropy, KL (the loss's, else k3 to the reference when there is one),
-    importance ratio sum/min/max, the importance correction's mean weight and capped share, and whether a
-    ratio is extreme (algo.early_stop_imp_ratio). The loss-specific sums (pg_loss_sum, clipped_sum) are the
-    entry's own."""
+    by the summed `tokens` and `seqs`, see `mini_batch_metrics`): loss, entropy, KL (the loss's, else k3 to the
+    reference when there is one), importance ratio sum/min/max, the rollout correction's mean weight, the
+    share of tokens and of sequences where its bound acted (truncated or masked) and its ratio's mean/min/max,
+    and whether a ratio is extreme (algo.early_stop_imp_ratio). The loss-specific sums (pg_loss_sum,
+    clipped_sum) are the entry's own. Keys: METRIC_SUMS, METRIC_MINS, METRIC_MAXS."""
     m = mask.to(torch.float32)
     valid = mask.bool()
     ratio = log_ratio(logp, old_logp).exp()
@@ -123,18 +176,56 @@ def token_metrics(obj: Objective, loss: torch.Tensor, logp: torch.Tensor, old_lo
         kl_sum = (kl_penalty(logp, ref_logp, "k3") * m).sum()
     else:
         kl_sum = torch.zeros(())
+    rho = w.is_ratio if w.is_ratio is not None else torch.ones_like(ratio)
+    hit = w.is_hit & valid if w.is_hit is not None else torch.zeros_like(valid)
     return {
         "loss": loss.detach(),
         "entropy_sum": (entropy * m).sum(),
         "kl_sum": kl_sum,
         "tokens": m.sum(),
+        "seqs": valid.any(dim=-1).sum().to(m.dtype),
         "ratio_sum": (ratio * m).sum(),
         "ratio_min": ratio[valid].min() if valid.any() else torch.tensor(math.inf),
         "ratio_max": ratio[valid].max() if valid.any() else torch.tensor(-math.inf),
-        "is_weight_sum": (is_weight * m).sum() if is_weight is not None else m.sum(),
-        "is_capped_sum": ((is_weight >= obj.engine_is_cap) * m).sum() if is_weight is not None else torch.zeros(()),
+        "is_weight_sum": (w.is_weight * m).sum() if w.is_weight is not None else m.sum(),
+        "is_capped_sum": (hit * m).sum(),
+        "is_seq_capped_sum": hit.any(dim=-1).sum().to(m.dtype),
+        "is_ratio_sum": (rho * m).sum(),
+        "is_ratio_min": rho[valid].min() if valid.any() else torch.tensor(math.inf),
+        "is_ratio_max": rho[valid].max() if valid.any() else torch.tensor(-math.inf),
         "extreme": has_extreme_ratio(logp, old_logp, mask, obj.early_stop_imp_ratio).float()
         if obj.early_stop_imp_ratio else torch.zeros(()),
+    }
+
+
+METRIC_SUMS = ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "seqs", "ratio_sum",
+               "extreme", "is_weight_sum", "is_capped_sum", "is_seq_capped_sum", "is_ratio_sum")
+"""The metric sums every policy loss returns, added over micro-batches and DP ranks."""
+METRIC_MINS = ("ratio_min", "is_ratio_min")
+METRIC_MAXS = ("ratio_max", "is_ratio_max")
+
+
+def mini_batch_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float]) -> dict[str, float]:
+    """A mini-batch's loss metrics from its sums (over micro-batches and ranks), minima and maxima: per-token
+    means, and the rollout correction's token and sequence shares (is_capped_fraction, is_seq_capped_fraction;
+    truncated or masked)."""
+    tokens, seqs = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0)
+    return {
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_loss_sum"] / tokens,
+        "entropy": sums["entropy_sum"] / tokens,
+        "kl": sums["kl_sum"] / tokens,
+        "clip_fraction": sums["clipped_sum"] / tokens,
+        "ratio_mean": sums["ratio_sum"] / tokens,
+        "is_weight_mean": sums["is_weight_sum"] / tokens,
+        "is_capped_fraction": sums["is_capped_sum"] / tokens,
+        "is_seq_capped_fraction": sums["is_seq_capped_sum"] / seqs,
+        "is_ratio_mean": sums["is_ratio_sum"] / tokens,
+        "ratio_min": mins["ratio_min"],
+        "ratio_max": maxs["ratio_max"],
+        "is_ratio_min": mins["is_ratio_min"],
+        "is_ratio_max": maxs["is_ratio_max"],
+        "tokens": sums["tokens"],
     }
 
 
@@ -159,17 +250,153 @@ def ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, adva
     Returns (loss: scalar, metric sums: `token_metrics` plus pg_loss_sum and clipped_sum).
     """
     kl = kl_term(obj, logp, ref_logp, full_kl)
-    token_scale, is_weight = token_weights(obj, mask, old_logp, engine_logp)
+    w = token_weights(obj, mask, old_logp, engine_logp)
     token_loss, terms = grpo_token_loss(
         logp, old_logp, advantages, obj.clip_ratio_low, obj.clip_ratio_high, obj.dual_clip,
         kl=kl, kl_coef=obj.kl_coef if obj.kl_in_loss else 0.0,
         entropy=entropy if obj.entropy_coef else None, entropy_coef=obj.entropy_coef,
-        token_scale=token_scale,
+        token_scale=w.token_scale,
     )
     loss = aggregate(token_loss, mask, obj.loss_agg_mode, normaliser)
-    stats = token_metrics(obj, loss, logp, old_logp, mask, entropy, kl, ref_logp, is_weight)
+    stats = token_metrics(obj, loss, logp, old_logp, mask, entropy, kl, ref_logp, w)
     m = mask.to(torch.float32)
     with torch.no_grad():
         stats["pg_loss_sum"] = (terms["pg_loss"] * m).sum()
         stats["clipped_sum"] = (terms["clipped"] * m).sum()
     return loss, stats
+
+
+# ---- GSPO and CISPO ---------------------------------------------------------------------------------------
+
+SEQUENCE_LEVEL_AGG = ("seq-mean-token-mean",)
+"""The aggregation GSPO defines: the mean over responses of one term per response (for gspo_token, of the
+mean over its tokens). The token-level and length-weighted modes would weight each response by its length."""
+AGG_MODES_OF = {"gspo": SEQUENCE_LEVEL_AGG, "gspo_token": SEQUENCE_LEVEL_AGG}
+"""The aggregation modes a policy loss is defined with, where it does not take them all."""
+
+
+def check_settings(policy_loss: str, loss_agg_mode: str, dual_clip: Optional[float] = None) -> None:
+    """Refuse a policy loss with settings it does not define: GSPO with a token-level aggregation, and the
+    dual clip (ppo_clip's, on the token surrogate) with another loss. One-line ValueErrors."""
+    modes = AGG_MODES_OF.get(policy_loss)
+    if modes is not None and loss_agg_mode not in modes:
+        raise ValueError(f"algo.policy_loss={policy_loss!r} needs algo.loss_agg_mode={' or '.join(modes)} "
+                         f"(got {loss_agg_mode!r}): GSPO's objective is the mean over responses of one sequence-level "
+                         f"term each (Zheng et al. 2025, eq. 5); {loss_agg_mode} would weight responses by length")
+    if dual_clip is not None and policy_loss != "ppo_clip":
+        raise ValueError(f"algo.dual_clip={dual_clip} is ppo_clip's (token surrogate, negative advantages); "
+                         f"algo.policy_loss={policy_loss!r} does not define it: set algo.dual_clip=null")
+
+
+def _with_terms(obj: Objective, pg: torch.Tensor, kl: Optional[torch.Tensor], entropy: torch.Tensor,
+                token_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """pg_t + beta KL_t - c_H H_t (the terms the objective has), times the token weights. [B, T]."""
+    loss = pg
+    if kl is not None:
+        loss = loss + obj.kl_coef * kl
+    if obj.entropy_coef:
+        loss = loss + entropy_bonus(entropy, obj.entropy_coef)
+    return loss if token_scale is None else loss * token_scale
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)) over response i's valid tokens (each log-ratio
+    clamped to [-20, 20]); 0 for a response without valid tokens. [B, T] -> [B], with grad."""
+    m = mask.to(logp.dtype)
+    return (log_ratio(logp, old_logp) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+
+
+def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+    unclipped = -adv * s
+    clipped = -adv * s.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w):
+    loss = aggregate(token_loss, mask, obj.loss_agg_mode, normaliser)
+    stats = token_metrics(obj, loss, logp, old_logp, mask, entropy, kl, ref_logp, w)
+    m = mask.to(torch.float32)
+    with torch.no_grad():
+        stats["pg_loss_sum"] = (pg.detach() * m).sum()
+        stats["clipped_sum"] = (clipped.to(m.dtype) * m).sum()
+    return loss, stats
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+         mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+         ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+         engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7): the clip acts on the response's
+    length-normalised sequence ratio
+
+        s_i = exp((1/|y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t))),
+        J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
+
+    eps = (gspo_clip_low, gspo_clip_high), the paper's 3e-4 / 4e-4. The loss is -J, with the same KL and entropy
+    terms and token weights (rollout correction, DAPO scale) as ppo_clip, per token; aggregated by
+    seq-mean-token-mean only (one term per response: a response's -min(...) sits on each of its tokens, and the
+    mean over its tokens gives it back, value and gradient). Arguments and return as `ppo_clip`; advantages [B].
+    """
+    check_settings("gspo", obj.loss_agg_mode)
+    if advantages.dim() != 1:
+        raise ValueError(f"gspo takes one advantage per response ([B]); got shape {tuple(advantages.shape)}: "
+                         f"use gspo_token for per-token advantages")
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    s = sequence_log_ratio(logp, old_logp, mask).exp()
+    pg_seq, clipped_seq = _sequence_clip(s, advantages, obj.gspo_clip_low, obj.gspo_clip_high)
+    pg = pg_seq.unsqueeze(-1).expand_as(logp)
+    clipped = clipped_seq.unsqueeze(-1).expand_as(logp)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+@POLICY_LOSSES.register("gspo_token")
+def gspo_token(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+               ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+               engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (Zheng et al. 2025, eq. 13-14): per-token ratios that carry the sequence ratio's value and
+    each token's own gradient,
+
+        s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)],
+        J = (1/G) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t),
+
+    which allows per-token advantages ([B] or [B, T]); with A_i,t = A_i it equals `gspo` in value and gradient.
+    Aggregated by seq-mean-token-mean only (the (1/G)(1/|y_i|) above). Arguments and return as `ppo_clip`."""
+    check_settings("gspo_token", obj.loss_agg_mode)
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    log_s = sequence_log_ratio(logp, old_logp, mask).detach().unsqueeze(-1)
+    s_t = (log_s + logp - logp.detach()).exp()
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+          mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+          ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+          engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1", eq. 4-5): clip the importance-sampling weight, not the update, and
+    keep every token's gradient,
+
+        r_t = pi(y_t) / pi_old(y_t),   r^_t = clip(r_t, 1 - eps_low, 1 + eps_high),
+        L_t = -sg(r^_t) A_t log pi(y_t),
+
+    eps = (cispo_eps_low, cispo_eps_high); the paper sets no lower bound (eps_low = 1). Its gradient is
+    -r^_t A_t grad log pi(y_t) on every token (where PPO's clip would zero it). Plus the KL and entropy terms and
+    token weights of ppo_clip, aggregated by `loss_agg_mode` (the paper's is token-mean). clipped_sum counts
+    tokens whose r_t was clipped. Arguments and return as `ppo_clip`."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    r = log_ratio(logp, old_logp).detach().exp()
+    lo, hi = 1.0 - obj.cispo_eps_low, 1.0 + obj.cispo_eps_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    pg = -r.clamp(lo, hi) * adv * logp
+    clipped = (r < lo) | (r > hi)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)

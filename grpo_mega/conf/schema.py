@@ -282,7 +282,8 @@ class AlgoConfig:
 
     policy_loss: str = "ppo_clip"
     """The policy loss, by name (grpo_mega.algo.POLICY_LOSSES): 'ppo_clip' (the clipped surrogate, with
-    clip-higher and dual-clip)."""
+    clip-higher and dual-clip), 'gspo' / 'gspo_token' (GSPO's sequence-level ratio and clip; need
+    loss_agg_mode=seq-mean-token-mean), 'cispo' (MiniMax-M1's clipped, stop-gradient IS weight on log pi)."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -290,7 +291,15 @@ class AlgoConfig:
     clip_ratio_high: float = 0.2
     """eps_high; > clip_ratio_low is DAPO's clip-higher."""
     dual_clip: Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages, or null."""
+    """Dual-clip constant c > 1 for negative advantages, or null (ppo_clip only)."""
+    gspo_clip_low: float = 3e-4
+    """GSPO: eps_low on the sequence ratio s_i = exp(mean_t log(pi/pi_old)) (Zheng et al. 2025: 3e-4)."""
+    gspo_clip_high: float = 4e-4
+    """GSPO: eps_high on s_i (the paper's 4e-4)."""
+    cispo_eps_low: float = 1.0
+    """CISPO: the IS weight is clipped below at 1 - cispo_eps_low (1.0: no lower bound, as MiniMax-M1)."""
+    cispo_eps_high: float = 4.0
+    """CISPO: the IS weight is clipped above at 1 + cispo_eps_high."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
@@ -323,16 +332,29 @@ class AlgoConfig:
     ones (the loss and gradient are the same; one forward pass over the batch is saved)."""
     engine_is_cap: Optional[float] = None
     """Importance correction for rollout/trainer drift: weight each token's loss by
-    min(p_trainer_old / p_engine, cap) (truncated importance sampling); null: off."""
+    min(p_trainer_old / p_engine, cap) (truncated importance sampling); null: off. The same as
+    rollout_correction=token with rollout_correction_high=cap."""
+    rollout_correction: Optional[str] = None
+    """Rollout correction (grpo_mega.algo.correction): weight each token's loss by a function of
+    rho = p_trainer_old / p_engine at level 'token', 'sequence' (the product over the response) or 'geometric'
+    (its per-token geometric mean); or the preset 'icepop' (token level, mask outside [0.5, 5]); null: off."""
+    rollout_correction_mode: Optional[str] = None
+    """'truncate' (weight clip(rho, low, high)) or 'mask' (weight rho inside [low, high], 0 outside); null:
+    truncate (icepop: mask)."""
+    rollout_correction_low: Optional[float] = None
+    """Lower bound on rho; null: 0 when truncating, 1/high when masking (icepop: 0.5)."""
+    rollout_correction_high: Optional[float] = None
+    """Upper bound on rho (> low); null: 2.0 (icepop: 5.0)."""
 
     def __post_init__(self):
         from grpo_mega.algo.kl import KL_ESTIMATORS
         from grpo_mega.algo.loss import AGG_MODES
-        from grpo_mega.algo.policy_loss import POLICY_LOSSES
+        from grpo_mega.algo.policy_loss import POLICY_LOSSES, check_settings
 
         POLICY_LOSSES.get(self.policy_loss)
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
+        check_settings(self.policy_loss, self.loss_agg_mode, self.dual_clip)
         _positive("algo.ppo_epochs", self.ppo_epochs)
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
             raise ValueError(f"algo.clip_ratio_low={self.clip_ratio_low} and clip_ratio_high={self.clip_ratio_high} must be >= 0")
@@ -346,6 +368,21 @@ class AlgoConfig:
             raise ValueError(f"algo.engine_is_cap={self.engine_is_cap} must be >= 1 (or null)")
         if self.early_stop_imp_ratio is not None and self.early_stop_imp_ratio <= 1:
             raise ValueError(f"algo.early_stop_imp_ratio={self.early_stop_imp_ratio} must be > 1 (or null)")
+        self.correction()
+        if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
+            raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
+                             f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
+        if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
+            raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
+                             f"must be >= 0")
+
+    def correction(self):
+        """The rollout correction (level, mode, low, high) these fields resolve to, or None when off
+        (grpo_mega.algo.correction.resolve; engine_is_cap is its token-level truncation)."""
+        from grpo_mega.algo.correction import resolve
+
+        return resolve(self.rollout_correction, self.rollout_correction_mode, self.rollout_correction_low,
+                       self.rollout_correction_high, self.engine_is_cap)
 
 
 @dataclass(kw_only=True)
@@ -780,7 +817,7 @@ class TrainConfig:
         if self.reward.rm_train.interval and self.algo.ref_update_interval is None:
             # Iterative RL (Algorithm 1): the reference follows the reward model's updates.
             self.algo.ref_update_interval = self.reward.rm_train.interval
-        if self.rollout.off_policy_steps and self.algo.engine_is_cap is None:
+        if self.rollout.off_policy_steps and self.algo.correction() is None:
             # One step behind: truncated importance correction against the engine's logprobs covers the lag.
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
 

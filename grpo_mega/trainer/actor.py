@@ -302,7 +302,10 @@ def objective(a: AlgoConfig) -> algo.Objective:
         clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, dual_clip=a.dual_clip,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
         loss_agg_mode=a.loss_agg_mode, dapo_token_scale=a.dapo_token_scale, engine_is_cap=a.engine_is_cap,
-        early_stop_imp_ratio=a.early_stop_imp_ratio,
+        rollout_correction=a.rollout_correction, rollout_correction_mode=a.rollout_correction_mode,
+        rollout_correction_low=a.rollout_correction_low, rollout_correction_high=a.rollout_correction_high,
+        early_stop_imp_ratio=a.early_stop_imp_ratio, gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high,
+        cispo_eps_low=a.cispo_eps_low, cispo_eps_high=a.cispo_eps_high,
     )
 
 
@@ -448,28 +451,20 @@ class Actor:
         out = run_schedule(module, micro, length, forward_step, forward_only=False,
                            lockstep=1 if reference is None else 2)
 
-        sums = {k: 0.0 for k in ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "ratio_sum", "extreme",
-                                  "is_weight_sum", "is_capped_sum")}
-        mins, maxs = {"ratio_min": math.inf}, {"ratio_max": -math.inf}
+        # The policy loss's metric sums (grpo_mega.algo.policy_loss.METRIC_*), over micro-batches, then ranks.
+        sums = {k: 0.0 for k in algo.policy_loss.METRIC_SUMS}
+        mins = {k: math.inf for k in algo.policy_loss.METRIC_MINS}
+        maxs = {k: -math.inf for k in algo.policy_loss.METRIC_MAXS}
         for d in out:
             for k in sums:
                 sums[k] += float(d[k])
-            mins["ratio_min"] = min(mins["ratio_min"], float(d["ratio_min"]))
-            maxs["ratio_max"] = max(maxs["ratio_max"], float(d["ratio_max"]))
+            for k in mins:
+                mins[k] = min(mins[k], float(d[k]))
+            for k in maxs:
+                maxs[k] = max(maxs[k], float(d[k]))
         sums, mins, maxs = comm.reduce_stage_metrics(sums, mins, maxs)
-        tokens = max(sums["tokens"], 1.0)
         m = {
-            "loss": sums["loss"],
-            "pg_loss": sums["pg_loss_sum"] / tokens,
-            "entropy": sums["entropy_sum"] / tokens,
-            "kl": sums["kl_sum"] / tokens,
-            "clip_fraction": sums["clipped_sum"] / tokens,
-            "ratio_mean": sums["ratio_sum"] / tokens,
-            "is_weight_mean": sums["is_weight_sum"] / tokens,
-            "is_capped_fraction": sums["is_capped_sum"] / tokens,
-            "ratio_min": mins["ratio_min"],
-            "ratio_max": maxs["ratio_max"],
-            "tokens": sums["tokens"],
+            **algo.policy_loss.mini_batch_metrics(sums, mins, maxs),
             "lr": self.optimizer.param_groups[0]["lr"],
             **shape,
         }

@@ -49,14 +49,15 @@ OPTIMS = {
 }
 
 
-def configs(mode: str, mbs: int, optim: str = "adam", batch_kw: dict | None = None):
+def configs(mode: str, mbs: int, optim: str = "adam", batch_kw: dict | None = None, algo_kw: dict | None = None):
     """With packing (the default), micro-batches are packed rows of mbs * (MAX_PROMPT + MAX_RESPONSE) tokens;
-    `batch_kw` overrides BatchConfig fields (e.g. packing=False)."""
+    `batch_kw` overrides BatchConfig fields (e.g. packing=False), `algo_kw` AlgoConfig fields (e.g. policy_loss)."""
+    algo = dict(loss_agg_mode=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01, clip_ratio_low=0.2,
+                clip_ratio_high=0.28, dual_clip=3.0)
     return dict(
         precision=PrecisionConfig(params_dtype="fp32"),
         optim=OptimConfig(**OPTIMS[optim]),
-        algo_cfg=AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
-                            clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
+        algo_cfg=AlgoConfig(**{**algo, **(algo_kw or {})}),
         batch=BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=mbs,
                           max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE, **(batch_kw or {})),
     )
@@ -108,7 +109,8 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
                spec=None):
     """On every rank of a tp x pp x dp layout: for each (mode, mbs), load W0, one update, save W1.
     Returns (logprobs of W0, {combo: metrics}); with spec["ref"], also the logprobs of W0 loaded into a
-    Reference: (logprobs, metrics, reference logprobs). `spec`: batch_kw, variant, lengths (see `rollout`)."""
+    Reference: (logprobs, metrics, reference logprobs). `spec`: batch_kw, algo_kw, variant, lengths (see
+    `rollout`). `inputs`: (old_logp, ref_logp) or (old_logp, ref_logp, engine_logp)."""
     spec = spec or {}
     from megatron.core import dist_checkpointing
 
@@ -119,7 +121,7 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
         results, first_logp = {}, None
         cfg = model_cfg(tied, spec.get("variant", "tiny"))
         for mode, mbs in combos:
-            kw = configs(mode, mbs, optim, spec.get("batch_kw"))
+            kw = configs(mode, mbs, optim, spec.get("batch_kw"), spec.get("algo_kw"))
             actor = Actor(cfg, parallel, **kw)
             _load(actor, w0_dir)
             batch = rollout(lengths=spec.get("lengths", "random"))
@@ -127,7 +129,8 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
                 first_logp = actor.logprobs(batch, TEMPERATURE)
                 if spec.get("ref"):
                     ref_logp = _reference_logprobs(cfg, parallel, kw, w0_dir, batch)
-            batch.old_logp, batch.ref_logp = inputs
+            batch.old_logp, batch.ref_logp = inputs[:2]
+            batch.engine_logp = inputs[2] if len(inputs) > 2 else None
             (m,) = actor.update(batch, TEMPERATURE)
             path = os.path.join(out_dir, f"{mode}_{mbs}")
             os.makedirs(path, exist_ok=True)
@@ -149,7 +152,8 @@ def _reference_logprobs(cfg, parallel, kw, w0_dir, batch):
 
 def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
     """Single process: initial weights W0 (saved), logprobs, inputs, and per combo the metrics and the
-    gradient W0 - W1. `spec` as for `run_layout` (e.g. batch_kw=dict(packing=False): the padded path)."""
+    gradient W0 - W1. `spec` as for `run_layout` (e.g. batch_kw=dict(packing=False): the padded path; with
+    spec["engine"], the inputs carry engine logprobs too)."""
     from megatron.core import dist_checkpointing
 
     spec = spec or {}
@@ -158,7 +162,8 @@ def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
         combos = combos or [(m, b) for m in MODES for b in MICRO]
         cfg = model_cfg(tied, spec.get("variant", "tiny"))
         lengths = spec.get("lengths", "random")
-        actor = Actor(cfg, ParallelConfig(), **configs("token-mean", 1, optim, spec.get("batch_kw")))
+        kw = configs(combos[0][0], 1, optim, spec.get("batch_kw"), spec.get("algo_kw"))
+        actor = Actor(cfg, ParallelConfig(), **kw)
         os.makedirs(w0_dir, exist_ok=True)
         dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), w0_dir)
         w0 = full_state(actor.built.gpt)
@@ -166,12 +171,15 @@ def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
         logp = actor.logprobs(batch, TEMPERATURE)
         mask = batch.response_mask()
         inputs = (perturbed(logp, mask, 0.3, 1), perturbed(logp, mask, 0.2, 2))
+        if spec.get("engine"):
+            inputs = inputs + (perturbed(inputs[0], mask, 0.25, 3),)
         out = {}
         for mode, mbs in combos:
-            actor = Actor(cfg, ParallelConfig(), **configs(mode, mbs, optim, spec.get("batch_kw")))
+            actor = Actor(cfg, ParallelConfig(), **configs(mode, mbs, optim, spec.get("batch_kw"), spec.get("algo_kw")))
             _load(actor, w0_dir)
             b = rollout(lengths=lengths)
-            b.old_logp, b.ref_logp = inputs
+            b.old_logp, b.ref_logp = inputs[:2]
+            b.engine_logp = inputs[2] if len(inputs) > 2 else None
             (m,) = actor.update(b, TEMPERATURE)
             w1 = full_state(actor.built.gpt)
             out[(mode, mbs)] = (m, {k: w0[k] - w1[k] for k in w0})

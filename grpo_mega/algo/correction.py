@@ -1,0 +1,115 @@
+"""Rollout correction: importance weights between the trainer's old logprobs and the rollout engine's.
+
+The engine samples from pi_engine, which drifts from the trainer's pi_old (other kernels, precision, a
+weight version behind with off-policy steps). Each token's loss is weighted by a function of the ratio
+rho = pi_old / pi_engine, taken at one of three levels and bounded in one of two modes:
+
+    level token:      rho_t = pi_old(y_t) / pi_engine(y_t)
+    level sequence:   rho_i = prod_t rho_t = exp(sum_t log rho_t)            (one per response, on its tokens)
+    level geometric:  rho_i = exp(mean_t log rho_t)                          (the per-token geometric mean)
+    mode truncate:    w = clip(rho, low, high)       (TIS, Yao et al. 2025, "Your Efficient RL Framework
+                                                      Secretly Brings You Off-Policy RL Training": low = 0)
+    mode mask:        w = rho * 1[low <= rho <= high] (masked IS / rejection: Liu, Li et al. 2025, "When Speed
+                                                      Kills Stability"; IcePop, Ling Team 2025 "Every Step
+                                                      Evolves" (Ring-1T): token level, [0.5, 5])
+
+The weight carries no gradient, and a weight of 0 keeps the token in the normaliser (IcePop's 1/sum|y_i|).
+Pure tensor math: the settings are plain values, resolved from `algo.rollout_correction*` by `resolve`.
+Shapes: B responses, T response positions; the trainer's rows are whole responses (a sequence is never
+split across rows, ranks or pipeline stages when it reaches the loss), so the sequence sums are exact.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from grpo_mega.algo.kl import LOG_RATIO_CLAMP
+
+LEVELS = ("token", "sequence", "geometric")
+MODES = ("truncate", "mask")
+PRESETS = {"icepop": ("token", "mask", 0.5, 5.0)}
+"""Named presets: (level, mode, low, high). IcePop masks tokens whose ratio leaves [0.5, 5]."""
+DEFAULT_HIGH = 2.0
+"""The upper bound when none is given (verl's TIS default, as algo.engine_is_cap's off-policy default)."""
+
+
+class Correction(NamedTuple):
+    level: str
+    mode: str
+    low: float
+    high: float
+
+
+def resolve(name: Optional[str], mode: Optional[str] = None, low: Optional[float] = None,
+            high: Optional[float] = None, engine_is_cap: Optional[float] = None) -> Optional[Correction]:
+    """The correction from `algo.rollout_correction` (a level or a preset; null: off), its mode and bounds
+    (null: the level's defaults: truncate, low 0 when truncating and 1/high when masking, high 2; a preset's
+    own), and `algo.engine_is_cap` (an alias of token-level truncation at [0, cap]). None when off.
+    Raises a ValueError naming the field for a bad value."""
+    if engine_is_cap is not None:
+        if name is not None:
+            raise ValueError(f"algo.engine_is_cap={engine_is_cap} and algo.rollout_correction={name!r} both set a "
+                             f"rollout correction; engine_is_cap=C is rollout_correction=token with "
+                             f"rollout_correction_high=C: keep one")
+        return Correction("token", "truncate", 0.0, float(engine_is_cap))
+    if name is None:
+        for field, value in (("mode", mode), ("low", low), ("high", high)):
+            if value is not None:
+                raise ValueError(f"algo.rollout_correction_{field}={value!r} without algo.rollout_correction: "
+                                 f"set algo.rollout_correction to one of {', '.join(LEVELS + tuple(PRESETS))}")
+        return None
+    if name in PRESETS:
+        level, preset_mode, preset_low, preset_high = PRESETS[name]
+        if mode is not None and mode != preset_mode:
+            raise ValueError(f"algo.rollout_correction={name!r} is {level}-level {preset_mode}; "
+                             f"algo.rollout_correction_mode={mode!r} contradicts it (leave it unset)")
+        mode = preset_mode
+        low = preset_low if low is None else low
+        high = preset_high if high is None else high
+    elif name in LEVELS:
+        level = name
+        mode = mode or "truncate"
+    else:
+        raise ValueError(f"algo.rollout_correction={name!r} must be one of {', '.join(LEVELS + tuple(PRESETS))} "
+                         f"(or null: off)")
+    if mode not in MODES:
+        raise ValueError(f"algo.rollout_correction_mode={mode!r} must be 'truncate' or 'mask'")
+    high = DEFAULT_HIGH if high is None else float(high)
+    low = (0.0 if mode == "truncate" else 1.0 / high) if low is None else float(low)
+    if not 0.0 <= low < high:
+        raise ValueError(f"algo.rollout_correction_low={low} and algo.rollout_correction_high={high} must satisfy "
+                         f"0 <= low < high")
+    return Correction(level, mode, low, high)
+
+
+def correction_ratio(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """rho at `level`, on every position of its response (no gradient). All [B, T] -> [B, T].
+
+    Log-ratios are clamped to [-20, 20] per token, and a sequence's sum or mean again before the exp."""
+    lr = (old_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if level == "token":
+        return lr.exp()
+    m = mask.to(lr.dtype)
+    s = (lr * m).sum(dim=-1, keepdim=True)
+    if level == "geometric":
+        s = s / m.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    elif level != "sequence":
+        raise ValueError(f"rollout correction level {level!r} must be one of {', '.join(LEVELS)}")
+    return s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().expand_as(lr)
+
+
+def correction_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                      c: Correction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, rho, hit), each [B, T]: the per-token loss weight of correction `c` (no gradient), the ratio
+    it was computed from, and where the bound acted (rho outside [low, high]: truncated or masked)."""
+    rho = correction_ratio(old_logp, engine_logp, mask, c.level)
+    hit = (rho < c.low) | (rho > c.high)
+    if c.mode == "truncate":
+        weight = rho.clamp(min=c.low, max=c.high)
+    elif c.mode == "mask":
+        weight = torch.where(hit, torch.zeros_like(rho), rho)
+    else:
+        raise ValueError(f"rollout correction mode {c.mode!r} must be 'truncate' or 'mask'")
+    return weight, rho, hit
