@@ -619,6 +619,10 @@ class CheckpointConfig:
     export_hf: bool = False
     """Also write the actor as an HF directory (`hf/`, loadable by transformers/SGLang) into every checkpoint.
     Any checkpoint can be exported later: tools/convert_mcore_to_hf.py --ckpt DIR/step_XXXXXXXX."""
+    lock_stale_s: float = 300.0
+    """The run holding `dir` heartbeats its lock from a thread every lock_stale_s / 10; a lock on another host
+    without a heartbeat for this long is taken over (a holder on this host or in this Slurm job is checked
+    by PID). Raise it on file systems whose modification times lag by minutes."""
 
     def __post_init__(self):
         if self.resume not in ("auto", "never") and not self.resume.rstrip("/").split("/")[-1].startswith("step_"):
@@ -630,6 +634,9 @@ class CheckpointConfig:
             self.dir = str(Path(self.resume).parent)  # continue writing next to the checkpoint resumed from
         if (self.interval or self.export_hf) and not self.dir:
             raise ValueError("checkpoint.interval / checkpoint.export_hf need checkpoint.dir=PATH")
+        if self.lock_stale_s <= 0:
+            raise ValueError(f"checkpoint.lock_stale_s={self.lock_stale_s} must be > 0 (seconds without a "
+                             "heartbeat before another run may take the lock over)")
 
 
 @dataclass(kw_only=True)

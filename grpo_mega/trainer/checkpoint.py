@@ -313,7 +313,7 @@ def open_for_run(ckpt, actor, reference, resolved_config: Optional[dict] = None)
     error = None
     if dist.get_rank() == 0:  # one run per checkpoint directory; decided on rank 0, for all
         try:
-            store.acquire()
+            store.acquire(stale_after_s=ckpt.lock_stale_s)
             atexit.register(store.release)  # also when the run fails; a SIGKILLed holder is seen as dead
         except CheckpointError as e:
             error = str(e)
