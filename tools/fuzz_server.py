@@ -1,7 +1,7 @@
 """A bounded fuzz campaign against the rollout stand-in server (grpo_mega/rollout/standin_server.py): a fixed
 count of malformed requests (bad and lying Content-Lengths, truncated and non-JSON bodies, wrong types, token ids
 out of range, huge batches and max_new_tokens, weight buckets with unknown names, huge shapes and wrong dtypes,
-requests without the API key), then checks the server still answers /health and holds the same weights and
+requests without the API key, JSON nested too deep, bodies that stall), then checks the server still answers /health and holds the same weights and
 weight version. Writes the counts to bench_results/server_fuzz.json.
 
     python tools/fuzz_server.py [--count 400] [--out bench_results/server_fuzz.json]
@@ -28,12 +28,20 @@ MUTATING = ["/generate", "/init_weights_update_group", "/update_weights_from_dis
             "/flush_cache", "/begin_weight_update", "/end_weight_update", "/grpo_mega/weight_checksums"]
 
 
-def _raw(url: str, request: bytes, timeout: float = 10.0) -> int:
-    """Send raw bytes, half-close, return the HTTP status (0: no answer, the connection closed or timed out)."""
+STALL_EVERY = 50
+"""One request in this many stalls: part of its body, then nothing (the server's socket timeout must end it)."""
+SOCKET_TIMEOUT_S = 2.0
+"""The server's --socket-timeout-s in the campaign (a stalled request costs this long)."""
+
+
+def _raw(url: str, request: bytes, timeout: float = 10.0, stall: bool = False) -> int:
+    """Send raw bytes, half-close (or, `stall`ing, keep the connection open and send nothing more), return the
+    HTTP status (0: no answer, the connection closed or timed out)."""
     u = urlparse(url)
     with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
         s.sendall(request)
-        s.shutdown(socket.SHUT_WR)
+        if not stall:
+            s.shutdown(socket.SHUT_WR)
         try:
             head = s.recv(64)
         except OSError:
@@ -44,11 +52,11 @@ def _raw(url: str, request: bytes, timeout: float = 10.0) -> int:
         return 0
 
 
-def _post(url: str, path: str, body: bytes, key: str, length=None) -> int:
+def _post(url: str, path: str, body: bytes, key: str, length=None, stall: bool = False) -> int:
     length = len(body) if length is None else length
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
     return _raw(url, (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
-                      f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode() + body)
+                      f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode() + body, stall=stall)
 
 
 def cases(rng: random.Random, vocab: int, names: list[str], key: str):
@@ -62,6 +70,7 @@ def cases(rng: random.Random, vocab: int, names: list[str], key: str):
         "length_huge": lambda u: _post(u, "/generate", b"{}", key, length=1 << 40),
         "body_truncated": lambda u: _post(u, "/generate", j({"input_ids": [[1, 2, 3]]})[:7], key, length=40),
         "body_not_json": lambda u: _post(u, rng.choice(MUTATING), bytes(rng.randrange(256) for _ in range(64)), key),
+        "json_nested_too_deep": lambda u: _post(u, rng.choice(MUTATING), b"[" * 100_000 + b"]" * 100_000, key),
         "body_not_an_object": lambda u: _post(u, "/generate", j([1, 2, 3]), key),
         "ids_out_of_range": lambda u: _post(u, "/generate", j({"input_ids": [[vocab + rng.randrange(10 ** 6)]]}), key),
         "ids_negative": lambda u: _post(u, "/generate", j({"input_ids": [[-1, 2]]}), key),
@@ -106,8 +115,11 @@ def campaign(url: str, key: str, count: int, seed: int = 0, vocab: int = 64) -> 
     counts: dict[str, dict] = {}
     accepted = []
     t0 = time.monotonic()
-    for _ in range(count):
+    for i in range(count):
         kind, send = cases(rng, vocab, names, key)
+        if i % STALL_EVERY == STALL_EVERY - 1:  # 10 of 100 promised bytes, then silence: a 408 after the timeout
+            kind, send = "body_stalled", lambda u: _post(u, "/update_weight_version", b'{"new_vers', key, length=100,
+                                                          stall=True)
         status = send(url)
         c = counts.setdefault(kind, {"sent": 0, "statuses": {}})
         c["sent"] += 1
@@ -136,7 +148,8 @@ def main(argv=None) -> int:
 
     key = secrets.token_hex(16)
     env = {**os.environ, "GRPO_MEGA_SERVER_API_KEY": key, "PYTHONPATH": str(REPO)}
-    proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", "64"], env=env, cwd=str(REPO))
+    proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", "64",
+                                       "--socket-timeout-s", str(SOCKET_TIMEOUT_S)], env=env, cwd=str(REPO))
     try:
         result = campaign(url, key, args.count, args.seed, vocab=64)
     finally:

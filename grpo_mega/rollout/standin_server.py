@@ -59,9 +59,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 class EngineServer:
     """What the HTTP handlers call; one request at a time (the lock)."""
 
-    def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0, api_key: str = ""):
+    def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0, api_key: str = "",
+                 api_key_env: str = "GRPO_MEGA_SERVER_API_KEY", socket_timeout_s: float = SOCKET_TIMEOUT_S):
         self.engine, self.model_path, self.timeout_s = engine, model_path, timeout_s
-        self.api_key = api_key
+        self.api_key, self.api_key_env, self.socket_timeout_s = api_key, api_key_env, socket_timeout_s
         self.lock = threading.Lock()
         self.groups: dict[str, dist.ProcessGroup] = {}
 
@@ -179,7 +180,7 @@ def make_handler(server: EngineServer):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        timeout = SOCKET_TIMEOUT_S  # a client that stops mid-request frees its thread
+        timeout = server.socket_timeout_s  # a client that stops mid-request frees its thread
 
         def _reply(self, code: int, body) -> None:
             data = json.dumps(body).encode()
@@ -204,7 +205,8 @@ def make_handler(server: EngineServer):
                     self.headers.get("Authorization")):
                 return False
             self.close_connection = True  # its body, if any, is never read
-            self._reply(401, {"error": {"message": "missing or wrong API key (Authorization: Bearer ...)"}})
+            self._reply(401, {"error": {"message": "missing or wrong API key: send Authorization: Bearer KEY, with the "
+                                                   f"key the server was started with (${server.api_key_env})"}})
             return True
 
         def do_GET(self):
@@ -233,7 +235,7 @@ def make_handler(server: EngineServer):
                     self.close_connection = True
                     return self._reply(400, {"error": {"message": f"the body ended after {len(body)} of {length} bytes"}})
                 req = json.loads(body or b"{}")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
                 return self._reply(400, {"error": {"message": f"the body of POST {self.path} is not JSON: {e}"}})
             except OSError as e:  # the socket timed out mid-body
                 self.close_connection = True
@@ -283,6 +285,8 @@ def main(argv=None) -> int:
                     "make_tokenizer; print(len(make_tokenizer()))')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="for joining and using the update group")
+    ap.add_argument("--socket-timeout-s", type=float, default=SOCKET_TIMEOUT_S,
+                    help="each socket read or write; a client that stalls longer mid-request loses its connection")
     ap.add_argument("--api-key-env", default="GRPO_MEGA_SERVER_API_KEY",
                     help="the environment variable holding the API key requests must carry (unset or empty: none); "
                          "a key is never taken on the command line, which every user of the node can read")
@@ -297,7 +301,8 @@ def main(argv=None) -> int:
         if args.vocab_size:
             cfg.vocab_size = args.vocab_size
         engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
-    server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=os.environ.get(args.api_key_env, ""))
+    server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=os.environ.get(args.api_key_env, ""),
+                          api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s)
     httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
     httpd.serve_forever()

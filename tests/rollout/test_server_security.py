@@ -26,8 +26,10 @@ sys.path.insert(0, str(REPO / "tools"))
 @pytest.fixture(scope="module")
 def server():
     env = {**os.environ, "GRPO_MEGA_SERVER_API_KEY": KEY}
-    proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", "64"], env=env, cwd=str(REPO),
-                                      timeout_s=120)
+    import fuzz_server
+
+    proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", "64", "--socket-timeout-s",
+                                       str(fuzz_server.SOCKET_TIMEOUT_S)], env=env, cwd=str(REPO), timeout_s=120)
     yield url
     stop(proc)
 
@@ -52,6 +54,7 @@ def test_without_the_key_every_route_but_health_is_refused_and_nothing_changes(s
         for key in (None, "not-the-key"):
             status, _ = _call(server, path, {"new_version": 999, "input_ids": [[1, 2]]}, key=key)
             assert status == 401, (path, key, status)
+    assert "GRPO_MEGA_SERVER_API_KEY" in _call(server, "/generate", {})[1]  # the 401 says which key it wants
     assert _call(server, "/model_info")[0] == 401
     assert fuzz_server.state(server, KEY) == before  # weights and weight version untouched
 
@@ -75,8 +78,10 @@ def test_a_fuzz_campaign_leaves_the_server_healthy_and_unchanged(server):
     assert result["accepted"] == [], result["accepted"]
     assert result["healthy_after"] and result["weights_unchanged"] and result["version_unchanged"]
     statuses = {s for c in result["by_kind"].values() for s in c["statuses"]}
-    assert statuses <= {"400", "401", "413"}, statuses  # every one refused with a reason, none dropped unanswered
+    assert statuses <= {"400", "401", "408", "413"}, statuses  # every one refused with a reason, none dropped unanswered
     assert sum(c["sent"] for c in result["by_kind"].values()) == 150 and len(result["by_kind"]) >= 15
+    assert result["by_kind"]["body_stalled"] == {"sent": 3, "statuses": {"408": 3}}  # the socket timeout ended them
+    assert set(result["by_kind"]["json_nested_too_deep"]["statuses"]) <= {"400", "401"}  # not a dropped connection
 
 
 def test_the_client_names_a_routable_address_for_the_update_group():
