@@ -496,6 +496,9 @@ class MultiTurnConfig:
     """A tool call still running after this is killed (its worker, by PID) and answers with an error."""
     tool_workers: int = 2
     """Worker processes per rollout engine running tool calls."""
+    tool_max_memory_mb: Optional[int] = None
+    """Cap on each tool worker's memory beyond its size at start (RLIMIT_AS; null or 0: none): a call over it
+    answers with an error, the run goes on, and the node's OOM killer never has to pick a process."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -504,6 +507,9 @@ class MultiTurnConfig:
             raise ValueError(f"rollout.multi_turn.tool_timeout_s={self.tool_timeout_s} must be > 0")
         if self.tool_workers < 1:
             raise ValueError(f"rollout.multi_turn.tool_workers={self.tool_workers} must be >= 1")
+        if self.tool_max_memory_mb is not None and self.tool_max_memory_mb < 0:
+            raise ValueError(f"rollout.multi_turn.tool_max_memory_mb={self.tool_max_memory_mb} must be >= 0 "
+                             "(0 or null: no limit)")
         if self.enable and not self.tools:
             raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tools=[calculator,...]")
 

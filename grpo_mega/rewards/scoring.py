@@ -15,7 +15,6 @@ themselves behave is rewards/__init__.py's; the learned reward model is rewards/
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -24,8 +23,8 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
-from grpo_mega.processes import kill_tree
 from grpo_mega.rewards import RewardError, RewardStats, build_reward, check_reward_value, report_failure
+from grpo_mega.workers import Worker, close_all, die_with_parent, limit_memory, send_or_replace
 
 if TYPE_CHECKING:  # pool workers import this module: torch stays out of them
     import torch
@@ -39,59 +38,14 @@ def default_num_workers() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def _forget_inherited_forkserver() -> None:
-    """In a forked child: the parent's forkserver is not this process's child (waitpid on it fails), so start
-    a server of our own on first use. Python keeps the server in a module-level singleton that fork copies."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    if server is None or getattr(server, "_forkserver_pid", None) is None:
-        return
-    try:
-        os.close(server._forkserver_alive_fd)  # our copy: the parent's server ends when the parent closes its own
-    except (OSError, TypeError):
-        pass
-    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-
-
-os.register_at_fork(after_in_child=_forget_inherited_forkserver)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the process that started it exits (a rank killed mid-step must not
-    leave a worker spinning in C code). Best effort: a no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _limit_memory(max_memory_mb: Optional[int]) -> None:
-    """Cap this process's address space (RLIMIT_AS) at its size now plus `max_memory_mb` MiB (0 or None: no
-    cap). Relative to the start, so a worker forked from a large rank ('fork') gets the same room as one from
-    the forkserver; an allocation over it raises MemoryError (or kills this worker, in C code that aborts)."""
-    if not max_memory_mb:
-        return
-    import resource
-
-    try:
-        with open("/proc/self/statm") as f:
-            start = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        start = 0
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = start + max_memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-
-
 def _worker(conn, name: str, kwargs: dict, max_memory_mb: Optional[int] = None) -> None:
     """A pool worker: build the reward once, then score (index, response, ground truth, sample) requests
     until the parent closes the pipe. Failures go back as text; the parent reports them with the sample."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends us
     over = f" (over reward.max_memory_mb={max_memory_mb})" if max_memory_mb else ""
     try:
-        _limit_memory(max_memory_mb)
+        limit_memory(max_memory_mb)
         fn = build_reward(name, **kwargs)
     except BaseException as e:  # noqa: BLE001 - a reward that cannot be built is reported by the parent
         conn.send(("fatal", -1, f"{type(e).__name__}{over if isinstance(e, MemoryError) else ''}: {e}"))
@@ -112,26 +66,6 @@ def _worker(conn, name: str, kwargs: dict, max_memory_mb: Optional[int] = None) 
             conn.send(reply)
         except (BrokenPipeError, OSError):  # the pool closed while this sample ran (an error elsewhere): done
             return
-
-
-class _Worker:
-    def __init__(self, ctx, name: str, kwargs: dict, max_memory_mb: Optional[int]):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker, args=(child, name, kwargs, max_memory_mb), daemon=True,
-                                name="grpo-mega-reward")
-        self.proc.start()
-        child.close()
-        self.busy: Optional[int] = None  # the sample index in flight
-        self.deadline = 0.0
-        self.ready = False
-
-    def kill(self) -> None:
-        """SIGKILL this worker and every process under it (what its reward function started), each by its PID
-        (never by name), and reap it."""
-        if self.proc.is_alive():
-            kill_tree(self.proc.pid)
-        self.proc.join(10)
-        self.conn.close()
 
 
 class RewardPool:
@@ -157,16 +91,17 @@ class RewardPool:
             raise ValueError(f"reward.max_memory_mb={max_memory_mb} must be >= 0 (0 or null: no limit)")
         self.name, self.kwargs, self.what, self.max_memory_mb = name, dict(kwargs or {}), what, max_memory_mb
         self.num_workers, self.timeout_s, self.start_method = num_workers, timeout_s, start_method
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self.started_pids: list[int] = []  # every worker ever started (tests check that all are gone)
         self.fn_name = name  # the function's own name once a worker has built it (for messages)
 
-    def _spawn(self) -> _Worker:
-        w = _Worker(mp.get_context(self.start_method), self.name, self.kwargs, self.max_memory_mb)
+    def _spawn(self) -> Worker:
+        w = Worker(mp.get_context(self.start_method), _worker, (self.name, self.kwargs, self.max_memory_mb),
+                   "grpo-mega-reward")
         self.started_pids.append(w.proc.pid)
         return w
 
-    def _await_ready(self, w: _Worker) -> None:
+    def _await_ready(self, w: Worker) -> None:
         if not w.conn.poll(max(60.0, self.timeout_s)):
             w.kill()
             raise RewardError(f"reward worker for {self.name!r} (pid {w.proc.pid}) did not start within "
@@ -258,43 +193,20 @@ class RewardPool:
             raise
         return [float(v) for v in out]
 
-    def _replace(self) -> _Worker:
+    def _replace(self) -> Worker:
         w = self._spawn()
         self._await_ready(w)
         return w
 
-    def _send(self, idx: int, request: tuple) -> _Worker:
-        """Give worker `idx` a request; one that died while idle (killed from outside, a crash between samples)
-        is replaced first, without failing anything: the request had not reached it."""
-        for attempt in range(2):
-            w = self._workers[idx]
-            if w.proc.is_alive():
-                try:
-                    w.conn.send(request)
-                    return w
-                except OSError:  # BrokenPipeError, ConnectionResetError: it died since the check
-                    pass
-            if attempt:
-                break
-            w.kill()
-            log.warning("reward worker for %r (pid %s) exited while idle (code %s); starting a new one",
-                        self.name, w.proc.pid, w.proc.exitcode)
-            self._workers[idx] = self._replace()
-        raise RewardError(f"reward worker for {self.name!r} (pid {self._workers[idx].proc.pid}) exited right after "
-                          f"it started (code {self._workers[idx].proc.exitcode})")
+    def _send(self, idx: int, request: tuple) -> Worker:
+        """Give worker `idx` a request; one that died while idle is replaced first, failing nothing."""
+        return send_or_replace(self._workers, idx, request, self._replace, f"reward worker for {self.name!r}",
+                               RewardError)
 
     def close(self) -> None:
         """End every worker (closing its pipe ends an idle one; a busy or stuck one is killed by PID)."""
         workers, self._workers = self._workers, []
-        for w in workers:
-            if w.busy is not None:  # mid-sample (the pool is closing on an error): no result is wanted
-                w.kill()
-            w.conn.close()
-        for w in workers:
-            w.proc.join(2)
-            if w.proc.is_alive():
-                kill_tree(w.proc.pid)
-                w.proc.join(10)
+        close_all(workers)
 
     def __enter__(self) -> "RewardPool":
         return self

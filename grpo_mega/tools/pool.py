@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from grpo_mega.tools.parsers import ToolCall
+from grpo_mega.workers import Worker, close_all, die_with_parent, limit_memory, send_or_replace
 
 
 @dataclass
@@ -24,13 +25,14 @@ class ToolResult:
     seconds: float = 0.0
 
 
-def _worker(conn, names: list[str]) -> None:
-    from grpo_mega.rewards.scoring import _die_with_parent
+def _worker(conn, names: list[str], max_memory_mb: Optional[int] = None) -> None:
     from grpo_mega.tools import ToolError, build_tools
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    over = f" (over rollout.multi_turn.tool_max_memory_mb={max_memory_mb})" if max_memory_mb else ""
     try:
+        limit_memory(max_memory_mb)
         tools = build_tools(names)
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
@@ -46,6 +48,8 @@ def _worker(conn, names: list[str]) -> None:
             reply = ("ok", out if isinstance(out, str) else str(out))
         except ToolError as e:
             reply = ("error", f"Error: {e}")
+        except MemoryError as e:  # over the cap: this call fails, the worker (its memory freed) goes on
+            reply = ("error", f"Error: {name} ran out of memory{over}: {e}")
         except Exception as e:  # noqa: BLE001 - user code: its message is the tool's turn
             reply = ("error", f"Error: {name} raised {type(e).__name__}: {e}")
         try:
@@ -54,31 +58,12 @@ def _worker(conn, names: list[str]) -> None:
             return
 
 
-class _Worker:
-    def __init__(self, ctx, names):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker, args=(child, list(names)), daemon=True, name="grpo-mega-tool")
-        self.proc.start()
-        child.close()
-        self.busy: Optional[int] = None
-        self.deadline = self.started = 0.0
-
-    def kill(self) -> None:
-        """SIGKILL the worker and every process it started, by PID (grpo_mega.processes.kill_tree)."""
-        from grpo_mega.processes import kill_tree
-
-        if self.proc.is_alive():
-            kill_tree(self.proc.pid)
-        self.proc.join(10)
-        self.conn.close()
-
-
 class ToolPool:
     """`num_workers` processes holding the tools `names` (rollout.multi_turn.tools). `run(calls)` answers a
     batch of calls in order. Workers start on first use; `close()` ends them."""
 
     def __init__(self, names: Sequence[str], *, num_workers: int = 1, timeout_s: float = 10.0,
-                 start_method: str = "forkserver"):
+                 start_method: str = "forkserver", max_memory_mb: Optional[int] = None):
         from grpo_mega.tools import build_tools
 
         if num_workers < 1:
@@ -88,15 +73,16 @@ class ToolPool:
         self.names = list(names)
         self.tools = build_tools(self.names)  # here too: a bad name fails at start-up, and the schemas are known
         self.num_workers, self.timeout_s, self.start_method = num_workers, timeout_s, start_method
-        self._workers: list[_Worker] = []
+        self.max_memory_mb = max_memory_mb
+        self._workers: list[Worker] = []
         self.started_pids: list[int] = []
 
     def schemas(self) -> list[dict]:
         """The tools' schemas, for the chat template's `tools=`."""
         return [t.schema() for t in self.tools.values()]
 
-    def _spawn(self) -> _Worker:
-        w = _Worker(mp.get_context(self.start_method), self.names)
+    def _spawn(self) -> Worker:
+        w = Worker(mp.get_context(self.start_method), _worker, (self.names, self.max_memory_mb), "grpo-mega-tool")
         self.started_pids.append(w.proc.pid)
         if not w.conn.poll(60.0):
             w.kill()
@@ -125,10 +111,11 @@ class ToolPool:
         todo.reverse()
         try:
             while todo or any(w.busy is not None for w in self._workers):
-                for w in self._workers:
+                for i, w in enumerate(self._workers):
                     if w.busy is None and todo:
                         k = todo.pop()
-                        w.conn.send((calls[k].name, calls[k].arguments))
+                        w = send_or_replace(self._workers, i, (calls[k].name, calls[k].arguments), self._spawn,
+                                            "tool worker")
                         w.busy, w.started = k, time.monotonic()
                         w.deadline = w.started + self.timeout_s
                 busy = [w for w in self._workers if w.busy is not None]
@@ -161,11 +148,4 @@ class ToolPool:
 
     def close(self) -> None:
         workers, self._workers = self._workers, []
-        for w in workers:
-            if w.busy is not None:
-                w.kill()
-                continue
-            w.conn.close()
-            w.proc.join(2)
-            if w.proc.is_alive():
-                w.kill()
+        close_all(workers)

@@ -69,7 +69,8 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
         from grpo_mega.rollout.multi_turn import MultiTurnEngine
         from grpo_mega.tools.pool import ToolPool
 
-        pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s)
+        pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
+                        max_memory_mb=mt.tool_max_memory_mb)
         return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids)
 
     return build

@@ -34,6 +34,14 @@ class Raiser(Tool):
         raise RuntimeError("boom")
 
 
+class Hungry(Tool):
+    name = "hungry"
+    description = "allocates `mb` MiB and answers with its size"
+
+    def call(self, args):
+        return str(len(bytearray(int(args["mb"]) << 20)) >> 20)
+
+
 def test_calculator_arithmetic_without_eval():
     assert evaluate_arithmetic("12*(3+4)") == 84
     assert evaluate_arithmetic("7/2") == 3.5
@@ -99,3 +107,32 @@ def test_pool_errors_timeouts_and_kill(tmp_path):
     time.sleep(0.2)
     for pid in pool.started_pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+def test_an_idle_tool_worker_killed_from_outside_is_replaced():
+    import signal
+
+    pool = ToolPool(["calculator"], num_workers=1, timeout_s=10.0, start_method="fork")
+    try:
+        assert pool.run([ToolCall("calculator", {"expression": "1+1"})])[0].content == "2"
+        victim = pool.started_pids[0]
+        os.kill(victim, signal.SIGKILL)  # by its PID, while it waits for a call
+        time.sleep(0.2)
+        res = pool.run([ToolCall("calculator", {"expression": "6*7"}), ToolCall("calculator", {"expression": "2+3"})])
+        assert [(r.content, r.error) for r in res] == [("42", False), ("5", False)]  # nothing failed
+        assert len(pool.started_pids) == 2 and victim not in [w.proc.pid for w in pool._workers]
+    finally:
+        pool.close()
+
+
+def test_a_tool_call_over_the_memory_limit_fails_alone():
+    pool = ToolPool(["tests.tools.test_tools:Hungry"], num_workers=1, timeout_s=20.0, start_method="fork",
+                    max_memory_mb=256)
+    try:
+        res = pool.run([ToolCall("hungry", {"mb": 8}), ToolCall("hungry", {"mb": 4096}), ToolCall("hungry", {"mb": 16})])
+        assert [r.content for r in (res[0], res[2])] == ["8", "16"] and not res[0].error and not res[2].error
+        assert res[1].error and not res[1].timeout
+        assert "hungry ran out of memory (over rollout.multi_turn.tool_max_memory_mb=256)" in res[1].content
+        assert len(pool.started_pids) == 1  # the same worker answered after the failed allocation
+    finally:
+        pool.close()
