@@ -143,6 +143,8 @@ CONFIG_CASES = {
     "option_bad_lr": (["optim.lr=-1"], r"optim\.lr=-1\.0 and optim\.min_lr=0\.0 must satisfy 0 <= min_lr <= lr"),
     "checkpoint_keep_last_zero": (["checkpoint.dir=CKPT", "checkpoint.keep_last=0"], r"checkpoint\.keep_last=0 must be >= 1"),
     "checkpoint_interval_without_dir": (["checkpoint.interval=5"], r"checkpoint\.interval / checkpoint\.export_hf need checkpoint\.dir=PATH"),
+    "audit_qwen3_on_sglang": (["model=tiny-qwen3", "rollout.engine=sglang", "rollout.audit_weights=true"],
+                              r"rollout\.audit_weights=true reads every tensor back .* not model\.family='qwen3'"),
     "tool_memory_negative": (["rollout.multi_turn.tool_max_memory_mb=-1"],
                              r"rollout\.multi_turn\.tool_max_memory_mb=-1 must be >= 0"),
     "checkpoint_lock_stale_zero": (["checkpoint.lock_stale_s=0"], r"checkpoint\.lock_stale_s=0\.0 must be > 0"),

@@ -645,6 +645,11 @@ class CheckpointConfig:
                              "heartbeat before another run may take the lock over)")
 
 
+SGLANG_READS_BACK = ("llama",)
+"""Model families whose SGLang model class has get_weights_by_name (SGLang 0.5.23: Llama's; not Qwen2's or
+Qwen3's), which rollout.audit_weights needs."""
+
+
 @dataclass(kw_only=True)
 class EvalConfig:
     """Validation: greedy reward and pass@k on the validation prompts."""
@@ -841,6 +846,12 @@ class TrainConfig:
         if world_size % self.rollout.num_engines:
             raise ValueError(f"rollout.num_engines={self.rollout.num_engines} must divide the number of ranks "
                              f"({world_size}): the engines sit on evenly spaced ranks (one per node)")
+        if (self.rollout.audit_weights and self.rollout.engine == "sglang" and self.rollout.placement == "colocated"
+                and model.family not in SGLANG_READS_BACK):
+            raise ValueError(f"rollout.audit_weights=true reads every tensor back with SGLang's get_weights_by_name, "
+                             f"which SGLang implements for {', '.join(SGLANG_READS_BACK)} models, not "
+                             f"model.family={model.family!r}: set rollout.audit_weights=false (the engine/trainer "
+                             "logprob mismatch metric still checks the weights) or use rollout.engine=embedded")
         return dp
 
     @classmethod

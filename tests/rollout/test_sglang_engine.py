@@ -40,7 +40,7 @@ def _mismatch(actor, gen, prompts, temperature):
     return algo.logprob_mismatch(engine_lp, trainer, rb.response_mask())
 
 
-def _sync_sglang(hf_dir, tp, pp):
+def _sync_sglang(hf_dir, tp, pp, audit=True):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.rollout.interface import Bucket, TensorMeta
     from grpo_mega.rollout.sglang_engine import SGLangEngine
@@ -63,7 +63,7 @@ def _sync_sglang(hf_dir, tp, pp):
         engine = SGLangEngine(hf_dir, dtype="float32", timeout_s=120) if dist.get_rank() == 0 else None
         try:
             t0 = time.perf_counter()
-            stats = sync_weights(actor.built.gpt, cfg, engine, version=1, bucket_mb=0.05, audit=True)
+            stats = sync_weights(actor.built.gpt, cfg, engine, version=1, bucket_mb=0.05, audit=audit)
             prompts = [[5, 17, 33, 2, 9], [100, 7], [250, 251, 252]]
             for temperature in (0.7, 1.0):
                 gen = [None]
@@ -84,7 +84,7 @@ def _sync_sglang(hf_dir, tp, pp):
             dist.broadcast_object_list(gen, src=0)
             out["stale_mismatch"] = _mismatch(actor, gen[0], prompts, 1.0)
             # corrupted: a bucket whose tensor differs from what the trainer holds is caught by the audit
-            if engine is not None:
+            if engine is not None and audit:
                 name = "model.layers.1.mlp.down_proj.weight"
                 bad = torch.zeros(stats.shapes[name])
                 flat = bad.view(-1).view(torch.uint8).clone()
@@ -101,19 +101,24 @@ def _sync_sglang(hf_dir, tp, pp):
     return out
 
 
-def test_sglang_holds_the_trainers_weights_after_a_tp2pp2_step(tmp_path):
-    hf_dir = str(tiny_hf(tmp_path / "llama", "llama", dtype=torch.float32))
-    res = run_ranks(_sync_sglang, 4, hf_dir, 2, 2, timeout=600)
+@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 2), ("qwen3", 2, 1)])
+def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp):
+    """Llama at TP2xPP2, audited tensor by tensor; Qwen3 (q/k norms, head_dim 32 != hidden / heads) at TP2,
+    where SGLang 0.5.23 cannot read weights back (its Qwen3ForCausalLM has no get_weights_by_name, as
+    rollout.audit_weights's refusal says): the logprobs to 1e-5 are the check."""
+    audit = family == "llama"
+    hf_dir = str(tiny_hf(tmp_path / family, family, dtype=torch.float32))
+    res = run_ranks(_sync_sglang, tp * pp, hf_dir, tp, pp, audit, timeout=600)
     r0 = res[0]
     print(f"sync {r0['stats'].bytes} bytes in {r0['stats'].buckets} buckets, {r0['stats'].seconds:.2f} s")
-    assert r0["stats"].audited and r0["stats"].buckets > 3
+    assert r0["stats"].audited == audit and r0["stats"].buckets > 3
     for temperature in (0.7, 1.0):
         for r in res:
             mismatch, version = r[temperature]
             print(f"T={temperature}: SGLang vs trainer logprob mismatch {mismatch:.2e}")
             assert mismatch <= LOGP_TOL and version == 1
     assert res[0]["stale_mismatch"] > 100 * LOGP_TOL
-    assert "model.layers.1.mlp.down_proj.weight" in r0["corrupt"]
+    assert not audit or "model.layers.1.mlp.down_proj.weight" in r0["corrupt"]
     assert r0["children_after_shutdown"] == []
 
 
