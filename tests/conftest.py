@@ -51,8 +51,8 @@ QUICK = [
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests under QUICK are marked `quick`. Tests marked `gpu` are collected everywhere and skipped, with
-    the reason "no CUDA", only where torch sees no GPU."""
+    """Tests under QUICK are marked `quick`. Tests marked `gpu` need CUDA: `make test` deselects them where
+    there is none (so CI skips nothing); a direct pytest run that selects them there skips them ("no CUDA")."""
     import pytest
     import torch
 

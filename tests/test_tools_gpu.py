@@ -19,16 +19,18 @@ def test_gpu_check_dry_run_prints_each_step():
     assert proc.returncode == 0, proc.stderr
     steps = [line.strip() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\. ", line)]
     names = [re.match(r"\d+\. (.+?) \(at most (\d+) s\)", s).group(1) for s in steps]
-    assert names == ["install wheels", "cuda", "gpu tests", "demo on cuda", "bench_step --gpu"]
+    assert names == ["install wheels", "cuda", "gpu tests", "demo on cuda", "qwen3 on cuda", "bench_step --gpu"]
     limits = [int(re.search(r"at most (\d+) s", s).group(1)) for s in steps]
     assert sum(limits) <= 590  # one device call runs at most 600 s
     plan = proc.stdout
     assert "pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl" in plan
     assert f"PYTHONPATH={REPO}:/tmp/site" in plan
     assert "pytest -q -rs -p no:cacheprovider -m gpu tests" in plan
-    assert "-m grpo_mega.train run.steps=20" in plan and "hydra.run.dir=/tmp/gpu_check_plan/demo" in plan
-    assert "tools/bench_step.py --gpu --models qwen2.5-0.5b,qwen2.5-1.5b" in plan
-    for model in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+    assert "-m grpo_mega.train run.steps=20" in plan and "cp /tmp/gpu_check_runs/demo/summary.json " \
+        "/tmp/gpu_check_plan/demo_summary.json" in plan
+    assert "model=tiny-qwen3 run.steps=5" in plan
+    assert "tools/bench_step.py --gpu --models qwen2.5-0.5b" in plan
+    for model in ("qwen2.5-0.5b", "tiny-qwen3"):
         assert os.path.isfile(os.path.join(REPO, "model_configs", f"{model}.yaml"))
     bad = subprocess.run([os.path.join(REPO, "tools", "gpu_check.sh"), "--nonsense"], capture_output=True, text=True,
                          timeout=60)

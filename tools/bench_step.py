@@ -388,6 +388,16 @@ def main() -> int:
                       f"{r['engine_tokens_per_s']:.0f} tok/s, sync {r['weight_sync_gb_per_s']:.2f} GB/s "
                       f"({r['weight_sync_over_copy']:.3f} of a device copy)", flush=True)
             rows.append(r)
+            if args.gpu or args.gpu_path_on_cpu:
+                # The next model starts from an empty device: the last one's actor, reference and engine
+                # hold reference cycles (hooks, the grad buffer) that only a collection frees.
+                import gc
+
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                    print(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated",
+                          flush=True)
         destroy_distributed()
     machine = bench_common.machine()
     if args.out:

@@ -247,7 +247,7 @@ def build_reference(model: ModelConfig, parallel: ParallelConfig, precision: Pre
     return Built(module=gpt, gpt=gpt, config=config)
 
 
-def offload(module: torch.nn.Module, device: str) -> None:
+def move_module(module: torch.nn.Module, device: str) -> None:
     """Move a (frozen) module's parameters and buffers to `device` between uses (reference CPU offload)."""
     module.to(device)
 

@@ -22,7 +22,7 @@ import torch
 
 from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
-from grpo_mega.models.builder import build_actor, build_reference, copy_weights, offload
+from grpo_mega.models.builder import build_actor, build_reference, copy_weights, move_module
 from grpo_mega.parallel import comm
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
 from grpo_mega.trainer.batch import RolloutBatch, micro_batches, unpack
@@ -274,18 +274,18 @@ class Reference:
         _check_packing(self.built.gpt, batch)
         self.offload = offload and torch.cuda.is_available()
         if self.offload:
-            offload(self.built.gpt, "cpu")
+            move_module(self.built.gpt, "cpu")
 
     @contextlib.contextmanager
     def on_device(self):
         """The weights on this rank's GPU for the duration (with `offload`; nothing to do otherwise)."""
         if self.offload:
-            offload(self.built.gpt, f"cuda:{torch.cuda.current_device()}")
+            move_module(self.built.gpt, f"cuda:{torch.cuda.current_device()}")
         try:
             yield self.built.gpt
         finally:
             if self.offload:
-                offload(self.built.gpt, "cpu")
+                move_module(self.built.gpt, "cpu")
 
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
         with self.on_device():
