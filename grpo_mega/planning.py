@@ -97,8 +97,12 @@ def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StagePara
 # ---- activations --------------------------------------------------------------------------------------
 
 
+LAYER_SPECS = ("transformer_engine", "local")
+
+
 def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                           recompute: str, flash_attention: bool = True, fp8: bool = False) -> float:
+                           recompute: str, flash_attention: bool = True, fp8: bool = False,
+                           layer_spec: str = "transformer_engine") -> float:
     """Bytes one transformer layer keeps for its backward, per micro-batch, on one TP rank (Korthikanti et al.
     Table 2, per tensor, for this project's block; 16-bit activations, FP8 GEMM inputs under fp8).
 
@@ -120,6 +124,10 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec={layer_spec!r} must be one of {LAYER_SPECS}")
+    if layer_spec == "local" and recompute != "full":
+        return local_layer_activation_bytes(model, seq, micro_batch, tp, sequence_parallel, recompute)
     tokens = seq * micro_batch
     h, f = model.hidden_size, model.ffn_hidden_size
     q, k = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
@@ -135,6 +143,44 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
     if not flash_attention and recompute == "none":
         per_token += 5 * model.num_attention_heads * seq / tp
     return tokens * per_token
+
+
+def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+                                 recompute: str) -> float:
+    """What one layer of megatron-core's local spec (no Transformer Engine: torch RMSNorm, unfused attention,
+    unfused SwiGLU) keeps for its backward, per micro-batch, on one TP rank, with bf16 weights. Read off the
+    tensors autograd saves (tools/bench_activations.py; tests/test_plan.py holds it to the byte for a Qwen2 and a
+    Qwen3 layer). It keeps more than the TE layer above (1.6x for Qwen2.5-0.5B at s=256; on an H100 without TE the
+    update's activations were 2.0x the TE-based plan, bench_results/gpu_nvidia_h100_80gb_hbm3.json).
+
+    Per token (h, q, k, f, a as above; g query groups, d head_dim, s the sequence):
+      kept whole on every TP rank unless sequence-parallel:
+        2 x (4h + 4h + 4)   each RMSNorm keeps its input upcast to fp32, the normalised fp32 tensor and 1/rms
+        2h + 2h             the QKV and fc1 inputs
+      per micro-batch, not per token: 8d x s   RoPE's cos and sin for Q and for K (bf16, [s, 1, 1, d] each)
+      split over TP:
+        8q + 8k + 4(a + g)  with qk_layernorm, the q/k norms as above (fp32 input, output, 1/rms per head)
+        no recompute:  2q + 2q + 2q    Q, and K and V repeated to every head (GQA) for the batched matmuls
+                       4as + 2as       the softmax's fp32 output and its bf16 copy (the probabilities)
+        selective:     2q + 2k + 2(q + 2k)   Q and K after RoPE, V as a view of the whole QKV output (and, per
+                       layer, the 4 bytes of the checkpoint's saved RNG state)
+        2q                  the output projection's input
+        4f + 3 x 2f         fc1's output, SwiGLU's saved halves and product (fc2's input)
+    The [s, s] causal mask is built once per forward and shared by every layer: not counted here."""
+    tokens = seq * micro_batch
+    h, f, a, g, d = (model.hidden_size, model.ffn_hidden_size, model.num_attention_heads, model.num_query_groups,
+                     model.kv_channels)
+    q, k = a * d, g * d
+    sp = tp if sequence_parallel else 1
+    replicated = 2 * (8 * h + 4) + 4 * h
+    split = 2 * q + 4 * f + 6 * f
+    if model.qk_layernorm:
+        split += 8 * q + 8 * k + 4 * (a + g)
+    if recompute == "none":
+        split += 6 * q + 6 * a * seq
+    else:
+        split += 2 * q + 2 * k + 2 * (q + 2 * k)
+    return tokens * (replicated / sp + split / tp) + 8 * d * seq + (4 if recompute == "selective" else 0)
 
 
 def loss_buffer_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
@@ -183,6 +229,9 @@ class PlanInput:
     """Fraction of the GPU kept free: CUDA context, NCCL buffers, allocator fragmentation."""
     flash_attention: bool = True
     """TE's fused attention on the GPU (no [a, s, s] scores kept); false for the local spec's unfused one."""
+    layer_spec: str = "transformer_engine"
+    """The layers the actor is built with: 'transformer_engine' (GPUs with TE) or megatron-core's 'local' spec
+    (no TE: torch norms, unfused attention and SwiGLU), whose activations are `local_layer_activation_bytes`."""
     logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):
@@ -192,6 +241,8 @@ class PlanInput:
             raise ValueError(f"params_dtype={self.params_dtype!r} must be 'bf16' or 'fp32'")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin={self.margin} must be in [0, 1)")
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(f"layer_spec={self.layer_spec!r} must be one of {LAYER_SPECS}")
 
     @property
     def dp(self) -> int:
@@ -250,7 +301,8 @@ class Plan:
             recompute=inp.parallel.recompute, micro_batch_size=inp.micro_batch_size, seq_length=inp.seq_length,
             num_microbatches=inp.num_microbatches, params_dtype=inp.params_dtype, fp8=inp.fp8,
             distributed_optimizer=inp.distributed_optimizer, reference=inp.reference, engine_gib=inp.engine_gib,
-            flash_attention=inp.flash_attention, gpu_gib=inp.gpu_gib, margin=inp.margin, usable_gib=inp.usable_gib,
+            flash_attention=inp.flash_attention, layer_spec=inp.layer_spec, gpu_gib=inp.gpu_gib, margin=inp.margin,
+            usable_gib=inp.usable_gib,
             worst_stage=worst.stage, per_gpu_gib=dict(worst.gib), total_gib=self.total_gib,
             headroom_gib=inp.usable_gib - self.total_gib, fits=self.fits, reason=self.reason,
             stages=[dict(stage=s.stage, layers=s.layers, param_numel=s.param_numel,
@@ -272,7 +324,7 @@ def plan(inp: PlanInput) -> Plan:
     tp, pp = parallel.tp, parallel.pp
     in_flight_max = pp if inp.num_microbatches is None else min(pp, inp.num_microbatches)
     per_layer = layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
-                                       parallel.recompute, inp.flash_attention, inp.fp8)
+                                       parallel.recompute, inp.flash_attention, inp.fp8, inp.layer_spec)
     stages = []
     for sp_ in stage_params(model, parallel):
         n = sp_.total
@@ -289,7 +341,8 @@ def plan(inp: PlanInput) -> Plan:
             acts += in_flight * 16 * inp.seq_length * inp.micro_batch_size  # token and position ids
         if parallel.recompute == "full":  # one layer's activations rebuilt at a time during the backward
             acts += layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp,
-                                           parallel.sequence_parallel, "selective", inp.flash_attention, inp.fp8)
+                                           parallel.sequence_parallel, "selective", inp.flash_attention, inp.fp8,
+                                           inp.layer_spec)
         last = sp_.stage == pp - 1
         logits = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
                                    inp.logprob_chunk_size) if last else 0.0
@@ -308,7 +361,7 @@ def plan(inp: PlanInput) -> Plan:
             fwd = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
                                     inp.logprob_chunk_size, backward=False) if last else 0.0
             fwd += layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp, False, "selective",
-                                          inp.flash_attention, inp.fp8)  # one layer's temporaries, no grad
+                                          inp.flash_attention, inp.fp8, inp.layer_spec)  # one layer's temporaries
             states = sum(gib[k] for k in ("engine", "parameters", "gradients", "optimizer"))
             ref_forward = states + (ref_weights + fwd) / GIB
         stages.append(StagePlan(stage=sp_.stage, layers=sp_.layers, param_numel=n, in_flight=in_flight, gib=gib,

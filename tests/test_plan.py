@@ -361,3 +361,30 @@ def test_model_state_bytes_match_megatrons_allocations(tp, pp):
                "optimizer": r["adam"] / planning.GIB}
         for key, value in got.items():
             assert value == pytest.approx(gib[key], rel=0.02), (tp, pp, r["stage"], key, value, gib[key])
+
+
+# ---- the local spec's activations, measured ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b"])
+def test_local_spec_activations_equal_what_autograd_saves(name):
+    """The local spec's per-layer formula against the bytes autograd really saves (tools/bench_activations.py:
+    distinct storages, parameters excluded, a 2-layer model less a 1-layer one), bf16, to the byte. Qwen2 has GQA
+    and no q/k norms; Qwen3 has q/k norms and head_dim != hidden/heads."""
+    import dataclasses
+
+    from grpo_mega.parallel.forked import run_ranks
+
+    spec = importlib.util.spec_from_file_location("bench_activations", REPO / "tools" / "bench_activations.py")
+    sys.path.insert(0, str(REPO / "tools"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seq, micro = 128, 2
+    base = dataclasses.replace(load_model_config(name), vocab_size=512, tie_word_embeddings=False)
+    for recompute in ("none", "selective"):
+        got = [run_ranks(bench._saved_bytes, 1, dataclasses.replace(base, num_layers=n), seq, micro, recompute,
+                         timeout=300)[0] for n in (1, 2)]
+        planned = planning.layer_activation_bytes(base, seq, micro, 1, False, recompute, layer_spec="local")
+        assert got[1] - got[0] == planned, (name, recompute, got[1] - got[0], planned)
+    with pytest.raises(ValueError, match="layer_spec='fused' must be one of"):
+        planning.layer_activation_bytes(base, seq, micro, 1, False, "none", layer_spec="fused")

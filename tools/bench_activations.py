@@ -8,8 +8,8 @@ Measured with torch's saved-tensor hooks (what autograd really keeps, the distin
 excluded) through megatron's own GPTModel at TP1, bf16: the layer spec this machine builds (Transformer
 Engine's fused layers on a GPU, megatron-core's local spec elsewhere). Per layer = (model with 2L layers -
 model with L layers) / L, so the embedding and the output layer cancel. Reported for recompute none,
-selective and full, next to the planner's figure for the same spec (flash attention with TE, the unfused
-attention of the local spec otherwise).
+selective and full, next to the planner's figure for the same spec (flash attention with TE; without it the local spec's own
+accounting, planning.local_layer_activation_bytes).
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def main() -> int:
         got = [run_ranks(_saved_bytes, 1, dataclasses.replace(base, num_layers=n), args.seq, args.micro_batch, recompute,
                          timeout=600)[0] for n in (args.layers, 2 * args.layers)]
         measured = (got[1] - got[0]) / args.layers
-        planned = planning.layer_activation_bytes(base, args.seq, args.micro_batch, 1, False, recompute, flash_attention=te)
+        planned = planning.layer_activation_bytes(base, args.seq, args.micro_batch, 1, False, recompute, flash_attention=te,
+                                                  layer_spec="transformer_engine" if te else "local")
         rows.append(dict(recompute=recompute, measured_bytes_per_layer=measured, planned_bytes_per_layer=planned,
                          measured_over_planned=measured / planned))
         print(f"recompute={recompute:9s} measured {measured / 2**20:8.2f} MiB/layer, planned {planned / 2**20:8.2f} "

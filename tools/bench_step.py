@@ -211,6 +211,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
 
     from grpo_mega import planning
     from grpo_mega.conf import ParallelConfig, load_model_config
+    from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.rollout.embedded import EmbeddedEngine
     from grpo_mega.rollout.weight_sync import sync_weights
     from grpo_mega.trainer.actor import Actor, Reference
@@ -298,9 +299,11 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     generated = sum(len(x) for x in gen.token_ids)
     engine.shutdown()
 
+    te = have_transformer_engine()  # the layer spec builder.build_gpt picked
     plan = planning.plan(planning.PlanInput(
         model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
-        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=False,
+        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=te,
+        layer_spec="transformer_engine" if te else "local",
         logprob_chunk_size=c["batch"].logprob_chunk_size,
     ))
     pg = plan.stages[0].gib

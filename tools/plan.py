@@ -69,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-gib", type=float, default=planning.H100_GIB,
                     help="GPU memory (default: H100 80GB, 79.6 GiB)")
     ap.add_argument("--margin", type=float, default=0.10, help="fraction of the GPU kept free (default 0.10)")
-    ap.add_argument("--unfused-attention", action="store_true", help="attention keeps [a, s, s] scores (local spec)")
+    ap.add_argument("--unfused-attention", action="store_true", help="attention keeps [a, s, s] scores")
+    ap.add_argument("--local-spec", action="store_true",
+                    help="megatron-core's local layers (no Transformer Engine): torch norms, unfused attention and SwiGLU")
     ap.add_argument("--logprob-chunk", type=int, help="tokens per chunk of the vocab-parallel loss op")
     ap.add_argument("--suggest", type=int, default=5, help="layouts to suggest when this one does not fit")
     ap.add_argument("--verify", action="store_true", help="compare parameter bytes with the meta-device build")
@@ -224,7 +226,8 @@ def table(p: planning.Plan) -> str:
     lines = [
         f"{inp.model.name} on {inp.world_size} GPUs ({inp.gpus_per_node} per node): {inp.describe()}",
         f"  sequences of {inp.seq_length} tokens (prompt + response), {prec}, {opt}, {ref},",
-        f"  rollout engine {inp.engine_gib:.1f} GiB per GPU, {'flash' if inp.flash_attention else 'unfused'} attention",
+        f"  rollout engine {inp.engine_gib:.1f} GiB per GPU, {'flash' if inp.flash_attention else 'unfused'} attention"
+        f"{', local layer spec' if inp.layer_spec == 'local' else ''}",
         "",
         f"  {'GiB per GPU':<22}" + "".join(f"{'stage ' + str(s):>10}" for s in cols),
         f"  {'layers':<22}" + "".join(f"{p.stages[s].layers:>10}" for s in cols),
@@ -282,7 +285,8 @@ def main() -> int:
             params_dtype="fp32" if args.precision == "fp32" else "bf16", fp8=args.precision == "fp8",
             distributed_optimizer=args.distributed_optimizer, reference=args.ref,
             engine_gib=engine_gib(args.engine_mem, args.gpu_gib), gpu_gib=args.gpu_gib, margin=args.margin,
-            flash_attention=not args.unfused_attention, logprob_chunk_size=args.logprob_chunk,
+            flash_attention=not (args.unfused_attention or args.local_spec),
+            layer_spec="local" if args.local_spec else "transformer_engine", logprob_chunk_size=args.logprob_chunk,
         )
         if args.dp and args.dp != inp.dp:
             raise ValueError(f"--dp={args.dp} but {world} GPUs at tp={args.tp} pp={args.pp} give dp={inp.dp}")
