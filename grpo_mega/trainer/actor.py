@@ -201,6 +201,7 @@ def _forward(model, mb: dict) -> torch.Tensor:
 
 
 def _forward_rows(model, gpt, mb: dict) -> torch.Tensor:
+    """`_forward`'s model call, padded rows or a packed one."""
     from grpo_mega.models.builder import set_rope_positions
 
     if "cu_seqlens" not in mb:
@@ -246,7 +247,8 @@ def _token_stats(logits: torch.Tensor, mb: dict, model_cfg: ModelConfig, batch: 
                  ref_logits: Optional[torch.Tensor] = None):
     """(logprob, entropy, full KL or None) of the micro-batch's response positions, in its padded [n, L']
     layout, from vocab-parallel logits (a packed row's per-token results gathered back through
-    `unpack_index`). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
+    `unpack_index`; with mb["out_positions"], logits [1, K, V/tp] at those positions, placed back through
+    `out_mask`: 0 at every other position, as the loss masks them anyway). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
     the gradient of `logits` into their memory."""
     labels = mb["labels"]
     if "out_positions" in mb:  # logits [1, K, V/tp] at the loss's positions only
