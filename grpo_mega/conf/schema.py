@@ -403,6 +403,9 @@ class BatchConfig:
     """Longest response in tokens (DrGRPO's constant)."""
     logprob_chunk_size: Optional[int] = None
     """Tokens per chunk in the vocab-parallel logprob/entropy/KL op (null: whole micro-batch)."""
+    response_only_logits: bool = True
+    """Only the positions the loss reads (those predicting a response token) go through the output layer and
+    the logprob/entropy/KL op; false: every position, prompts and padding included. Same gradient either way."""
     packing: bool = True
     """Pack each DP rank's sequences back to back into rows of at most max_tokens_per_micro_batch tokens (one
     row per micro-batch; each sequence attends only to itself), balanced over DP ranks by tokens. false: rows

@@ -287,6 +287,43 @@ def set_rope_positions(gpt: torch.nn.Module, positions: "torch.Tensor | None") -
     rope._positions = positions
 
 
+def set_output_positions(gpt: torch.nn.Module, positions: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
+    """The output layer on this rank (the last pipeline stage) computes logits at `positions` only, until
+    reset (None): (sequence index [K], batch index [K]) into the decoder's [s, b, h] hidden states; the model
+    then returns logits [1, K, V/tp] (GPTModel's [s, b] -> [b, s] transpose of [K, 1, V/tp]).
+
+    The positions are picked from the full [s, b, h] hidden states: under sequence parallelism (each rank
+    holding s/tp of them) they are all-gathered first, as ColumnParallelLinear would, and the layer then
+    runs as without sequence parallelism (its input gradient all-reduced over TP, the gather's backward
+    keeping this rank's s/tp share): megatron-core 0.16.1's own last-token-logits path in
+    `GPTModel._postprocess` does the same. Weight gradient and logits at the picked positions are those of
+    the full layer's; no [s, b, V/tp] tensor is made."""
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+    if not hasattr(layer, "_all_positions_forward"):
+        layer._all_positions_forward = layer.forward
+
+        def forward(hidden, *args, **kwargs):
+            picked = layer._positions
+            if picked is None:
+                return layer._all_positions_forward(hidden, *args, **kwargs)
+            seq, row = picked
+            if not layer.sequence_parallel:
+                return layer._all_positions_forward(hidden[seq, row].unsqueeze(1), *args, **kwargs)
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            full = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=layer.tp_group)
+            layer.sequence_parallel, layer.allreduce_dgrad = False, True
+            try:
+                return layer._all_positions_forward(full[seq, row].unsqueeze(1), *args, **kwargs)
+            finally:
+                layer.sequence_parallel, layer.allreduce_dgrad = True, False
+
+        layer.forward = forward
+    layer._positions = positions
+
+
 def check_packed_attention(gpt: torch.nn.Module) -> None:
     """Refuse packed rows where the attention mask would be ignored.
 

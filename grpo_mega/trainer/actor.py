@@ -166,13 +166,44 @@ def _unwrap(model):
     return model
 
 
+def _with_positions(mb: dict, batch: BatchConfig) -> dict:
+    """With batch.response_only_logits: the micro-batch's `out_positions`, the positions the loss reads
+    (its `mask`, row-major over the padded [n, L'] layout) as (sequence index [K], batch index [K]) into
+    the model's [s, b]; `out_mask`, the mask they came from. A micro-batch without any (a packed row of
+    padding, rows all out of the loss) gets the model's first position, unused, so that its loss keeps a
+    graph."""
+    if not batch.response_only_logits:
+        return mb
+    mask = mb["mask"].bool()
+    rows, cols = mask.nonzero(as_tuple=True)
+    if "unpack_index" in mb:  # a packed row: batch index 0, its flat position
+        positions = (mb["unpack_index"][rows, cols], torch.zeros_like(rows))
+    else:
+        positions = (cols, rows)
+    if not len(rows):
+        positions = (torch.zeros(1, dtype=torch.long, device=mask.device),) * 2
+    return {**mb, "out_positions": positions, "out_mask": mask}
+
+
 def _forward(model, mb: dict) -> torch.Tensor:
-    """Logits [b, s, V/tp] on the last stage (hidden states elsewhere). A packed row ([1, S]) reaches the
-    model as THD with cu_seqlens under Transformer Engine, else with its block-diagonal causal mask and
-    RoPE positions restarting per sequence (megatron-core's local spec)."""
-    from grpo_mega.models.builder import set_rope_positions
+    """Logits [b, s, V/tp] on the last stage (hidden states elsewhere); with mb["out_positions"] (K of
+    them, see `_with_positions`) logits [1, K, V/tp] at those positions alone. A packed row ([1, S])
+    reaches the model as THD with cu_seqlens under Transformer Engine, else with its block-diagonal causal
+    mask and RoPE positions restarting per sequence (megatron-core's local spec)."""
+    from grpo_mega.models.builder import set_output_positions
 
     gpt = _unwrap(model)
+    set_output_positions(gpt, mb.get("out_positions"))
+    try:
+        return _forward_rows(model, gpt, mb)
+    finally:
+        set_output_positions(gpt, None)
+
+
+def _forward_rows(model, gpt, mb: dict) -> torch.Tensor:
+    """`_forward`'s model call, padded rows or a packed one."""
+    from grpo_mega.models.builder import set_rope_positions
+
     if "cu_seqlens" not in mb:
         set_rope_positions(gpt, None)
         return model(mb["tokens"], mb["position_ids"], None)
@@ -216,14 +247,29 @@ def _token_stats(logits: torch.Tensor, mb: dict, model_cfg: ModelConfig, batch: 
                  ref_logits: Optional[torch.Tensor] = None):
     """(logprob, entropy, full KL or None) of the micro-batch's response positions, in its padded [n, L']
     layout, from vocab-parallel logits (a packed row's per-token results gathered back through
-    `unpack_index`). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
+    `unpack_index`; with mb["out_positions"], logits [1, K, V/tp] at those positions, placed back through
+    `out_mask`: 0 at every other position, as the loss masks them anyway). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
     the gradient of `logits` into their memory."""
+    labels = mb["labels"]
+    if "out_positions" in mb:  # logits [1, K, V/tp] at the loss's positions only
+        seq, row = mb["out_positions"]
+        labels = labels[row, seq].unsqueeze(0)
     logp, entropy, kl = vocab_parallel_stats(
-        logits, mb["labels"], _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
+        logits, labels, _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
         temperature=temperature, vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
         donate_ref_logits=ref_logits is not None and logits.requires_grad,
     )
-    return unpack(mb, logp), unpack(mb, entropy), (unpack(mb, kl) if kl is not None else None)
+    if "out_positions" in mb:
+        place = partial(_place, mb["out_mask"])
+    else:
+        place = partial(unpack, mb)
+    return place(logp), place(entropy), (place(kl) if kl is not None else None)
+
+
+def _place(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Per-token values [1, K] at the True positions of `mask` [n, L'] (row-major; the first of them if K is
+    larger: `_with_positions`' unused position), 0 elsewhere (differentiable)."""
+    return torch.zeros(mask.shape, dtype=t.dtype, device=t.device).masked_scatter(mask, t.reshape(-1))
 
 
 def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, batch: BatchConfig,
@@ -241,7 +287,7 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
         return torch.zeros((), device=logits.device), {"logp": lp, "rows": mb["rows"]}
 
     def forward_step(data_iterator, model):
-        mb = _on_device(next(data_iterator))
+        mb = _with_positions(_on_device(next(data_iterator)), batch)
         return _forward(model, mb), partial(loss_func, mb)
 
     with torch.no_grad():
@@ -439,7 +485,7 @@ class Actor:
         scale = algo.megatron_loss_scale(len(micro), dp)
 
         def forward_step(data_iterator, model):
-            mb = _on_device(next(data_iterator))
+            mb = _with_positions(_on_device(next(data_iterator)), self.batch)
             if reference is None:
                 return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature, None)
             out, ref_logits = _lockstep_forward(model, reference.built.gpt, mb)
