@@ -14,9 +14,9 @@ import torch
 
 from grpo_mega.algo.shaping import shape_step
 from grpo_mega.parallel import comm
-from grpo_mega.rewards.scoring import score_step
 from grpo_mega.rollout.multi_turn import rollout_metrics
 from grpo_mega.trainer.batch import RolloutBatch
+from grpo_mega.trainer.sampling import collect_step
 from grpo_mega.trainer.setup import Run
 from grpo_mega.trainer.timing import StepTimer, throughput
 
@@ -30,19 +30,16 @@ class History:
 
 def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
     """Steps run.first_step..run.cfg.run.steps; returns the per-step metrics (identical on every rank)."""
-    cfg, actor, rollouts, n = run.cfg, run.actor, run.rollouts, run.n
+    cfg, actor, rollouts = run.cfg, run.actor, run.rollouts
     temperature = cfg.rollout.temperature
     val = run.evaluate() if run.eval_due(0) else None
     history = History(initial_val_reward=val and val[0])
     for step in range(run.first_step, cfg.run.steps + 1):
         timer = StepTimer()
         run.begin_step()  # arms the hang watchdog
-        with timer("generate_wait"):  # one step ahead, the next step's generation starts in here
-            got = rollouts.result(step)
-        gen, samples = got.gen, [got.examples[i // n] for i in range(len(got.gen.token_ids))]
+        got = collect_step(run, step, timer)  # generated and scored (refilled: algo.dynamic_sampling=refill)
+        gen, samples, rewards, reward_metrics = got.gen, got.samples, got.rewards, got.metrics
         owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
-        with timer("reward"):  # each sample scored once, by its owner; the same scores on every rank
-            rewards, reward_metrics = score_step(run.task.reward, samples, gen.token_ids, step, owned)
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask)
         if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
             with timer("old_logprobs"):
