@@ -140,7 +140,7 @@ CONFIG_CASES = {
     "option_refill_max_gen_rounds_zero": (["algo.dynamic_sampling=refill", "algo.max_gen_rounds=0"],
                                           r"algo\.max_gen_rounds=0 must be >= 1"),
     "option_unknown_dynamic_sampling": (["algo.dynamic_sampling=refil"],
-                                        r"algo\.dynamic_sampling='refil' must be 'filter', 'refill' or false"),
+                                        r"algo\.dynamic_sampling='refil' must be 'filter', 'refill' or null"),
     "option_unknown_engine": (["rollout.engine=vllm"], r"rollout\.engine='vllm' must be 'embedded' or 'sglang'"),
     "option_off_policy_colocated": (["rollout.off_policy_steps=1"],
                                     r"rollout\.off_policy_steps=1 needs rollout\.placement=dedicated \(got 'colocated'\)"),

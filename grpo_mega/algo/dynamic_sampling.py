@@ -24,20 +24,20 @@ from grpo_mega.algo.advantages import nonuniform_groups
 MODES = ("filter", "refill")
 
 
-def resolve_mode(value: Union[bool, str, None]) -> Union[bool, str]:
-    """algo.dynamic_sampling as False (off), 'filter' or 'refill'. true/false (the setting's earlier boolean
+def resolve_mode(value: Union[bool, str, None]) -> Optional[str]:
+    """algo.dynamic_sampling as None (off), 'filter' or 'refill'. true/false (the setting's earlier boolean
     form) still mean filter/off. Raises a ValueError naming the field for anything else."""
     if value is None or value is False:
-        return False
+        return None
     if value is True:
         return "filter"
     text = str(value).strip().lower()
     if text in ("false", "off", "none", "null"):
-        return False
+        return None
     if text == "true":
         return "filter"
     if text not in MODES:
-        raise ValueError(f"algo.dynamic_sampling={value!r} must be 'filter', 'refill' or false (true means filter)")
+        raise ValueError(f"algo.dynamic_sampling={value!r} must be 'filter', 'refill' or null (true: filter, false: null)")
     return text
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 
@@ -324,10 +324,10 @@ class AlgoConfig:
     (on GPUs; a no-op on CPU)."""
     kl_in_reward: bool = False
     """PPO-style: subtract beta * KL from the reward instead of adding it to the loss."""
-    dynamic_sampling: Union[bool, str] = False
+    dynamic_sampling: Optional[str] = None
     """DAPO dynamic sampling (grpo_mega.algo.dynamic_sampling): 'filter' keeps groups whose rewards are all equal
     out of the loss; 'refill' generates more prompts until train_batch_size informative groups are held (or
-    max_gen_rounds rounds ran); false: off (true: filter)."""
+    max_gen_rounds rounds ran); null: off (true/false, the setting's boolean form: filter/off)."""
     max_gen_rounds: int = 10
     """dynamic_sampling=refill: at most this many generation rounds per step (>= 1; 1: filter)."""
     recompute_old_logprobs: bool = False

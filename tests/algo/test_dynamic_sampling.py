@@ -11,7 +11,7 @@ def B(*bits):
     return torch.tensor([bool(b) for b in bits])
 
 
-@pytest.mark.parametrize("value,mode", [(False, False), (None, False), ("false", False), ("False", False),
+@pytest.mark.parametrize("value,mode", [(False, None), (None, None), ("false", None), ("False", None),
                                         (True, "filter"), ("true", "filter"), ("True", "filter"),
                                         ("filter", "filter"), ("refill", "refill"), ("Refill", "refill")])
 def test_the_setting_keeps_its_boolean_form(value, mode):
@@ -19,7 +19,7 @@ def test_the_setting_keeps_its_boolean_form(value, mode):
 
 
 def test_an_unknown_mode_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"algo\.dynamic_sampling='refil' must be 'filter', 'refill' or false"):
+    with pytest.raises(ValueError, match=r"algo\.dynamic_sampling='refil' must be 'filter', 'refill' or null"):
         ds.resolve_mode("refil")
 
 
@@ -62,7 +62,7 @@ def test_the_config_field():
     from grpo_mega.conf.schema import AlgoConfig, TrainConfig
 
     assert AlgoConfig(dynamic_sampling=True).dynamic_sampling == "filter"
-    assert AlgoConfig().dynamic_sampling is False and AlgoConfig().max_gen_rounds == 10
+    assert AlgoConfig().dynamic_sampling is None and AlgoConfig(dynamic_sampling=False).dynamic_sampling is None and AlgoConfig().max_gen_rounds == 10
     assert TrainConfig(algo=AlgoConfig(dynamic_sampling="refill")).shaping().dynamic_sampling is True
     with pytest.raises(ValueError, match=r"algo\.max_gen_rounds=0 must be >= 1"):
         AlgoConfig(dynamic_sampling="refill", max_gen_rounds=0)
