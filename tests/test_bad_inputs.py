@@ -137,6 +137,10 @@ CONFIG_CASES = {
                                           "algo.rollout_correction_high=2"],
                                          r"algo\.rollout_correction_low=3\.0 and algo\.rollout_correction_high=2\.0 "
                                          r"must satisfy 0 <= low < high"),
+    "option_refill_max_gen_rounds_zero": (["algo.dynamic_sampling=refill", "algo.max_gen_rounds=0"],
+                                          r"algo\.max_gen_rounds=0 must be >= 1"),
+    "option_unknown_dynamic_sampling": (["algo.dynamic_sampling=refil"],
+                                        r"algo\.dynamic_sampling='refil' must be 'filter', 'refill' or null"),
     "option_unknown_engine": (["rollout.engine=vllm"], r"rollout\.engine='vllm' must be 'embedded' or 'sglang'"),
     "option_off_policy_colocated": (["rollout.off_policy_steps=1"],
                                     r"rollout\.off_policy_steps=1 needs rollout\.placement=dedicated \(got 'colocated'\)"),

@@ -21,6 +21,7 @@ split across rows, ranks or pipeline stages when it reaches the loss), so the se
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -113,3 +114,40 @@ def correction_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
     else:
         raise ValueError(f"rollout correction mode {c.mode!r} must be 'truncate' or 'mask'")
     return weight, rho, hit
+
+
+QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+"""The quantiles of rho the trainer logs each step (`rollout_ratio/q01` ... `q99`)."""
+_SCALE = 1e-4
+_BINS = 4000
+_EDGES = torch.sinh(torch.linspace(-math.asinh(LOG_RATIO_CLAMP / _SCALE), math.asinh(LOG_RATIO_CLAMP / _SCALE),
+                                   _BINS + 1, dtype=torch.float64)) * _SCALE
+"""Bin edges over log rho in [-20, 20], asinh-spaced: about 1e-6 wide near 0 and 0.65% of |log rho| away from
+it, so that one all-reduce of fixed size gives quantiles of every rank's tokens to within one bin."""
+
+
+def log_ratio_histogram(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log_ratio: [K] values of log rho (any order, clamped to [-20, 20]) -> [_BINS] float64 counts, to be
+    summed over ranks and read by `histogram_quantiles`."""
+    lr = log_ratio.detach().to(torch.float64).flatten().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.bincount(torch.bucketize(lr, _EDGES[1:-1]), minlength=_BINS).to(torch.float64)
+
+
+def histogram_bin(value: float) -> tuple[float, float]:
+    """The (low, high) log-rho edges of the bin holding log rho = `value` (the quantiles' error bound)."""
+    i = int(torch.bucketize(torch.tensor([value], dtype=torch.float64), _EDGES[1:-1]))
+    return float(_EDGES[i]), float(_EDGES[i + 1])
+
+
+def histogram_quantiles(counts: torch.Tensor, qs=QUANTILES) -> list[float]:
+    """rho at each quantile q of `counts` (a `log_ratio_histogram`, summed): the midpoint, in log space, of the bin
+    holding the ceil(q * K)-th smallest value; NaN when empty. Within one bin of the exact order statistic."""
+    total = float(counts.sum())
+    if total == 0:
+        return [math.nan] * len(qs)
+    cdf = counts.cumsum(0)
+    out = []
+    for q in qs:
+        i = int(torch.searchsorted(cdf, torch.tensor([max(math.ceil(q * total), 1)], dtype=cdf.dtype)))
+        out.append(math.exp(0.5 * (float(_EDGES[i]) + float(_EDGES[i + 1]))))
+    return out

@@ -12,7 +12,7 @@ The trainer's loop calls it once per step, after the old (and reference) logprob
     shaping = StepShaping(n=batch.n, overlong=task.overlong, kl_in_reward=algo_cfg.kl_in_reward,
                           kl_coef=algo_cfg.kl_coef, kl_estimator=algo_cfg.kl_estimator,
                           norm_adv_by_std=algo_cfg.norm_adv_by_std, global_adv_norm=algo_cfg.global_adv_norm,
-                          dynamic_sampling=algo_cfg.dynamic_sampling)      # once, before the steps
+                          dynamic_sampling=bool(algo_cfg.dynamic_sampling))  # once, before the steps
     overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
     shaped = shape_step(shaping, rewards, overlong, rb.old_logp, rb.ref_logp, rb.response_mask())
     rb.advantages, rb.in_loss = shaped.advantages, shaped.in_loss
@@ -52,7 +52,9 @@ class StepShaping:
     global_adv_norm: bool = False
     """algo.global_adv_norm: divide advantages by their std over the whole batch."""
     dynamic_sampling: bool = False
-    """algo.dynamic_sampling: rows of groups whose (shaped) rewards are all equal leave the loss (DAPO)."""
+    """algo.dynamic_sampling set (filter or refill): rows of groups whose (shaped) rewards are all equal leave the
+    loss (DAPO). Refill's extra rounds (grpo_mega.algo.dynamic_sampling) come before: what they could not
+    replace is filtered here."""
 
     def __post_init__(self):
         if self.overlong not in OVERLONG_MODES:

@@ -324,8 +324,12 @@ class AlgoConfig:
     (on GPUs; a no-op on CPU)."""
     kl_in_reward: bool = False
     """PPO-style: subtract beta * KL from the reward instead of adding it to the loss."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal."""
+    dynamic_sampling: Optional[str] = None
+    """DAPO dynamic sampling (grpo_mega.algo.dynamic_sampling): 'filter' keeps groups whose rewards are all equal
+    out of the loss; 'refill' generates more prompts until train_batch_size informative groups are held (or
+    max_gen_rounds rounds ran); null: off (true/false, the setting's boolean form: filter/off)."""
+    max_gen_rounds: int = 10
+    """dynamic_sampling=refill: at most this many generation rounds per step (>= 1; 1: filter)."""
     recompute_old_logprobs: bool = False
     """Always run the old-logprob pass. By default it is skipped when the update is exactly on-policy (ppo_epochs
     1, one mini-batch, no off-policy steps, no kl_in_reward): the update's own logprobs, detached, are the old
@@ -369,6 +373,11 @@ class AlgoConfig:
         if self.early_stop_imp_ratio is not None and self.early_stop_imp_ratio <= 1:
             raise ValueError(f"algo.early_stop_imp_ratio={self.early_stop_imp_ratio} must be > 1 (or null)")
         self.correction()
+        from grpo_mega.algo.dynamic_sampling import resolve_mode
+
+        self.dynamic_sampling = resolve_mode(self.dynamic_sampling)
+        if self.max_gen_rounds < 1:
+            raise ValueError(f"algo.max_gen_rounds={self.max_gen_rounds} must be >= 1 (the step's first round counts)")
         if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
             raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
                              f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
@@ -838,6 +847,10 @@ class TrainConfig:
         if self.reward.rm_train.interval and self.algo.ref_update_interval is None:
             # Iterative RL (Algorithm 1): the reference follows the reward model's updates.
             self.algo.ref_update_interval = self.reward.rm_train.interval
+        if self.algo.dynamic_sampling == "refill" and self.reward.rm_train.interval:
+            raise ValueError(f"algo.dynamic_sampling=refill with reward.rm_train.interval={self.reward.rm_train.interval}: "
+                             "refill scores a step in several rounds and the reward model would train on each; "
+                             "use algo.dynamic_sampling=filter, or reward.rm_train.interval=0")
         if self.rollout.off_policy_steps and self.algo.correction() is None:
             # One step behind: truncated importance correction against the engine's logprobs covers the lag.
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
@@ -883,7 +896,7 @@ class TrainConfig:
         a = self.algo
         return StepShaping(n=self.rollout.n, overlong=self.reward.overlong, kl_in_reward=a.kl_in_reward,
                            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, norm_adv_by_std=a.norm_adv_by_std,
-                           global_adv_norm=a.global_adv_norm, dynamic_sampling=a.dynamic_sampling)
+                           global_adv_norm=a.global_adv_norm, dynamic_sampling=bool(a.dynamic_sampling))
 
 
 OFF_POLICY_IS_CAP = 2.0

@@ -43,8 +43,9 @@ class SamplingArgs:
     seed: int
     """The run's seed: step k samples with seed * 1_000_003 + k (the per-sample seeds derive from it)."""
 
-    def step_seed(self, step: int) -> int:
-        return self.seed * 1_000_003 + step
+    def step_seed(self, step: int, round: int = 0) -> int:
+        """Round `round` of step `step` (algo.dynamic_sampling=refill's extra rounds: 1, 2, ...)."""
+        return self.seed * 1_000_003 + step + round * (1 << 40)
 
 
 @dataclass
@@ -120,10 +121,7 @@ class RolloutScheduler:
         p, t0 = self.pending, time.perf_counter()
         to_all = self.share is None
         if not self.ahead:
-            s = self.sampling
-            gen = self.engines.generate([e.prompt_ids for e in p.examples], s.n, s.temperature, s.top_p,
-                                        s.max_new_tokens, s.stop_token_ids, s.step_seed(p.step),
-                                        **({} if to_all else {"to_all": False}))
+            gen = self._generate(p.examples, self.sampling.step_seed(p.step))
             seconds = time.perf_counter() - t0
         else:
             if p.thread is not None:
@@ -137,15 +135,16 @@ class RolloutScheduler:
                 raise RolloutError(out["error"])
             gen, seconds = out["gen"] if to_all else p.out.get("gen"), out["seconds"]
         if not to_all:
-            gen = self.share(gen, [len(e.prompt_ids) for e in p.examples for _ in range(self.sampling.n)])
+            gen = self.reshare(gen, p.examples)
         self.waited += time.perf_counter() - t0
         self.generated += seconds
         self.ready, self.ready_task_state, self.pending = StepSamples(p.step, p.examples, gen, seconds), p.task_state, None
 
-    def result(self, step: int) -> StepSamples:
+    def result(self, step: int, submit_next: bool = True) -> StepSamples:
         """Collective: the batch step `step` trains on (the trainer holds version step-1); its samples are
         checked to be at most `off_policy_steps` versions older. One step ahead, the next step's generation
-        starts before this returns, on the weights the engines hold now."""
+        starts before this returns, on the weights the engines hold now (`submit_next=False`: when the caller
+        calls `submit_next(step)`, after drawing more of this step's prompts with `extra`)."""
         if self.ready is None or self.ready.step != step:
             if self.pending is None or self.pending.step != step:
                 self.ready = None
@@ -158,9 +157,46 @@ class RolloutScheduler:
                                f"version {step - 1} and rollout.off_policy_steps={self.ahead} allows versions "
                                f"{step - 1 - self.ahead}..{step - 1}: a server was updated by someone else, or restarted "
                                "without its weights")
+        if submit_next:
+            self.submit_next(step)
+        return out
+
+    def submit_next(self, step: int) -> None:
+        """One step ahead: draw step `step`+1's prompts and start generating them (in turn: nothing)."""
         if self.ahead and (self.last_step is None or step < self.last_step):
             self.submit(step + 1)
-        return out
+
+    def extra(self, step: int, round: int) -> StepSamples:
+        """Collective: round `round` (>= 1) of step `step` (algo.dynamic_sampling=refill): batch_size more
+        prompts drawn from the task (the same data cursor, so a resume draws the same ones), generated now on
+        the weights the engines hold, with the round's own seed. One step ahead, call it before
+        `submit_next(step)`, so that the draws keep the serial loop's order."""
+        if self.pending is not None:
+            raise RuntimeError(f"extra round {round} of step {step} while step {self.pending.step}'s batch is pending")
+        t0 = time.perf_counter()
+        examples = self.draw(self.batch_size)
+        gen = self._generate(examples, self.sampling.step_seed(step, round))
+        seconds = time.perf_counter() - t0
+        if self.share is not None:
+            gen = self.reshare(gen, examples)
+        self.waited += time.perf_counter() - t0
+        self.generated += seconds
+        return StepSamples(step, examples, gen, seconds)
+
+    def _generate(self, examples: list, seed: int) -> Optional[Generation]:
+        """Collective: generate `examples` now (all ranks get the samples; with `share`, rank 0 only)."""
+        s = self.sampling
+        return self.engines.generate([e.prompt_ids for e in examples], s.n, s.temperature, s.top_p,
+                                     s.max_new_tokens, s.stop_token_ids, seed,
+                                     **({} if self.share is None else {"to_all": False}))
+
+    def reshare(self, gen: Optional[Generation], examples: list) -> Generation:
+        """Collective: rank 0's whole `gen` for `examples` (ignored elsewhere) as every rank needs it (`share`);
+        without `share`, `gen` itself (every rank holds it all)."""
+        if self.share is None:
+            return gen
+        return self.share(gen if dist.get_rank() == 0 else None,
+                          [len(e.prompt_ids) for e in examples for _ in range(self.sampling.n)])
 
     def sync_weights(self, gpt, version: int, **kwargs):
         """Collective: the trainer's weights into every engine as `version` (grpo_mega.rollout.placement.Engines.

@@ -12,11 +12,12 @@ from typing import Callable, Optional
 
 import torch
 
+from grpo_mega.algo.correction import QUANTILES, histogram_quantiles, log_ratio_histogram
 from grpo_mega.algo.shaping import shape_step
 from grpo_mega.parallel import comm
-from grpo_mega.rewards.scoring import score_step
 from grpo_mega.rollout.multi_turn import rollout_metrics
 from grpo_mega.trainer.batch import RolloutBatch
+from grpo_mega.trainer.sampling import collect_step
 from grpo_mega.trainer.setup import Run
 from grpo_mega.trainer.timing import StepTimer, throughput
 
@@ -30,19 +31,16 @@ class History:
 
 def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
     """Steps run.first_step..run.cfg.run.steps; returns the per-step metrics (identical on every rank)."""
-    cfg, actor, rollouts, n = run.cfg, run.actor, run.rollouts, run.n
+    cfg, actor, rollouts = run.cfg, run.actor, run.rollouts
     temperature = cfg.rollout.temperature
     val = run.evaluate() if run.eval_due(0) else None
     history = History(initial_val_reward=val and val[0])
     for step in range(run.first_step, cfg.run.steps + 1):
         timer = StepTimer()
         run.begin_step()  # arms the hang watchdog
-        with timer("generate_wait"):  # one step ahead, the next step's generation starts in here
-            got = rollouts.result(step)
-        gen, samples = got.gen, [got.examples[i // n] for i in range(len(got.gen.token_ids))]
+        got = collect_step(run, step, timer)  # generated and scored (refilled: algo.dynamic_sampling=refill)
+        gen, samples, rewards, reward_metrics = got.gen, got.samples, got.rewards, got.metrics
         owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
-        with timer("reward"):  # each sample scored once, by its owner; the same scores on every rank
-            rewards, reward_metrics = score_step(run.task.reward, samples, gen.token_ids, step, owned)
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask)
         if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
             with timer("old_logprobs"):
@@ -56,7 +54,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         rb.engine_logp = engine_logprobs(gen, rb)
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
-        mismatch = world_mismatch(rb, owned)
+        mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
             rollouts.wait()
         with timer("weight_sync"):
@@ -72,7 +70,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         row = dict(step=step, reward=float(shaped.rewards.mean()), **_val_metrics(val),
                    overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(shaped.in_loss.sum()),
                    response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
-                   weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"],
+                   weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"], **ratio_quantiles,
                    **update_means(updates), **reward_metrics, **rollout_metrics(gen), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
         history.rows.append(row)
         if log is not None:
@@ -86,7 +84,8 @@ def _val_metrics(val: Optional[tuple[float, float]]) -> dict:
     return {} if val is None else dict(val_reward=val[0], val_pass_at_k=val[1])
 
 
-UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "is_weight_mean", "is_capped_fraction")
+UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "is_weight_mean", "is_capped_fraction",
+                "is_seq_capped_fraction")
 
 
 def update_means(updates: list[dict]) -> dict:
@@ -104,6 +103,17 @@ def world_mismatch(rb: RolloutBatch, owned: list[int]) -> float:
     sums = torch.stack([((rb.engine_logp.double() - rb.old_logp.double()).abs() * mask).sum(), mask.sum()])
     total, count = comm.world_all_reduce_sum(sums).tolist()
     return total / count if count else 0.0
+
+
+def world_ratio_quantiles(rb: RolloutBatch, owned: list[int]) -> dict:
+    """The quantiles of the token-level ratio rho = p_trainer_old / p_engine over the step's response tokens
+    (`rollout_ratio/q01` .. `q99`; grpo_mega.algo.correction.histogram_quantiles: within one bin, about 1e-6
+    near rho = 1): each rank histograms the rows it owns, one SUM over the world (collective)."""
+    index = torch.tensor(owned, dtype=torch.long)
+    mask = rb.response_mask()[index]
+    lr = (rb.old_logp.double() - rb.engine_logp.double())[index][mask]
+    counts = comm.world_all_reduce_sum(log_ratio_histogram(lr))
+    return {f"rollout_ratio/q{round(q * 100):02d}": v for q, v in zip(QUANTILES, histogram_quantiles(counts))}
 
 
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
