@@ -166,8 +166,8 @@ def test_unknown_override_key_names_the_field(tmp_path):
 
 def test_model_yaml_with_an_unknown_field(tmp_path):
     bad = tmp_path / "mine.yaml"
-    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nnum_experts: 8\n")
-    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False), r"mine\.yaml: unknown fields \['num_experts'\]; allowed:")
+    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nnum_experts_total: 8\n")
+    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False), r"mine\.yaml: unknown fields \['num_experts_total'\]; allowed:")
 
 
 def test_hf_model_with_pickle_weights_is_refused(tmp_path):
