@@ -23,7 +23,7 @@ import torch
 
 from grpo_mega.conf.schema import ModelConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.models import bridge
-from grpo_mega.models.hf_io import HFWriter, SafetensorsReader, hf_dtype, load_hf_into_gpt, read_hf_config
+from grpo_mega.models.hf_io import HFWriter, SafetensorsReader, check_tensors, hf_dtype, load_hf_into_gpt, read_hf_config
 
 META_FILE = "grpo_mega.json"
 _PRECISION = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -79,7 +79,7 @@ def _peak_rss() -> int:
 def plan_hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int = 1) -> tuple[dict, ModelConfig, torch.dtype]:
     """Everything that can be checked before a file is written: the source, the layout, the destination."""
     hf, _, cfg = read_hf_config(hf_dir)
-    SafetensorsReader(hf_dir)  # safetensors present, index consistent
+    check_tensors(SafetensorsReader(hf_dir), cfg, hf_dir)  # safetensors present, index consistent, names complete
     ParallelConfig(tp=tp, pp=pp, ep=ep).check(cfg, world_size=tp * pp * ep)
     if Path(out_dir).exists():
         raise ValueError(f"{out_dir} exists; refusing to overwrite a checkpoint (remove it or choose another path)")
@@ -104,8 +104,11 @@ def hf_to_mcore_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, ep: int = 1) -
         load_hf_into_gpt(gpt, hf_dir, cfg, layout.tp_rank, tp, reader)
         del reader  # unmap the safetensors files before the save allocates its buffers
         dist_checkpointing.save(gpt.sharded_state_dict(), tmp_dir)
-        return dict(rank=torch.distributed.get_rank(), params=sum(p.numel() for p in gpt.parameters()),
-                    param_bytes=sum(p.numel() * p.element_size() for p in gpt.parameters()),
+        expert = {n for n, _ in gpt.named_parameters() if bridge.expert_of(n) is not None}
+        # counted once: the non-expert parameters are replicated over the EP ranks
+        counted = [p for n, p in gpt.named_parameters() if n in expert or layout.ep_rank == 0]
+        return dict(rank=torch.distributed.get_rank(), params=sum(p.numel() for p in counted),
+                    param_bytes=sum(p.numel() * p.element_size() for p in counted),
                     peak_rss_above_start=_peak_rss() - start)
 
 
@@ -130,7 +133,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, timeout: fl
         raise
     return dict(
         out=str(out),
-        param_bytes=sum(r["param_bytes"] for r in ranks) // 1,  # counts replicas over ep
+        param_bytes=sum(r["param_bytes"] for r in ranks) // 1,
         peak_rss_above_start=max(r["peak_rss_above_start"] for r in ranks),
     )
 

@@ -59,16 +59,15 @@ def _check_logits(hf_dir, tp, ep):
     experts = [r[2] for r in ranks]
     assert all(len(e) == cfg.num_experts // ep for e in experts)
     assert sorted(set().union(*map(set, experts))) == list(range(cfg.num_experts))
-    first = sorted((r for r in ranks if r[0].ep_rank == 0), key=lambda r: r[0].tp_rank)
-    logits = torch.cat([r[1] for r in first], dim=-1)[..., : cfg.vocab_size]
-    for r in ranks:  # the other EP ranks (same tokens: they are DP ranks) compute the same
-        assert torch.equal(r[1], first[r[0].tp_rank][1])
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         want = hf_model(tokens).logits
-    err = (logits - want).abs().max().item()
-    print(f"qwen3_moe TP{tp}xEP{ep}: max-abs logit error {err:.2e}, max |logit| {want.abs().max():.1f}")
-    assert err <= LOGIT_TOL, f"max-abs logit error {err:.2e} at TP{tp}xEP{ep}"
+    for ep_rank in range(ep):  # each EP rank (a DP rank here, given the same tokens) against transformers
+        mine = sorted((r for r in ranks if r[0].ep_rank == ep_rank), key=lambda r: r[0].tp_rank)
+        logits = torch.cat([r[1] for r in mine], dim=-1)[..., : cfg.vocab_size]
+        err = (logits - want).abs().max().item()
+        print(f"qwen3_moe TP{tp}xEP{ep} (ep rank {ep_rank}): max-abs logit error {err:.2e}, max |logit| {want.abs().max():.1f}")
+        assert err <= LOGIT_TOL, f"max-abs logit error {err:.2e} at TP{tp}xEP{ep}"
     assert want.abs().max() > 1.0
 
 
@@ -79,6 +78,17 @@ def test_logits_match_transformers(tiny_moe_fp32, tp, ep):
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2)])
 def test_roundtrip_bit_exact(tiny_moe, tmp_path, tp, ep):
+    _roundtrip(tiny_moe, tmp_path, tp, ep)
+
+
+def test_tp2_ep2_logits_and_roundtrip(tiny_moe_fp32, tiny_moe, tmp_path):
+    """4 ranks: each expert is split over the expert-tensor-parallel group (megatron's default size, tp) and the
+    experts over EP; attention over TP. One test, both checks."""
+    _check_logits(tiny_moe_fp32, 2, 2)
+    _roundtrip(tiny_moe, tmp_path, 2, 2)
+
+
+def _roundtrip(tiny_moe, tmp_path, tp, ep):
     ck, out = tmp_path / "mc", tmp_path / "hf"
     hf_to_mcore(str(tiny_moe), str(ck), tp=tp, pp=1, ep=ep)
     assert read_meta(str(ck))["saved_layout"] == {"tp": tp, "pp": 1} | ({"ep": ep} if ep > 1 else {})
@@ -121,3 +131,20 @@ def test_expert_names_map_both_ways():
     assert bridge.global_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 2, 4) == \
         "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight"
     assert bridge.spec_for("decoder.layers.0.mlp.router.weight", cfg).hf_names == ("model.layers.0.mlp.gate.weight",)
+
+
+@pytest.mark.parametrize("experts,match", [(4, r"holds experts its config does not have \(num_experts=4\)"),
+                                           (16, r"tensors missing for a qwen3_moe model .*mlp\.experts\.(8|9|1[0-5])\.")])
+def test_expert_count_differing_from_the_config_is_refused(tiny_moe, tmp_path, experts, match):
+    import json
+    import shutil
+
+    d = tmp_path / "bad"
+    shutil.copytree(tiny_moe, d)
+    hf = json.loads((d / "config.json").read_text())
+    hf.pop("num_experts", None)
+    hf["num_local_experts"] = experts
+    (d / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=match):
+        hf_to_mcore(str(d), str(tmp_path / "ck"), 1, 1)
+    assert not (tmp_path / "ck").exists()
