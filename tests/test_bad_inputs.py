@@ -152,6 +152,8 @@ CONFIG_CASES = {
     "layout_ep_on_a_dense_model": (["parallel.ep=2"], r"parallel\.ep=2 needs an MoE model; model tiny is dense"),
     "layout_ep_does_not_divide_experts": (["model=tiny-qwen3-moe", "parallel.ep=3"],
                                           r"parallel\.ep=3 must divide num_experts=8 \(model tiny-qwen3-moe\)"),
+    "layout_moe_tp_without_sp": (["model=tiny-qwen3-moe", "parallel.tp=2"],
+                                 r"parallel\.tp=2 with an MoE model needs parallel\.sequence_parallel=true"),
     "layout_ep_does_not_divide_dp": (["model=tiny-qwen3-moe", "parallel.ep=2"],
                                      r"parallel\.ep=2 must divide the data-parallel size dp=1"),
 }

@@ -928,6 +928,9 @@ class TrainConfig:
 
     def check_layout(self, model: ModelConfig, world_size: int) -> int:
         """The layout against the model and the launched world: returns dp, or a ValueError naming the field."""
+        if model.is_moe and self.parallel.tp > 1 and not self.parallel.sequence_parallel:
+            raise ValueError(f"parallel.tp={self.parallel.tp} with an MoE model needs parallel.sequence_parallel=true "
+                             "(megatron-core's MoE layer refuses tensor parallelism without it in training)")
         dp = self.parallel.check(model, world_size)
         self.batch.check_layout(self.parallel, dp, self.rollout.n)
         if world_size % self.rollout.num_engines:
