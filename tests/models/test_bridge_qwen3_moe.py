@@ -148,3 +148,47 @@ def test_expert_count_differing_from_the_config_is_refused(tiny_moe, tmp_path, e
     with pytest.raises(ValueError, match=match):
         hf_to_mcore(str(d), str(tmp_path / "ck"), 1, 1)
     assert not (tmp_path / "ck").exists()
+
+
+def _moe_metrics_train_forward(hf_dir, tokens):
+    from grpo_mega.models.builder import build_gpt
+    from grpo_mega.models.moe_metrics import MoEMetrics
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1)
+        _, _, cfg = read_hf_config(hf_dir)
+        gpt, _ = build_gpt(cfg, ParallelConfig(), PrecisionConfig(params_dtype="fp32"), init=False)
+        load_hf_into_gpt(gpt, hf_dir, cfg, 0, 1)
+        gpt.train()
+        metrics = MoEMetrics(gpt, cfg.num_layers, cfg.num_experts, sequence_parallel=False)
+        metrics.start()
+        b, s = tokens.shape
+        gpt(tokens, torch.arange(s).expand(b, s).contiguous(), None).sum().backward()  # one micro-batch
+        out = metrics.metrics(1)
+        destroy_distributed()
+        return out
+
+
+def test_aux_loss_and_expert_load_metrics_match_transformers(tiny_moe_fp32):
+    """moe/aux_loss is megatron's switch loss over the coefficient, per MoE layer: transformers'
+    load_balancing_loss_func on that layer's router logits over top_k (it counts k assignments per token);
+    moe/expert_load/e{j} is expert j's share of the top-k assignments of transformers' routers."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    _, _, cfg = read_hf_config(str(tiny_moe_fp32))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    got = run_ranks(_moe_metrics_train_forward, 1, str(tiny_moe_fp32), tokens, timeout=120)[0]
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_moe_fp32, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        router_logits = hf_model(tokens, output_router_logits=True).router_logits
+    assert len(router_logits) == sum(cfg.moe_layers()) == 3
+    k, e = cfg.moe_router_topk, cfg.num_experts
+    want_aux = sum(float(load_balancing_loss_func((lg,), e, k)) / k for lg in router_logits) / len(router_logits)
+    counts = sum(torch.bincount(lg.softmax(-1).topk(k, -1).indices.flatten(), minlength=e) for lg in router_logits)
+    want_share = counts.double() / counts.sum()
+    share = torch.tensor([got[f"moe/expert_load/e{j}"] for j in range(e)], dtype=torch.float64)
+    print(f"moe/aux_loss {got['moe/aux_loss']:.6f} (transformers {want_aux:.6f}); loads {share.tolist()}")
+    assert abs(got["moe/aux_loss"] - want_aux) <= 1e-5
+    assert torch.equal(share, want_share)
+    assert got["moe/expert_load_max"] > 1.0 > got["moe/expert_load_min"]  # a random router is not balanced
