@@ -31,43 +31,52 @@ def tiny_moe_fp32(tmp_path_factory):
     return tiny_hf(tmp_path_factory.mktemp("hf") / "qwen3_moe_fp32", "qwen3_moe", dtype=torch.float32, seed=1)
 
 
-def _megatron_logits(hf_dir, tp, ep, tokens):
+def _megatron_logits(hf_dir, tp, pp, ep, tokens):
     from grpo_mega.models.builder import build_gpt
+    from grpo_mega.trainer.actor import run_schedule
 
     with cpu_compat.cpu_device_mode():
-        layout = init_distributed(tp=tp, pp=1, ep=ep)
+        layout = init_distributed(tp=tp, pp=pp, ep=ep)
         _, _, cfg = read_hf_config(hf_dir)
-        gpt, _ = build_gpt(cfg, ParallelConfig(tp=tp, ep=ep), PrecisionConfig(params_dtype="fp32"), init=False)
+        gpt, _ = build_gpt(cfg, ParallelConfig(tp=tp, pp=pp, ep=ep), PrecisionConfig(params_dtype="fp32"), init=False)
         load_hf_into_gpt(gpt, hf_dir, cfg, layout.tp_rank, tp)
         gpt.eval()
         first = bridge.expert_offset(gpt, cfg)
         local_experts = {bridge.expert_of(bridge.global_name(n, 0, first)) for n, _ in gpt.named_parameters()} - {None}
         b, s = tokens.shape
+        mb = dict(tokens=tokens, position_ids=torch.arange(s).expand(b, s).contiguous())
+
+        def forward_step(it, model):
+            m = next(it)
+            return model(m["tokens"], m["position_ids"], None), lambda out: (torch.zeros(()), {"logits": out})
+
         with torch.no_grad():
-            logits = gpt(tokens, torch.arange(s).expand(b, s).contiguous(), None)
+            out = run_schedule(gpt, [mb], s, forward_step, forward_only=True)
         destroy_distributed()
-        return layout, logits, sorted(local_experts)
+        return layout, (out[0]["logits"] if out else None), sorted(local_experts)
 
 
-def _check_logits(hf_dir, tp, ep):
+def _check_logits(hf_dir, tp, ep, pp=1):
     from transformers import AutoModelForCausalLM
 
     _, _, cfg = read_hf_config(str(hf_dir))
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    ranks = run_ranks(_megatron_logits, tp * ep, str(hf_dir), tp, ep, tokens, timeout=300)
+    ranks = run_ranks(_megatron_logits, tp * pp * ep, str(hf_dir), tp, pp, ep, tokens, timeout=300)
     # every EP rank holds num_experts / ep of them, all of them between the ranks
-    experts = [r[2] for r in ranks]
+    experts = [r[2] for r in ranks if r[2]]
     assert all(len(e) == cfg.num_experts // ep for e in experts)
     assert sorted(set().union(*map(set, experts))) == list(range(cfg.num_experts))
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         want = hf_model(tokens).logits
+    last = [r for r in ranks if r[0].pp_rank == pp - 1]
     for ep_rank in range(ep):  # each EP rank (a DP rank here, given the same tokens) against transformers
-        mine = sorted((r for r in ranks if r[0].ep_rank == ep_rank), key=lambda r: r[0].tp_rank)
+        mine = sorted((r for r in last if r[0].ep_rank == ep_rank), key=lambda r: r[0].tp_rank)
         logits = torch.cat([r[1] for r in mine], dim=-1)[..., : cfg.vocab_size]
         err = (logits - want).abs().max().item()
-        print(f"qwen3_moe TP{tp}xEP{ep} (ep rank {ep_rank}): max-abs logit error {err:.2e}, max |logit| {want.abs().max():.1f}")
-        assert err <= LOGIT_TOL, f"max-abs logit error {err:.2e} at TP{tp}xEP{ep}"
+        print(f"qwen3_moe TP{tp}xPP{pp}xEP{ep} (ep rank {ep_rank}): max-abs logit error {err:.2e}, "
+              f"max |logit| {want.abs().max():.1f}")
+        assert err <= LOGIT_TOL, f"max-abs logit error {err:.2e} at TP{tp}xPP{pp}xEP{ep}"
     assert want.abs().max() > 1.0
 
 
@@ -81,6 +90,13 @@ def test_roundtrip_bit_exact(tiny_moe, tmp_path, tp, ep):
     _roundtrip(tiny_moe, tmp_path, tp, ep)
 
 
+def test_pp2_ep2_logits_and_roundtrip(tiny_moe_fp32, tiny_moe, tmp_path):
+    """4 ranks: stage 0 holds MoE layers 0-1, stage 1 the dense layer 2 and MoE layer 3 (mlp_only_layers=[2]):
+    each stage builds its slice of the MoE/dense pattern."""
+    _check_logits(tiny_moe_fp32, 1, 2, pp=2)
+    _roundtrip(tiny_moe, tmp_path, 1, 2, pp=2)
+
+
 def test_tp2_ep2_logits_and_roundtrip(tiny_moe_fp32, tiny_moe, tmp_path):
     """4 ranks: each expert is split over the expert-tensor-parallel group (megatron's default size, tp) and the
     experts over EP; attention over TP. One test, both checks."""
@@ -88,10 +104,10 @@ def test_tp2_ep2_logits_and_roundtrip(tiny_moe_fp32, tiny_moe, tmp_path):
     _roundtrip(tiny_moe, tmp_path, 2, 2)
 
 
-def _roundtrip(tiny_moe, tmp_path, tp, ep):
+def _roundtrip(tiny_moe, tmp_path, tp, ep, pp=1):
     ck, out = tmp_path / "mc", tmp_path / "hf"
-    hf_to_mcore(str(tiny_moe), str(ck), tp=tp, pp=1, ep=ep)
-    assert read_meta(str(ck))["saved_layout"] == {"tp": tp, "pp": 1} | ({"ep": ep} if ep > 1 else {})
+    hf_to_mcore(str(tiny_moe), str(ck), tp=tp, pp=pp, ep=ep)
+    assert read_meta(str(ck))["saved_layout"] == {"tp": tp, "pp": pp} | ({"ep": ep} if ep > 1 else {})
     mcore_to_hf(str(ck), str(out), max_shard_bytes=200_000)
     a, b = _all_tensors(tiny_moe), _all_tensors(out)
     assert sorted(a) == sorted(b) and "model.layers.3.mlp.experts.7.down_proj.weight" in a
