@@ -361,3 +361,10 @@ def test_model_state_bytes_match_megatrons_allocations(tp, pp):
                "optimizer": r["adam"] / planning.GIB}
         for key, value in got.items():
             assert value == pytest.approx(gib[key], rel=0.02), (tp, pp, r["stage"], key, value, gib[key])
+
+
+def test_moe_models_are_refused_by_name():
+    from grpo_mega import planning
+
+    with pytest.raises(ValueError, match=r"model qwen3-30b-a3b is an MoE model: the planner does not model expert"):
+        planning.PlanInput(model=load_model_config("qwen3-30b-a3b"), parallel=ParallelConfig(), world_size=8)
