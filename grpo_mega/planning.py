@@ -235,6 +235,9 @@ class PlanInput:
     logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):
+        if self.model.is_moe:
+            raise ValueError(f"model {self.model.name} is an MoE model: the planner does not model expert, router or "
+                             "dispatcher memory yet, and a dense estimate would be wrong")
         if self.reference not in REFERENCE:
             raise ValueError(f"reference={self.reference!r} must be one of {REFERENCE}")
         if self.params_dtype not in ("bf16", "fp32"):

@@ -82,7 +82,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     with cpu_compat.cpu_device_mode():
         config.check_layout(model, int(os.environ["WORLD_SIZE"]))  # before any process group or model
         init_distributed(tp=config.parallel.tp, pp=config.parallel.pp, seed=config.run.seed,
-                         timeout_s=config.dist.timeout_s)
+                         timeout_s=config.dist.timeout_s, ep=config.parallel.ep)
         rank0 = torch.distributed.get_rank() == 0
         sinks = MetricSinks(out_dir, config.run.steps, config.to_dict(), rank0)
         built = build_run(config, model, tok, hf_dir, out_dir)

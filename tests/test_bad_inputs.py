@@ -153,6 +153,13 @@ CONFIG_CASES = {
                              r"rollout\.multi_turn\.tool_max_memory_mb=-1 must be >= 0"),
     "checkpoint_lock_stale_zero": (["checkpoint.lock_stale_s=0"], r"checkpoint\.lock_stale_s=0\.0 must be > 0"),
     "checkpoint_resume_nonsense": (["checkpoint.resume=sometimes"], r"checkpoint\.resume='sometimes' must be 'auto', 'never' or"),
+    "layout_ep_on_a_dense_model": (["parallel.ep=2"], r"parallel\.ep=2 needs an MoE model; model tiny is dense"),
+    "layout_ep_does_not_divide_experts": (["model=tiny-qwen3-moe", "parallel.ep=3"],
+                                          r"parallel\.ep=3 must divide num_experts=8 \(model tiny-qwen3-moe\)"),
+    "layout_moe_tp_without_sp": (["model=tiny-qwen3-moe", "parallel.tp=2"],
+                                 r"parallel\.tp=2 with an MoE model needs parallel\.sequence_parallel=true"),
+    "layout_ep_does_not_divide_dp": (["model=tiny-qwen3-moe", "parallel.ep=2"],
+                                     r"parallel\.ep=2 must divide the data-parallel size dp=1"),
 }
 
 
@@ -170,8 +177,15 @@ def test_unknown_override_key_names_the_field(tmp_path):
 
 def test_model_yaml_with_an_unknown_field(tmp_path):
     bad = tmp_path / "mine.yaml"
-    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nnum_experts: 8\n")
-    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False), r"mine\.yaml: unknown fields \['num_experts'\]; allowed:")
+    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nnum_experts_total: 8\n")
+    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False), r"mine\.yaml: unknown fields \['num_experts_total'\]; allowed:")
+
+
+def test_moe_setting_in_a_dense_model_yaml(tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text() + "\nmoe_router_topk: 2\n")
+    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False),
+             r"model\.moe_router_topk=2 is an MoE setting; model mine is dense \(family 'qwen2', no num_experts\)")
 
 
 def test_hf_model_with_pickle_weights_is_refused(tmp_path):

@@ -388,3 +388,10 @@ def test_local_spec_activations_equal_what_autograd_saves(name):
         assert got[1] - got[0] == planned, (name, recompute, got[1] - got[0], planned)
     with pytest.raises(ValueError, match="layer_spec='fused' must be one of"):
         planning.layer_activation_bytes(base, seq, micro, 1, False, "none", layer_spec="fused")
+
+
+def test_moe_models_are_refused_by_name():
+    from grpo_mega import planning
+
+    with pytest.raises(ValueError, match=r"model qwen3-30b-a3b is an MoE model: the planner does not model expert"):
+        planning.PlanInput(model=load_model_config("qwen3-30b-a3b"), parallel=ParallelConfig(), world_size=8)

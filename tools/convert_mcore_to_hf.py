@@ -5,6 +5,8 @@ and the tokenizer files, streamed one layer at a time (memory for about one laye
 
 CKPT is a converted checkpoint (tools/convert_hf_to_mcore.py) or a training checkpoint's step directory
 (CHECKPOINT_DIR/step_XXXXXXXX, verified against its manifest first): its actor is exported.
+For an MoE model the experts are merged back from whatever expert-parallel layout the checkpoint was saved at
+(dist_checkpointing stores each expert under its global index), so the export takes no --ep.
 """
 
 import argparse

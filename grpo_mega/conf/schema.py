@@ -40,13 +40,13 @@ class RopeScaling:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Architecture of a decoder-only Llama/Qwen2/Qwen3-family model: the fields of its HF config.json that
+    """Architecture of a decoder-only Llama/Qwen2/Qwen3/Qwen3-MoE model: the fields of its HF config.json that
     decide shapes and numerics, and nothing about parallelism or training."""
 
     name: str = "custom"
     """Name (the YAML's file name)."""
     family: str = "llama"
-    """'llama', 'qwen2' or 'qwen3': picks the HF bridge."""
+    """'llama', 'qwen2', 'qwen3' or 'qwen3_moe': picks the HF bridge."""
     num_layers: int
     """Transformer layers (HF num_hidden_layers)."""
     hidden_size: int
@@ -78,16 +78,35 @@ class ModelConfig:
     (Qwen3's q_norm/k_norm; megatron's q_layernorm/k_layernorm). Qwen3 always has it, Llama and Qwen2 never."""
     tie_word_embeddings: bool = False
     """Output layer shares the input embedding's weight."""
+    num_experts: Optional[int] = None
+    """Routed experts per MoE layer (HF num_experts); null for a dense model. Only family qwen3_moe has them."""
+    moe_router_topk: Optional[int] = None
+    """Experts each token is sent to (HF num_experts_per_tok); MoE models only."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner width of each expert (HF moe_intermediate_size); MoE models only."""
+    moe_norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob); MoE models only."""
+    decoder_sparse_step: int = 1
+    """Layer i (0-based) is an MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: list = field(default_factory=list)
+    """0-based layers that keep a dense MLP of ffn_hidden_size in an MoE model (HF mlp_only_layers)."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """Load-balancing aux loss coefficient (HF router_aux_loss_coef; megatron moe_aux_loss_coeff); null: 0.001 for
+    an MoE model. Training setting kept with the router it acts on."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Router z-loss coefficient (ST-MoE); null: off. MoE models only."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
-        if self.family not in ("llama", "qwen2", "qwen3"):
-            raise ValueError(f"model.family={self.family!r} must be 'llama', 'qwen2' or 'qwen3'")
-        if self.qk_layernorm != (self.family == "qwen3"):
+        if self.family not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+            raise ValueError(f"model.family={self.family!r} must be 'llama', 'qwen2', 'qwen3' or 'qwen3_moe'")
+        qk = self.family in ("qwen3", "qwen3_moe")
+        if self.qk_layernorm != qk:
             raise ValueError(f"model.qk_layernorm={self.qk_layernorm} with model.family={self.family!r}: Qwen3 "
                              "checkpoints always have q/k norms, Llama and Qwen2 checkpoints never; set "
-                             f"model.qk_layernorm={str(self.family == 'qwen3').lower()}")
+                             f"model.qk_layernorm={str(qk).lower()}")
+        self._check_moe()
         for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings"):
             _positive(f"model.{f}", getattr(self, f))
@@ -104,6 +123,47 @@ class ModelConfig:
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
+    def _check_moe(self) -> None:
+        moe_fields = dict(moe_router_topk=self.moe_router_topk, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+                          moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff)
+        if self.family != "qwen3_moe":
+            if self.num_experts is not None:
+                raise ValueError(f"model.num_experts={self.num_experts} with model.family={self.family!r}: only "
+                                 "family qwen3_moe has experts")
+            for k, v in moe_fields.items():
+                if v is not None:
+                    raise ValueError(f"model.{k}={v} is an MoE setting; model {self.name} is dense "
+                                     f"(family {self.family!r}, no num_experts)")
+            return
+        for k in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "decoder_sparse_step"):
+            _positive(f"model.{k}", getattr(self, k))
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts={self.num_experts}")
+        self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"model.mlp_only_layers={bad} are not layers of a {self.num_layers}-layer model (0-based)")
+        if self.moe_aux_loss_coeff is None:
+            self.moe_aux_loss_coeff = 0.001
+        for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(self, k)
+            if v is not None and not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"model.{k}={v!r} must be a number >= 0")
+        if not any(self.moe_layers()):
+            raise ValueError(f"model {self.name}: no MoE layer (decoder_sparse_step={self.decoder_sparse_step}, "
+                             f"mlp_only_layers={self.mlp_only_layers})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_layers(self) -> list[bool]:
+        """Per layer (0-based): does it hold experts? HF Qwen3MoeDecoderLayer's rule."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        return [i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                for i in range(self.num_layers)]
+
     @property
     def padded_vocab_size(self) -> int:
         """The vocabulary rounded up to make_vocab_size_divisible_by: fixed by the model, not by tp
@@ -119,9 +179,21 @@ class ModelConfig:
             attn += self.num_attention_heads * d + 2 * kv
         if self.qk_layernorm:
             attn += 2 * d
-        layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * (attn + 2 * h) + sum(self._mlp_parameters(moe) for moe in self.moe_layers()) + embed + h
+
+    def _mlp_parameters(self, moe: bool, experts: Optional[int] = None) -> int:
+        h = self.hidden_size
+        if not moe:
+            return 3 * h * self.ffn_hidden_size
+        return (self.num_experts if experts is None else experts) * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token uses: as num_parameters, with moe_router_topk experts per MoE layer."""
+        if not self.is_moe:
+            return self.num_parameters()
+        return self.num_parameters() - sum(self._mlp_parameters(True) - self._mlp_parameters(True, self.moe_router_topk)
+                                           for moe in self.moe_layers() if moe)
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
@@ -155,6 +227,9 @@ class ParallelConfig:
     """Tensor-parallel size: must divide heads, query groups, ffn width and the padded vocabulary."""
     pp: int = 1
     """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): the experts of each layer are split over ep ranks of the data-parallel
+    group; must divide num_experts and dp."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
     num_layers_in_first_pipeline_stage: Optional[int] = None
@@ -167,6 +242,7 @@ class ParallelConfig:
     def __post_init__(self):
         _positive("parallel.tp", self.tp)
         _positive("parallel.pp", self.pp)
+        _positive("parallel.ep", self.ep)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.recompute not in ("none", "selective", "full"):
@@ -206,6 +282,13 @@ class ParallelConfig:
             if n % self.tp:
                 raise ValueError(f"parallel.tp={self.tp} must divide {what}={n} (model {model.name})")
         self.layers_per_stage(model.num_layers)
+        if self.ep > 1 and not model.is_moe:
+            raise ValueError(f"parallel.ep={self.ep} needs an MoE model; model {model.name} is dense (no num_experts)")
+        if model.is_moe and model.num_experts % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide num_experts={model.num_experts} (model {model.name})")
+        if model.is_moe and model.moe_ffn_hidden_size % self.tp:
+            raise ValueError(f"parallel.tp={self.tp} must divide moe_ffn_hidden_size={model.moe_ffn_hidden_size} "
+                             f"(model {model.name})")
         if world_size is None:
             return 1
         if world_size % (self.tp * self.pp):
@@ -213,7 +296,11 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {self.tp} * {self.pp}; "
                 f"launch a multiple of {self.tp * self.pp} ranks or change the layout"
             )
-        return world_size // (self.tp * self.pp)
+        dp = world_size // (self.tp * self.pp)
+        if dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide the data-parallel size dp={dp} "
+                             f"(world {world_size} / (tp {self.tp} * pp {self.pp})): experts are split over DP ranks")
+        return dp
 
 
 @dataclass(kw_only=True)
@@ -857,7 +944,14 @@ class TrainConfig:
 
     def check_layout(self, model: ModelConfig, world_size: int) -> int:
         """The layout against the model and the launched world: returns dp, or a ValueError naming the field."""
+        if model.is_moe and self.parallel.tp > 1 and not self.parallel.sequence_parallel:
+            raise ValueError(f"parallel.tp={self.parallel.tp} with an MoE model needs parallel.sequence_parallel=true "
+                             "(megatron-core's MoE layer refuses tensor parallelism without it in training)")
         dp = self.parallel.check(model, world_size)
+        if self.parallel.ep > 1:
+            raise ValueError(f"parallel.ep={self.parallel.ep}: training with the experts split over EP ranks is not "
+                             "supported yet (the weight sync gathers each stage from its first DP replica, not the "
+                             "experts the other EP ranks hold); train with parallel.ep=1 (the converters take --ep)")
         self.batch.check_layout(self.parallel, dp, self.rollout.n)
         if world_size % self.rollout.num_engines:
             raise ValueError(f"rollout.num_engines={self.rollout.num_engines} must divide the number of ranks "

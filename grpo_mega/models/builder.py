@@ -57,6 +57,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         fp8 = dict(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
     te = have_transformer_engine()
     return TransformerConfig(
+        **moe_config(model, parallel, te),
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -96,6 +97,32 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     )
 
 
+def moe_config(model: ModelConfig, parallel: ParallelConfig, te: bool) -> dict:
+    """TransformerConfig fields for megatron-core's MoE layer (empty for a dense model).
+
+    Qwen3-MoE routing (transformers' Qwen3MoeTopKRouter): softmax over all experts, top-k, then, with
+    norm_topk_prob, renormalise the k probabilities. Megatron's softmax router does exactly the latter with
+    `moe_router_pre_softmax=False` (top-k of the logits, softmax over those k) and the former with
+    `pre_softmax=True` (softmax over all, keep the top k). No router bias, no shared expert, no token dropping.
+    The `alltoall` dispatcher makes a torch.cuda.Stream at construction: `allgather` without CUDA."""
+    if not model.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_layer_freq=[int(m) for m in model.moe_layers()],
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_grouped_gemm=te,
+        expert_model_parallel_size=parallel.ep,
+    )
+
+
 class LocalRMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm for the local spec, usable under sequence parallelism.
 
@@ -116,8 +143,26 @@ def layer_spec(config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if have_transformer_engine():
+        if config.num_moe_experts:
+            return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    dense = _local_layer(config, None)
+    if not config.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[dense] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
+    # MoE: SequentialMLP experts (one local MLP per expert) on the layers moe_layer_freq marks, this stage's slice.
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    moe = _local_layer(config, config.num_moe_experts)
+    offset = get_transformer_layer_offset(config)
+    pattern = config.moe_layer_freq[offset : offset + get_num_layers_to_build(config)]
+    return TransformerBlockSubmodules(layer_specs=[moe if m else dense for m in pattern], layer_norm=LocalRMSNorm)
+
+
+def _local_layer(config, num_experts):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                           qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = LocalRMSNorm
     layer.submodules.pre_mlp_layernorm = LocalRMSNorm
     if config.qk_layernorm:
@@ -125,7 +170,7 @@ def layer_spec(config):
         # rank's heads; finalize_model_grads all-reduces it over TP by name (q_layernorm/k_layernorm).
         attn = layer.submodules.self_attention.submodules
         attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
+    return layer
 
 
 @dataclass
@@ -164,6 +209,10 @@ def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: Precision
             "high_freq_factor=4, original_max_position_embeddings=8192 only"
         )
     config = transformer_config(model, parallel, precision)
+    if model.is_moe:
+        from grpo_mega.parallel import cpu_compat
+
+        cpu_compat.define_te_general_gemm()  # GPUs without Transformer Engine too
     if not init or meta:
         config.perform_initialization = False
         config.use_cpu_initialization = False

@@ -23,7 +23,7 @@ import torch
 
 from grpo_mega.conf.schema import ModelConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.models import bridge
-from grpo_mega.models.hf_io import HFWriter, SafetensorsReader, hf_dtype, load_hf_into_gpt, read_hf_config
+from grpo_mega.models.hf_io import HFWriter, SafetensorsReader, check_tensors, hf_dtype, load_hf_into_gpt, read_hf_config
 
 META_FILE = "grpo_mega.json"
 _PRECISION = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -76,18 +76,19 @@ def _peak_rss() -> int:
 # ---- HF -> Megatron -----------------------------------------------------------------------------------
 
 
-def plan_hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int) -> tuple[dict, ModelConfig, torch.dtype]:
+def plan_hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int = 1) -> tuple[dict, ModelConfig, torch.dtype]:
     """Everything that can be checked before a file is written: the source, the layout, the destination."""
     hf, _, cfg = read_hf_config(hf_dir)
-    SafetensorsReader(hf_dir)  # safetensors present, index consistent
-    ParallelConfig(tp=tp, pp=pp).check(cfg, world_size=tp * pp)
+    check_tensors(SafetensorsReader(hf_dir), cfg, hf_dir)  # safetensors present, index consistent, names complete
+    ParallelConfig(tp=tp, pp=pp, ep=ep).check(cfg, world_size=tp * pp * ep)
     if Path(out_dir).exists():
         raise ValueError(f"{out_dir} exists; refusing to overwrite a checkpoint (remove it or choose another path)")
     return hf, cfg, hf_dtype(hf)
 
 
-def hf_to_mcore_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int) -> dict:
-    """One rank of hf_to_mcore (torch.distributed already initialised with tp * pp ranks)."""
+def hf_to_mcore_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, ep: int = 1) -> dict:
+    """One rank of hf_to_mcore (torch.distributed already initialised with tp * pp * ep ranks: each expert-parallel
+    rank loads and saves its own experts; the rest is replicated over ep and dist_checkpointing saves it once)."""
     from megatron.core import dist_checkpointing
 
     from grpo_mega.models.builder import build_gpt
@@ -97,31 +98,35 @@ def hf_to_mcore_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int) -> dict:
     start = _reset_peak_rss()
     with cpu_compat.cpu_device_mode():
         hf, _, cfg = read_hf_config(hf_dir)
-        layout = init_distributed(tp=tp, pp=pp)
-        gpt, _ = build_gpt(cfg, ParallelConfig(tp=tp, pp=pp), _precision_for(hf_dtype(hf)), init=False)
+        layout = init_distributed(tp=tp, pp=pp, ep=ep)
+        gpt, _ = build_gpt(cfg, ParallelConfig(tp=tp, pp=pp, ep=ep), _precision_for(hf_dtype(hf)), init=False)
         reader = SafetensorsReader(hf_dir)
         load_hf_into_gpt(gpt, hf_dir, cfg, layout.tp_rank, tp, reader)
         del reader  # unmap the safetensors files before the save allocates its buffers
         dist_checkpointing.save(gpt.sharded_state_dict(), tmp_dir)
-        return dict(rank=torch.distributed.get_rank(), params=sum(p.numel() for p in gpt.parameters()),
-                    param_bytes=sum(p.numel() * p.element_size() for p in gpt.parameters()),
+        expert = {n for n, _ in gpt.named_parameters() if bridge.expert_of(n) is not None}
+        # counted once: the non-expert parameters are replicated over the EP ranks
+        counted = [p for n, p in gpt.named_parameters() if n in expert or layout.ep_rank == 0]
+        return dict(rank=torch.distributed.get_rank(), params=sum(p.numel() for p in counted),
+                    param_bytes=sum(p.numel() * p.element_size() for p in counted),
                     peak_rss_above_start=_peak_rss() - start)
 
 
-def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, timeout: float = 3600) -> dict:
-    """Convert an HF directory to a Megatron distributed checkpoint saved at layout tp x pp.
+def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, timeout: float = 3600, ep: int = 1) -> dict:
+    """Convert an HF directory to a Megatron distributed checkpoint saved at layout tp x pp (x ep for MoE).
 
-    Forks tp * pp gloo ranks on this machine (a dist checkpoint loads at any layout later). Returns the
+    Forks tp * pp * ep gloo ranks on this machine (a dist checkpoint loads at any layout later). Returns the
     output path, the parameter bytes and the largest per-rank peak RSS above that rank's start."""
     from grpo_mega.parallel.forked import run_ranks
 
-    hf, cfg, dtype = plan_hf_to_mcore(hf_dir, out_dir, tp, pp)
+    hf, cfg, dtype = plan_hf_to_mcore(hf_dir, out_dir, tp, pp, ep)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        ranks = run_ranks(hf_to_mcore_rank, tp * pp, hf_dir, str(tmp), tp, pp, timeout=timeout)
-        write_meta(str(tmp), cfg, hf, dtype, source=str(hf_dir), saved_layout=dict(tp=tp, pp=pp))
+        ranks = run_ranks(hf_to_mcore_rank, tp * pp * ep, hf_dir, str(tmp), tp, pp, ep, timeout=timeout)
+        layout = dict(tp=tp, pp=pp) | (dict(ep=ep) if ep > 1 else {})
+        write_meta(str(tmp), cfg, hf, dtype, source=str(hf_dir), saved_layout=layout)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -148,22 +148,39 @@ class SafetensorsReader:
         return self.open(name)[:]
 
 
+def check_tensors(reader: SafetensorsReader, cfg: ModelConfig, hf_dir: str) -> None:
+    """Every tensor the config implies is in the checkpoint, and no expert beyond the config's num_experts."""
+    want = set(bridge.hf_names(cfg))
+    missing = sorted(want - set(reader.keys()))
+    if missing:
+        raise ValueError(f"{hf_dir}: tensors missing for a {cfg.family} model with this config: {missing[:5]}")
+    extra = sorted(k for k in reader.keys() if ".mlp.experts." in k and k not in want)
+    if extra:
+        raise ValueError(f"{hf_dir}: holds experts its config does not have (num_experts={cfg.num_experts}): {extra[:3]}")
+
+
 def load_hf_into_gpt(gpt: torch.nn.Module, hf_dir: str, cfg: ModelConfig, tp_rank: int, tp: int,
                      reader: Optional[SafetensorsReader] = None) -> None:
     """Fill this rank's stage/shard of a GPTModel from an HF directory, reading only its own slices."""
     reader = reader or SafetensorsReader(hf_dir)
-    missing = sorted(set(bridge.hf_names(cfg)) - set(reader.keys()))
-    if missing:
-        raise ValueError(f"{hf_dir}: tensors missing for a {cfg.family} model with this config: {missing[:5]}")
-    offset = bridge.layer_offset(gpt)
+    check_tensors(reader, cfg, hf_dir)
+    offset, first_expert = bridge.layer_offset(gpt), bridge.expert_offset(gpt, cfg)
+    if cfg.is_moe:
+        from megatron.core import parallel_state as ps
+
+        # experts are split over the expert-tensor-parallel group (megatron's default: the same size as tp)
+        etp_rank, etp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     with torch.no_grad():
         for local, param in gpt.state_dict(keep_vars=True).items():
             if local.endswith("_extra_state"):
                 continue
-            name = bridge.global_name(local, offset)
+            name = bridge.global_name(local, offset, first_expert)
             if name == "output_layer.weight" and cfg.tie_word_embeddings:
                 name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
-            shard = bridge.shard_from_hf(name, reader.open, cfg, tp_rank, tp)
+            if bridge.expert_of(name) is not None:
+                shard = bridge.shard_from_hf(name, reader.open, cfg, etp_rank, etp)
+            else:
+                shard = bridge.shard_from_hf(name, reader.open, cfg, tp_rank, tp)
             if shard is None:
                 continue
             if tuple(shard.shape) != tuple(param.shape):

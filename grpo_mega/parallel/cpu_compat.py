@@ -102,12 +102,25 @@ def _make_cpu_tracker(base):
     return _CpuRNGStatesTracker
 
 
+def define_te_general_gemm() -> None:
+    """Prevents `NameError: name 'te_general_gemm' is not defined` from the MoE router's gating
+    (`moe_utils.RouterGatingLinearFunction.forward`: `if te_general_gemm is not None`): moe_utils imports the
+    name only inside its `try: import transformer_engine`, so without Transformer Engine it never exists. Bound
+    to None, the gating takes its own torch matmul path. A no-op wherever TE defined it (every TE GPU run); it
+    is also needed on a GPU without TE, so builder.build_gpt calls it for MoE models besides apply()."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     """Patch megatron-core for CPU-only machines. Idempotent; does nothing when CUDA is available."""
     global _APPLIED
     if _APPLIED or cuda_available():
         return
     _APPLIED = True
+    define_te_general_gemm()
 
     # Expected on a CPU machine, and printed once per module at import: not worth a user's attention.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*", category=UserWarning)

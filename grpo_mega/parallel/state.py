@@ -29,11 +29,13 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1
+    ep_rank: int = 0
 
 
-def check_layout(world_size: int, tp: int, pp: int) -> int:
-    """Return dp = world_size / (tp * pp), or raise ValueError naming the sizes that do not fit."""
-    for name, value in (("parallel.tp", tp), ("parallel.pp", pp)):
+def check_layout(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
+    """Return dp = world_size / (tp * pp), or raise ValueError naming the sizes that do not fit (ep must divide dp)."""
+    for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if world_size % (tp * pp):
@@ -41,7 +43,11 @@ def check_layout(world_size: int, tp: int, pp: int) -> int:
             f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}; "
             f"launch a multiple of {tp * pp} ranks or change the layout"
         )
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the data-parallel size dp={dp} "
+                         f"(world {world_size} / (tp {tp} * pp {pp})): experts are split over DP ranks")
+    return dp
 
 
 def default_backend() -> str:
@@ -51,9 +57,10 @@ def default_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 1800.0) -> Layout:
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 1800.0, ep: int = 1) -> Layout:
     """Start torch.distributed if needed (env:// rendezvous, as torchrun sets it), create megatron's
-    model-parallel groups for `tp` x `pp` (dp is what remains) and seed megatron's RNG tracker. `timeout_s`
+    model-parallel groups for `tp` x `pp` (dp is what remains; `ep` expert-parallel ranks within it, the
+    expert tensor-parallel size megatron's default, tp) and seed megatron's RNG tracker. `timeout_s`
     (dist.timeout_s) bounds every collective of the world's and megatron's groups.
 
     On a machine without CUDA the CPU compatibility layer is applied first and the backend is gloo.
@@ -65,7 +72,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: floa
         dist.init_process_group(
             backend=default_backend(), timeout=datetime.timedelta(seconds=timeout_s)
         )
-    dp = check_layout(dist.get_world_size(), tp, pp)
+    dp = check_layout(dist.get_world_size(), tp, pp, ep)
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -73,6 +80,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: floa
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep,
                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
@@ -83,6 +91,8 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: floa
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep=ep,
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

@@ -26,6 +26,26 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum(-1, keepdim=True)
 
 
+def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names (what the weight sync sends): the parameters, except
+    that transformers 5 holds a Qwen3-MoE layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, h],
+    `mlp.experts.down_proj` [E, h, I]) while its checkpoints, and the bridge, name each expert's
+    `mlp.experts.{j}.{gate,up,down}_proj.weight`: those are views into the fused parameters."""
+    out = {}
+    for name, p in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj") and p.dim() == 3:
+            for j in range(p.shape[0]):
+                if leaf == "down_proj":
+                    out[f"{prefix}.{j}.down_proj.weight"] = p[j]
+                else:
+                    gate, up = p[j].chunk(2, dim=0)
+                    out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate, up
+        else:
+            out[name] = p
+    return out
+
+
 @ENGINES.register("embedded")
 class EmbeddedEngine(RolloutEngine):
     loads_tensors = True  # load_bucket copies tensor by tensor: an unflattened bucket is loaded as is
@@ -34,7 +54,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.requires_grad_(False)
         self.device, self.dtype = device, dtype
-        self.params = dict(self.model.named_parameters())
+        self.params = checkpoint_views(self.model)
         self.weight_version = 0
 
     @classmethod

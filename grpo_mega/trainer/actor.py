@@ -368,6 +368,11 @@ class Actor:
         self.policy_loss = algo.POLICY_LOSSES.get(algo_cfg.policy_loss)
         self.objective = objective(algo_cfg)
         self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
+        self.moe = None
+        if model_cfg.is_moe:
+            from grpo_mega.models.moe_metrics import MoEMetrics
+
+            self.moe = MoEMetrics(self.built.gpt, model_cfg.num_layers, model_cfg.num_experts, parallel.sequence_parallel)
         _check_packing(self.built.gpt, batch)
         bf16 = precision.params_dtype == "bf16"
         self.params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -494,6 +499,8 @@ class Actor:
         module = self.built.module
         module.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.start()
         out = run_schedule(module, micro, length, forward_step, forward_only=False,
                            lockstep=1 if reference is None else 2)
 
@@ -513,6 +520,7 @@ class Actor:
             **algo.policy_loss.mini_batch_metrics(sums, mins, maxs),
             "lr": self.optimizer.param_groups[0]["lr"],
             **shape,
+            **(self.moe.metrics(len(micro)) if self.moe is not None else {}),
         }
         if keep_logp:
             m["old_logp"] = [{"logp": d["logp"], "rows": d["rows"]} for d in out]

@@ -90,7 +90,10 @@ UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm"
 
 def update_means(updates: list[dict]) -> dict:
     """The step's loss metrics, averaged over its mini-batches (and epochs); skipped mini-batches counted."""
+    # MoE models add moe/* (grpo_mega.models.moe_metrics: aux loss, per-expert token load), averaged the same way
+    moe = sorted({k for u in updates for k in u if k.startswith("moe/")})
     return {**{k: sum(u[k] for u in updates) / len(updates) for k in UPDATE_MEANS},
+            **{k: sum(u[k] for u in updates if k in u) / sum(k in u for u in updates) for k in moe},
             "skipped": sum(u["skipped"] for u in updates)}
 
 

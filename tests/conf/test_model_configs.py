@@ -25,14 +25,20 @@ PUBLISHED = {
     "qwen3-0.6b": (0.596e9, 0.001e9),
     "qwen3-8b": (8.19e9, 0.01e9),
     "qwen3-32b": (32.8e9, 0.1e9),
+    # Qwen3-MoE cards: 30.5B total / 3.3B activated, 235B / 22B activated.
+    "qwen3-30b-a3b": (30.5e9, 0.1e9),
+    "qwen3-235b-a22b": (235e9, 1e9),
 }
+# name -> published activated parameter count (one token's experts only), one unit of its last digit
+PUBLISHED_ACTIVE = {"qwen3-30b-a3b": (3.3e9, 0.1e9), "qwen3-235b-a22b": (22e9, 1e9)}
 # name -> published non-embedding parameter count, one unit of its last digit
 PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": (0.44e9, 0.01e9), "qwen3-8b": (6.95e9, 0.01e9), "qwen3-32b": (31.2e9, 0.1e9)}
-TEST_ONLY = {"tiny", "tiny-qwen3"}
+TEST_ONLY = {"tiny", "tiny-qwen3", "tiny-qwen3-moe"}
 
 
-def _hf_count(cfg) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def _hf_model(cfg):
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     kw = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
@@ -44,11 +50,30 @@ def _hf_count(cfg) -> int:
         hf_cfg, cls = Qwen2Config(**kw), Qwen2ForCausalLM
     elif cfg.family == "qwen3":
         hf_cfg, cls = Qwen3Config(attention_bias=cfg.qkv_bias, head_dim=cfg.kv_channels, **kw), Qwen3ForCausalLM
+    elif cfg.family == "qwen3_moe":
+        hf_cfg = Qwen3MoeConfig(head_dim=cfg.kv_channels, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                                moe_intermediate_size=cfg.moe_ffn_hidden_size, decoder_sparse_step=cfg.decoder_sparse_step,
+                                mlp_only_layers=cfg.mlp_only_layers, **kw)
+        cls = Qwen3MoeForCausalLM
     else:
         hf_cfg, cls = LlamaConfig(attention_bias=cfg.qkv_bias, head_dim=cfg.kv_channels, **kw), LlamaForCausalLM
     with torch.device("meta"):
-        model = cls(hf_cfg)
-    return sum(p.numel() for p in model.parameters())
+        return cls(hf_cfg)
+
+
+def _hf_count(cfg) -> int:
+    return sum(p.numel() for p in _hf_model(cfg).parameters())
+
+
+def _hf_active_count(cfg) -> int:
+    """transformers' parameter count less the experts a token does not use: top_k of num_experts per MoE block."""
+    model = _hf_model(cfg)
+    unused = 0
+    for name, m in model.named_modules():
+        if type(m).__name__ == "Qwen3MoeExperts":
+            n = sum(p.numel() for p in m.parameters())
+            unused += n - n // cfg.num_experts * cfg.moe_router_topk
+    return sum(p.numel() for p in model.parameters()) - unused
 
 
 def test_every_yaml_is_covered():
@@ -66,12 +91,19 @@ def test_parameter_count(name):
         non_embedding = n - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         published, unit = PUBLISHED_NON_EMBEDDING[name]
         assert abs(non_embedding - published) <= unit, f"{name}: {non_embedding / 1e9:.4f}B non-embedding"
+    if name in PUBLISHED_ACTIVE:
+        active = cfg.num_active_parameters()
+        assert active == _hf_active_count(cfg)
+        published, unit = PUBLISHED_ACTIVE[name]
+        assert abs(active - published) <= unit, f"{name}: {active / 1e9:.4f}B active"
 
 
 @pytest.mark.parametrize("name", sorted(TEST_ONLY))
 def test_test_model_parameter_count(name):
     cfg = load_model_config(name)
     assert cfg.num_parameters() == _hf_count(cfg)
+    if cfg.is_moe:
+        assert cfg.num_active_parameters() == _hf_active_count(cfg)
 
 
 def test_exact_known_counts():

@@ -125,3 +125,13 @@ def test_multi_turn_config():
     restored = schema.TrainConfig(**{**cfg.to_dict(), "rollout": {**cfg.to_dict()["rollout"],
                                                                 "multi_turn": {"enable": True, "max_turns": 3}}})
     assert restored.rollout.multi_turn.max_turns == 3
+
+
+def test_moe_layout_rules():
+    moe = schema.load_model_config("tiny-qwen3-moe")
+    assert schema.TrainConfig(parallel=dict(tp=2, sequence_parallel=True)).check_layout(moe, 2) == 1
+    with pytest.raises(ValueError, match=r"parallel.ep=2: training with the experts split over EP ranks is not supported"):
+        schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 2)
+    with pytest.raises(ValueError, match=r"parallel.ep=2 must divide the data-parallel size dp=1"):
+        schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 1)
+    assert schema.ParallelConfig(tp=2, ep=2).check(moe, 4) == 2  # conversion and inference layouts

@@ -13,7 +13,8 @@ SMOLLM2_DIR = Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache" / "g
 def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0) -> Path:
     """A 4-layer, 8-head, 4-KV-group random model saved with save_pretrained (safetensors). Qwen3's has a
     head_dim of 32, not hidden_size / heads (8), and random q/k norms."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tied,
@@ -22,6 +23,9 @@ def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, s
         "llama": lambda: (LlamaConfig(**kw), LlamaForCausalLM),
         "qwen2": lambda: (Qwen2Config(**kw), Qwen2ForCausalLM),
         "qwen3": lambda: (Qwen3Config(head_dim=32, **kw), Qwen3ForCausalLM),
+        # 8 experts, top-2, renormalised top-k (as Qwen3-30B-A3B), layer 2 dense: both MLP kinds
+        "qwen3_moe": lambda: (Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             norm_topk_prob=True, mlp_only_layers=[2], **kw), Qwen3MoeForCausalLM),
     }[family]()
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)

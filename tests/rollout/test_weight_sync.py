@@ -131,7 +131,7 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False):
 # sums them over TP by name (config.qk_layernorm) or, under sequence parallelism, by their sequence_parallel tag.
 @pytest.mark.parametrize("model,tp,pp,tied,sp", [
     ("tiny", 2, 2, False, False), ("tiny", 2, 2, True, False), ("tiny", 1, 1, False, False),
-    ("tiny-qwen3", 2, 2, False, False), ("tiny-qwen3", 2, 2, False, True)])
+    ("tiny-qwen3", 2, 2, False, False), ("tiny-qwen3", 2, 2, False, True), ("tiny-qwen3-moe", 2, 1, False, True)])
 def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied, sp):
     res = run_ranks(_sync_and_sample, tp * pp, tp, pp, tied, 0.01, model, sp, timeout=300)
     r0 = res[0]

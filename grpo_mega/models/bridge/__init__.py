@@ -1,6 +1,8 @@
 """HF <-> Megatron bridge, one module per model family; the shared tensor mapping is in common.py."""
 
 from grpo_mega.models.bridge.common import (
+    expert_of,
+    expert_offset,
     from_hf,
     global_name,
     hf_names,
@@ -14,12 +16,14 @@ from grpo_mega.models.bridge.common import (
 from grpo_mega.models.bridge.llama import Llama
 from grpo_mega.models.bridge.qwen2 import Qwen2
 from grpo_mega.models.bridge.qwen3 import Qwen3
+from grpo_mega.models.bridge.qwen3_moe import Qwen3Moe
 from grpo_mega.registry import Registry
 
 FAMILIES: Registry = Registry("model family")
 FAMILIES.register("llama")(Llama())
 FAMILIES.register("qwen2")(Qwen2())
 FAMILIES.register("qwen3")(Qwen3())
+FAMILIES.register("qwen3_moe")(Qwen3Moe())
 
 
 def family_of_hf(hf_config: dict):
@@ -28,6 +32,6 @@ def family_of_hf(hf_config: dict):
 
 
 __all__ = [
-    "FAMILIES", "family_of_hf", "from_hf", "global_name", "hf_names", "layer_offset", "merge_tp", "shard_from_hf",
+    "FAMILIES", "expert_of", "expert_offset", "family_of_hf", "from_hf", "global_name", "hf_names", "layer_offset", "merge_tp", "shard_from_hf",
     "spec_for", "split_tp", "to_hf",
 ]

@@ -26,6 +26,9 @@ import torch
 from grpo_mega.conf.schema import ModelConfig, RopeScaling
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# an expert's weight, SequentialMLP (local spec) and TEGroupedMLP (weight{j}) spellings; j is the expert index
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 
 # megatron layer-local name -> canonical name (the TE spec fuses the norms into the next linear)
 _ALIASES = {
@@ -44,6 +47,12 @@ _LAYER_MAP = {
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+    "mlp.router.weight": (("mlp.gate.weight",), "replicated"),  # Qwen3-MoE: [num_experts, hidden], no bias
+}
+# expert j's megatron tensor -> (HF names with {j}, kind): the same SwiGLU layout as the dense MLP
+_EXPERT_MAP = {
+    "linear_fc1": (("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"), "gate_up"),
+    "linear_fc2": (("mlp.experts.{j}.down_proj.weight",), "row"),
 }
 _GLOBAL_MAP = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
@@ -63,8 +72,19 @@ class Spec:
 def canonical(name: str) -> str:
     m = _LAYER.match(name)
     if m:
-        return f"decoder.layers.{m.group(1)}.{_ALIASES.get(m.group(2), m.group(2))}"
+        local = _ALIASES.get(m.group(2), m.group(2))
+        g = _GROUPED_EXPERT.match(local)
+        if g:
+            local = f"mlp.experts.local_experts.{g.group(2)}.{g.group(1)}.weight"
+        return f"decoder.layers.{m.group(1)}.{local}"
     return name
+
+
+def expert_of(name: str) -> Optional[int]:
+    """The expert index in a (canonical or TE grouped) megatron layer name; None for non-expert tensors."""
+    m = _LAYER.match(canonical(name))
+    e = _EXPERT.match(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
 
 
 def spec_for(name: str, cfg: ModelConfig) -> Optional[Spec]:
@@ -75,6 +95,10 @@ def spec_for(name: str, cfg: ModelConfig) -> Optional[Spec]:
     name = canonical(name)
     m = _LAYER.match(name)
     if m:
+        e = _EXPERT.match(m.group(2))
+        if e:
+            hf, kind = _EXPERT_MAP[e.group(2)]
+            return Spec(tuple(f"model.layers.{m.group(1)}.{h.format(j=e.group(1))}" for h in hf), kind)
         entry = _LAYER_MAP.get(m.group(2))
         if entry is None:
             raise KeyError(f"no HF counterpart known for megatron parameter {name!r}")
@@ -91,23 +115,48 @@ def spec_for(name: str, cfg: ModelConfig) -> Optional[Spec]:
 def hf_names(cfg: ModelConfig) -> list[str]:
     """Every tensor name an HF checkpoint of this architecture holds, in a stable order."""
     names = ["model.embed_tokens.weight"]
-    for i in range(cfg.num_layers):
+    for i, moe in enumerate(cfg.moe_layers()):
         for key, (hf, _) in _LAYER_MAP.items():
             if key.endswith(".bias") and not cfg.qkv_bias:
                 continue
             if "_layernorm.weight" in key and key.startswith("self_attention.") and not cfg.qk_layernorm:
                 continue
+            if key.startswith("mlp.") and (key == "mlp.router.weight") != moe:
+                continue
             names += [f"model.layers.{i}.{h}" for h in hf]
+            if key == "mlp.router.weight":
+                names += [f"model.layers.{i}.{h.format(j=j)}" for j in range(cfg.num_experts)
+                          for hf_, _ in _EXPERT_MAP.values() for h in hf_]
     names.append("model.norm.weight")
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
 
 
-def global_name(local: str, layer_offset: int) -> str:
-    """A pipeline stage's local parameter name -> the global one (decoder.layers.{offset + j}...)."""
+def global_name(local: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A pipeline stage's local parameter name -> the global one (decoder.layers.{offset + j}...); an expert
+    parallel rank's local expert j -> expert {expert_offset + j} (in the canonical SequentialMLP spelling)."""
     m = _LAYER.match(local)
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else local
+    if not m:
+        return local
+    rest = m.group(2)
+    g = _GROUPED_EXPERT.match(rest)
+    if g:
+        rest = f"mlp.experts.local_experts.{g.group(2)}.{g.group(1)}.weight"
+    e = _EXPERT.match(rest)
+    if e:
+        rest = f"mlp.experts.local_experts.{int(e.group(1)) + expert_offset}.{e.group(2)}.weight"
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+
+
+def expert_offset(gpt, cfg: ModelConfig) -> int:
+    """Global index of this expert-parallel rank's first expert (0 for a dense model)."""
+    if not cfg.is_moe:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * (cfg.num_experts // ep)
 
 
 def layer_offset(gpt) -> int:
@@ -178,9 +227,10 @@ def shard_from_hf(name: str, open_hf: Callable[[str], object], cfg: ModelConfig,
         if real is not None:
             out[: real.shape[0]] = real
         return out
-    if spec.kind == "gate_up":
-        per = cfg.ffn_hidden_size // tp
-        return torch.cat([open_hf(n)[tp_rank * per : (tp_rank + 1) * per] for n in spec.hf_names], dim=0)
+    if spec.kind == "gate_up":  # the dense MLP (ffn_hidden_size) or an expert (moe_ffn_hidden_size)
+        srcs = [open_hf(n) for n in spec.hf_names]
+        per = _shape(srcs[0])[0] // tp
+        return torch.cat([src[tp_rank * per : (tp_rank + 1) * per] for src in srcs], dim=0)
     # qkv: this rank holds query groups [g0, g1), each as [q heads | k | v]
     g, d, hpg = cfg.num_query_groups, cfg.kv_channels, cfg.num_attention_heads // cfg.num_query_groups
     per = g // tp
@@ -268,7 +318,11 @@ class DecoderFamily:
             qkv_bias=self._qkv_bias(hf),
             qk_layernorm=self.qk_layernorm,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **self._extra_model_fields(hf, name),
         )
+
+    def _extra_model_fields(self, hf: dict, name: str) -> dict:
+        return {}
 
     def _qkv_bias(self, hf: dict) -> bool:
         return bool(hf.get("attention_bias", False))
