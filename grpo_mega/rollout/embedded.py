@@ -1,8 +1,9 @@
 """The embedded rollout engine: the RolloutEngine interface over an HF transformers model, in-process.
 
 For machines without SGLang (CI, laptops, the demo). Batched sampling with a KV cache, left-padded prompts,
-one seeded generator per sample (so a sample does not depend on what else is in the batch), logprobs of
-softmax(logits / temperature) at the sampled token.
+one seeded generator per sample (so a sample does not depend on what else is in the batch) drawing that
+sample's uniforms, inverse-CDF sampling of the whole batch at once, logprobs of softmax(logits / temperature)
+at the sampled token. tools/bench_decode.py holds it against transformers' `generate`.
 """
 
 from __future__ import annotations
@@ -111,9 +112,14 @@ class EmbeddedEngine(RolloutEngine):
         if row_seeds is not None and (n != 1 or len(row_seeds) != len(prompts)):
             raise ValueError(f"row_seeds needs n=1 and one seed per prompt; got n={n}, {len(row_seeds)} seeds for "
                              f"{len(prompts)} prompts")
+        # Each row draws its step's uniform from its own seeded generator, all of them up front: a sample does not
+        # depend on what else is in the batch, and every step then samples all rows at once (inverse CDF), on the
+        # model's device, with no per-row work beyond reading the chosen ids back.
         gens = [torch.Generator().manual_seed(row_seeds[p] if row_seeds is not None else
                                               sample_seed(seed, prompt_offset + p, j)) for p, j in rows]
-        stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+        uniforms = torch.stack([torch.rand(max_new_tokens, generator=g, dtype=torch.float64) for g in gens])
+        uniforms = uniforms.to(self.device)
+        stop = set(int(t) for t in stop_token_ids)
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
@@ -122,24 +128,30 @@ class EmbeddedEngine(RolloutEngine):
         tokens: list[list[int]] = [[] for _ in range(b)]
         logps: list[list[float]] = [[] for _ in range(b)]
         finish = ["length"] * b
-        active = torch.ones(b, dtype=torch.bool)
+        active = [True] * b
         for step in range(max_new_tokens):
-            logits = out.logits[:, -1].float().cpu()
+            logits = out.logits[:, -1].float()
             scaled = logits / temperature if temperature > 0 else logits
             logp_all = torch.log_softmax(scaled, dim=-1)
             if temperature == 0:
                 tok = scaled.argmax(-1)
             else:
                 probs = _top_p_filter(logp_all.exp(), top_p)
-                tok = torch.stack([torch.multinomial(probs[r], 1, generator=gens[r])[0] for r in range(b)])
+                cdf = probs.double().cumsum(-1)
+                # The first token whose cumulative probability exceeds u x total: never one of probability 0.
+                tok = torch.searchsorted(cdf, (uniforms[:, step] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+                tok = tok.clamp(max=cdf.shape[1] - 1)
             lp = logp_all.gather(1, tok[:, None])[:, 0]
-            for r in torch.nonzero(active).flatten().tolist():
-                tokens[r].append(int(tok[r]))
-                logps[r].append(float(lp[r]))
-                if stop.numel() and bool((stop == tok[r]).any()):
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            for r in range(b):
+                if not active[r]:
+                    continue
+                tokens[r].append(tok_l[r])
+                logps[r].append(lp_l[r])
+                if tok_l[r] in stop:
                     finish[r] = "stop"
                     active[r] = False
-            if not active.any() or step == max_new_tokens - 1:
+            if not any(active) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
             out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask.to(self.device),

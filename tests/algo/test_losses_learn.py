@@ -1,5 +1,6 @@
-"""gspo and cispo learn the demo task: 50 steps of the default CPU run (about 12 s each), the train reward of
-the last 10 steps well above the first 10's. (The full 200-step demo reaches validation reward 0.95 with either;
+"""gspo and cispo learn the demo task: 80 steps of the default CPU run, the train reward of the last 10 steps
+well above the first 10's. (50 steps were seed-dependent: with the engine's inverse-CDF sampling cispo went
+0.05 -> 0.14 in 50 steps, 0.05 -> 0.41 in 80.) (The full 200-step demo reaches validation reward 0.95 with either;
 docs in the report of issue 27.)"""
 
 import json
@@ -9,7 +10,7 @@ import pytest
 
 from tests.proc import run_tree
 
-STEPS = 50
+STEPS = 80
 LOSSES = {"gspo": ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean"],
           "cispo": ["algo.policy_loss=cispo"]}
 
