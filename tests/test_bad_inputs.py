@@ -147,6 +147,8 @@ CONFIG_CASES = {
                               r"rollout\.audit_weights=true reads every tensor back .* not model\.family='qwen3'"),
     "tool_memory_negative": (["rollout.multi_turn.tool_max_memory_mb=-1"],
                              r"rollout\.multi_turn\.tool_max_memory_mb=-1 must be >= 0"),
+    "tool_response_chars_zero": (["rollout.multi_turn.max_tool_response_chars=0"],
+                                 r"rollout\.multi_turn\.max_tool_response_chars=0 must be >= 1"),
     "checkpoint_lock_stale_zero": (["checkpoint.lock_stale_s=0"], r"checkpoint\.lock_stale_s=0\.0 must be > 0"),
     "checkpoint_resume_nonsense": (["checkpoint.resume=sometimes"], r"checkpoint\.resume='sometimes' must be 'auto', 'never' or"),
 }

@@ -499,8 +499,12 @@ class MultiTurnConfig:
     tool_max_memory_mb: Optional[int] = None
     """Cap on each tool worker's memory beyond its size at start (RLIMIT_AS; null or 0: none): a call over it
     answers with an error, the run goes on, and the node's OOM killer never has to pick a process."""
+    max_tool_response_chars: int = 4096
+    """A tool result longer than this is cut to it and ends '...[truncated N chars]' (counted)."""
 
     def __post_init__(self):
+        if self.max_tool_response_chars < 1:
+            raise ValueError(f"rollout.multi_turn.max_tool_response_chars={self.max_tool_response_chars} must be >= 1")
         if self.max_turns < 1:
             raise ValueError(f"rollout.multi_turn.max_turns={self.max_turns} must be >= 1")
         if not self.tool_timeout_s > 0:

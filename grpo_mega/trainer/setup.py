@@ -71,7 +71,8 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
 
         pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
                         max_memory_mb=mt.tool_max_memory_mb)
-        return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids)
+        return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids,
+                               max_tool_response_chars=mt.max_tool_response_chars)
 
     return build
 
