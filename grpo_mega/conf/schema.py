@@ -501,6 +501,8 @@ class MultiTurnConfig:
     answers with an error, the run goes on, and the node's OOM killer never has to pick a process."""
     max_tool_response_chars: int = 4096
     """A tool result longer than this is cut to it and ends '...[truncated N chars]' (counted)."""
+    call_stop: list[str] = field(default_factory=list)
+    """Tokens (each one token of the tokenizer) that also end a model turn so its calls run, e.g. [</tool_call>]."""
 
     def __post_init__(self):
         if self.max_tool_response_chars < 1:

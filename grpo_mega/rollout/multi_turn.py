@@ -59,6 +59,7 @@ class ToolTurnRenderer:
 @dataclass
 class _Sample:
     context: list[int]
+    tools_kwargs: dict
     seed: int
     ids: list[int]
     logps: list[float]
@@ -93,10 +94,15 @@ class MultiTurnEngine(RolloutEngine):
     """`inner` (an engine whose generate takes per-row seeds: the embedded engine) driven turn by turn.
     Weights, checksums and health are the inner engine's. A tool result longer than `max_tool_response_chars`
     is cut to it and marked; one longer than the trajectory's remaining token budget is cut there and the
-    trajectory ends "length" (reward.overlong); both are counted in `tool_truncated`."""
+    trajectory ends "length" (reward.overlong); both are counted in `tool_truncated`.
+    `call_stop_ids`: tokens that also end a model turn (to run its calls; e.g. `</tool_call>`), beside the
+    trajectory's stop tokens. `row_tools_kwargs(prompt_ids)`: the prompt row's verl tools_kwargs
+    ({tool: {"create_kwargs": {...}, "execute_kwargs": {...}}}, or None), given to that tool's calls."""
 
     def __init__(self, inner, tokenizer, pool: ToolPool, parser: str = "hermes", max_turns: int = 4,
-                 stop_token_ids: Optional[Iterable[int]] = None, max_tool_response_chars: int = 4096):
+                 stop_token_ids: Optional[Iterable[int]] = None, max_tool_response_chars: int = 4096,
+                 call_stop_ids: Iterable[int] = (),
+                 row_tools_kwargs: Optional[Callable[[Sequence[int]], Optional[dict]]] = None):
         if "row_seeds" not in inspect.signature(inner.generate).parameters:
             raise ValueError(f"rollout.multi_turn needs an engine that samples with per-row seeds (the embedded "
                              f"engine); {type(inner).__name__} does not")
@@ -106,6 +112,7 @@ class MultiTurnEngine(RolloutEngine):
             raise ValueError(f"rollout.multi_turn.max_tool_response_chars={max_tool_response_chars} must be >= 1")
         self.inner, self.tok, self.pool, self.max_turns = inner, tokenizer, pool, max_turns
         self.max_chars = max_tool_response_chars
+        self.call_stop, self.row_tools_kwargs = list(call_stop_ids), row_tools_kwargs
         self.parse: Callable[[str], list[ToolCall]] = PARSERS.get(parser)
         self.renderer = ToolTurnRenderer(tokenizer, stop_token_ids or [tokenizer.eos_token_id])
 
@@ -135,7 +142,8 @@ class MultiTurnEngine(RolloutEngine):
                  stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
         """As RolloutEngine.generate, each sample a multi-turn trajectory of at most max_new_tokens tokens."""
         stop = list(stop_token_ids)
-        samples = [_Sample(list(prompts[p]), sample_seed(seed, prompt_offset + p, j), [], [], [])
+        rows = [(self.row_tools_kwargs(p) if self.row_tools_kwargs else None) or {} for p in prompts]
+        samples = [_Sample(list(prompts[p]), rows[p], sample_seed(seed, prompt_offset + p, j), [], [], [])
                    for p in range(len(prompts)) for j in range(n)]
         tool_seconds, version = 0.0, self.inner.weight_version
         for turn in range(self.max_turns):
@@ -143,7 +151,8 @@ class MultiTurnEngine(RolloutEngine):
             if not active:
                 break
             budget = max(max_new_tokens - len(s.ids) for s in active)
-            gen = self.inner.generate([s.context for s in active], 1, temperature, top_p, budget, stop, seed,
+            gen = self.inner.generate([s.context for s in active], 1, temperature, top_p, budget,
+                                      stop + [t for t in self.call_stop if t not in stop], seed,
                                       row_seeds=[sample_seed(s.seed, turn, 0) for s in active])
             version = gen.weight_version
             want: list[tuple[_Sample, list[ToolCall]]] = []
@@ -166,6 +175,9 @@ class MultiTurnEngine(RolloutEngine):
                 if len(s.ids) >= max_new_tokens:  # tool calls, but no room for their results
                     s.finish = "length"
                     continue
+                for c in calls:
+                    kw = s.tools_kwargs.get(c.name) or {}
+                    c.kwargs = {**(kw.get("create_kwargs") or {}), **(kw.get("execute_kwargs") or {})}
                 want.append((s, calls))
             if not want:
                 continue

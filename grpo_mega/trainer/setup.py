@@ -42,7 +42,7 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
 
 
 def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], out_dir: Path, tok=None,
-                   stop_token_ids: Optional[list[int]] = None) -> Callable[[], object]:
+                   stop_token_ids: Optional[list[int]] = None, tools_kwargs=None) -> Callable[[], object]:
     """What builds one rollout engine on the ranks that hold one: the dedicated servers' client, or the
     registered engine class of rollout.engine (colocated: on the rank's own GPU where there is one), driven
     turn by turn with tools when rollout.multi_turn.enable (`tok` renders the tool turns)."""
@@ -71,8 +71,15 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
 
         pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
                         max_memory_mb=mt.tool_max_memory_mb)
+        call_stop = []
+        for t in mt.call_stop:
+            i = tok.convert_tokens_to_ids(t)
+            if not isinstance(i, int) or tok.convert_ids_to_tokens(i) != t:
+                raise ValueError(f"rollout.multi_turn.call_stop: {t!r} is not one token of the tokenizer")
+            call_stop.append(i)
         return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids,
-                               max_tool_response_chars=mt.max_tool_response_chars)
+                               max_tool_response_chars=mt.max_tool_response_chars, call_stop_ids=call_stop,
+                               row_tools_kwargs=tools_kwargs)
 
     return build
 
@@ -214,7 +221,8 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)
     try:
-        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids), hf_dir,
+        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids,
+                                                    task.tools_kwargs), hf_dir,
                    out_dir)
     except BaseException:
         getattr(task.reward, "close", lambda: None)()  # the reward's worker processes end with the run

@@ -214,3 +214,21 @@ def test_a_tool_result_longer_than_the_remaining_budget_is_cut_and_marked_length
     assert gen.model_mask[0] == [1] * first + [0] * 10
     assert gen.extra["multi_turn"]["tool_truncated"] == [1, 0] and gen.extra["multi_turn"]["turns"] == [1, 1]
     assert len(engine.calls) == 1  # no model turn after the cut
+
+
+def test_a_rows_tools_kwargs_reach_its_calls(tok):
+    """verl's tools_kwargs: the row's create_kwargs/execute_kwargs are given to the tool it names, for that
+    prompt only (the calculator takes its expression from them when the model's call gives none)."""
+    p1, p2 = prompt_ids(tok, "with kwargs"), prompt_ids(tok, "without")
+    bare = '<tool_call>{"name": "calculator", "arguments": {}}</tool_call>'
+    engine = ScriptedEngine(tok, {tuple(p1): [bare, "ok"], tuple(p2): [bare, "ok"]})
+    rows = {tuple(p1): {"calculator": {"create_kwargs": {"expression": "6*7"}, "execute_kwargs": {}}}}
+    mt = MultiTurnEngine(engine, tok, ToolPool(["calculator"], start_method="fork"), max_turns=3,
+                         stop_token_ids=[engine.end], row_tools_kwargs=lambda ids: rows.get(tuple(ids)))
+    try:
+        gen = mt.generate([p1, p2], 1, 1.0, 1.0, 200, [engine.end], seed=0)
+    finally:
+        mt.shutdown()
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(gen.token_ids[0])
+    assert "calculator takes exactly one argument 'expression'; got []" in tok.decode(gen.token_ids[1])
+    assert gen.extra["multi_turn"]["tool_errors"] == [0, 1]
