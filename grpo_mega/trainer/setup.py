@@ -35,7 +35,7 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
     from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.data.toy_tools import make_tool_tokenizer
 
-    tok = make_tool_tokenizer() if cfg.task == "product_tool" else make_tokenizer()
+    tok = make_tool_tokenizer() if cfg.task in ("product_tool", "tens_tool") else make_tokenizer()
     model = load_model_config(cfg.model)
     model.vocab_size = len(tok)  # the toy task's own vocabulary
     return model, tok, None
