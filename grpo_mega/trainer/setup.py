@@ -33,9 +33,12 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
         return read_hf_config(cfg.model)[2], AutoTokenizer.from_pretrained(cfg.model), cfg.model
     from grpo_mega.conf.schema import load_model_config
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.data.toy_tools import make_tool_tokenizer
+    from grpo_mega.data.toy_tools import CHAT_TEMPLATE, TENS_TEMPLATE, make_tool_tokenizer
 
-    tok = make_tool_tokenizer() if cfg.task in ("product_tool", "tens_tool") else make_tokenizer()
+    if cfg.task in ("product_tool", "tens_tool"):
+        tok = make_tool_tokenizer(TENS_TEMPLATE if cfg.task == "tens_tool" else CHAT_TEMPLATE)
+    else:
+        tok = make_tokenizer()
     model = load_model_config(cfg.model)
     model.vocab_size = len(tok)  # the toy task's own vocabulary
     return model, tok, None

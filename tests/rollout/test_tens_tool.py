@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grpo_mega.data.toy_tools import TensDigitTask, make_tool_tokenizer
+from grpo_mega.data.toy_tools import TENS_TEMPLATE, TensDigitTask, make_tool_tokenizer
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.tools.pool import ToolPool
@@ -21,15 +21,15 @@ class CallThenCopy:
 
     def __init__(self, tok, use_tool):
         self.tok, self.use_tool = tok, use_tool
-        self.call, self.end = tok.convert_tokens_to_ids("<tool_call>"), tok.convert_tokens_to_ids("</tool>")
+        self.call, self.open = tok.convert_tokens_to_ids("<tool_call>"), tok.convert_tokens_to_ids("<tool>")
 
     def generate(self, prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed, prompt_offset=0,
                  row_seeds=None):
         assert self.call in stop_token_ids  # rollout.multi_turn.call_stop reaches the engine
         out = []
         for ctx in prompts:
-            if ctx[-1] == self.end:
-                out.append([ctx[-2], self.tok.eos_token_id])
+            if ctx[-2] == self.open:
+                out.append([ctx[-1], self.tok.eos_token_id])
             else:
                 out.append([self.call] if self.use_tool else self.tok.encode("7", add_special_tokens=False) +
                            [self.tok.eos_token_id])
@@ -40,7 +40,7 @@ class CallThenCopy:
 
 
 def test_calling_and_copying_solves_it_guessing_does_not():
-    tok = make_tool_tokenizer()
+    tok = make_tool_tokenizer(TENS_TEMPLATE)
     task = TensDigitTask(tok)
     val = task.validation()
     assert len(val) == 64 and all(e.answer == str(eval(tok.decode(e.prompt_ids, skip_special_tokens=True)
@@ -57,7 +57,7 @@ def test_calling_and_copying_solves_it_guessing_does_not():
         scores[use_tool] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
         if use_tool:
             assert gen.extra["multi_turn"]["tool_calls"] == [1] * 64 and gen.extra["multi_turn"]["tool_errors"] == [0] * 64
-            assert gen.model_mask[0] == [1, 0, 0, 0, 1, 1]  # <tool_call> | <tool> d </tool> | d <eos>
+            assert gen.model_mask[0] == [1, 0, 0, 1, 1]  # <tool_call> | <tool> d | d <eos>
     assert scores[True] == 1.0
     assert scores[False] == pytest.approx(sum(e.answer == "7" for e in val) / 64) and scores[False] < 0.3
 
