@@ -219,7 +219,7 @@ def rollout_metrics(gen: Generation) -> dict:
     if not stats:
         return {}
     count = max(1, len(stats["turns"]))
-    mean = lambda k: sum(stats[k]) / count  # noqa: E731
+    mean = lambda k: sum(stats.get(k, ())) / count  # noqa: E731 (a key an older engine lacks: 0)
     return {"multi_turn/turns": mean("turns"), "multi_turn/tool_calls": mean("tool_calls"),
             "multi_turn/tool_errors": mean("tool_errors"), "multi_turn/tool_timeouts": mean("tool_timeouts"),
             "multi_turn/tool_truncated": mean("tool_truncated"),
