@@ -114,8 +114,8 @@ class ToolPool:
                 for i, w in enumerate(self._workers):
                     if w.busy is None and todo:
                         k = todo.pop()
-                        w = send_or_replace(self._workers, i, (calls[k].name, calls[k].arguments, calls[k].kwargs), self._spawn,
-                                            "tool worker")
+                        w = send_or_replace(self._workers, i, (calls[k].name, calls[k].arguments, calls[k].kwargs),
+                                            self._spawn, "tool worker")
                         w.busy, w.started = k, time.monotonic()
                         w.deadline = w.started + self.timeout_s
                 busy = [w for w in self._workers if w.busy is not None]
