@@ -103,6 +103,18 @@ def test_bad_data_file(case, tmp_path):
     _refused(proc, pattern)
 
 
+def test_a_row_naming_an_unregistered_tool_is_refused_at_start_up(tmp_path):
+    """rollout.multi_turn on: a row's extra_info.tools_kwargs naming a tool the run does not have stops the run
+    before any model is built, naming the file, the line and the tool."""
+    from tests.models.hf_fixtures import smollm2_dir
+
+    data = _write_rows(tmp_path / "tk.jsonl", [_row(), _row(extra_info={"tools_kwargs": {"web_search": {}}})])
+    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}",
+                "batch.max_prompt_length=128", "rollout.multi_turn.enable=true", fork=True)
+    _refused(proc, r"tk\.jsonl:2: extra_info\.tools_kwargs names tool 'web_search', which is not in "
+                   r"rollout\.multi_turn\.tools \(calculator\)")
+
+
 # ---- configuration: batch sizes, layouts, models, options -----------------------------------------------------
 
 CONFIG_CASES = {
@@ -151,6 +163,8 @@ CONFIG_CASES = {
                               r"rollout\.audit_weights=true reads every tensor back .* not model\.family='qwen3'"),
     "tool_memory_negative": (["rollout.multi_turn.tool_max_memory_mb=-1"],
                              r"rollout\.multi_turn\.tool_max_memory_mb=-1 must be >= 0"),
+    "tool_response_chars_zero": (["rollout.multi_turn.max_tool_response_chars=0"],
+                                 r"rollout\.multi_turn\.max_tool_response_chars=0 must be >= 1"),
     "checkpoint_lock_stale_zero": (["checkpoint.lock_stale_s=0"], r"checkpoint\.lock_stale_s=0\.0 must be > 0"),
     "checkpoint_resume_nonsense": (["checkpoint.resume=sometimes"], r"checkpoint\.resume='sometimes' must be 'auto', 'never' or"),
     "layout_ep_on_a_dense_model": (["parallel.ep=2"], r"parallel\.ep=2 needs an MoE model; model tiny is dense"),

@@ -598,8 +598,14 @@ class MultiTurnConfig:
     tool_max_memory_mb: Optional[int] = None
     """Cap on each tool worker's memory beyond its size at start (RLIMIT_AS; null or 0: none): a call over it
     answers with an error, the run goes on, and the node's OOM killer never has to pick a process."""
+    max_tool_response_chars: int = 4096
+    """A tool result longer than this is cut to it and ends '...[truncated N chars]' (counted)."""
+    call_stop: list[str] = field(default_factory=list)
+    """Tokens (each one token of the tokenizer) that also end a model turn so its calls run, e.g. [</tool_call>]."""
 
     def __post_init__(self):
+        if self.max_tool_response_chars < 1:
+            raise ValueError(f"rollout.multi_turn.max_tool_response_chars={self.max_tool_response_chars} must be >= 1")
         if self.max_turns < 1:
             raise ValueError(f"rollout.multi_turn.max_turns={self.max_turns} must be >= 1")
         if not self.tool_timeout_s > 0:
@@ -907,7 +913,8 @@ class TrainConfig:
     """A model_configs/ name (random init), or an HF directory (weights and tokenizer loaded from it)."""
     task: str = "successor"
     """'successor' (the toy demo), 'product_tool' (the toy tool task: 2-digit products, solvable with
-    rollout.multi_turn's calculator) or 'prompts' (data.* files scored by reward.*)."""
+    rollout.multi_turn's calculator), 'tens_tool' (the tens digit of such a product: learns with the tool from a
+    random start, grpo_mega.data.toy_tools) or 'prompts' (data.* files scored by reward.*)."""
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -926,8 +933,8 @@ class TrainConfig:
             kind = _COMPONENTS.get(f.name)
             if kind is not None and isinstance(getattr(self, f.name), dict):
                 setattr(self, f.name, kind(**getattr(self, f.name)))
-        if self.task not in ("successor", "product_tool", "prompts"):
-            raise ValueError(f"task={self.task!r} must be 'successor', 'product_tool' or 'prompts'")
+        if self.task not in ("successor", "product_tool", "tens_tool", "prompts"):
+            raise ValueError(f"task={self.task!r} must be 'successor', 'product_tool', 'tens_tool' or 'prompts'")
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)

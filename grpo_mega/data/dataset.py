@@ -6,6 +6,11 @@ generation prompt) and tokenised here; prompts longer than `max_prompt_length` t
 counted (one whose rendered text has more characters than that many tokens could hold is dropped before it
 is tokenised). A malformed row (bytes that are not UTF-8, a wrong-typed column, a null ground truth) stops
 loading with a one-line error naming the file, the line and what to do.
+
+Multi-turn rows (rollout.multi_turn, verl's fields): `extra_info.tools_kwargs` ({tool name: {"create_kwargs":
+{...}, "execute_kwargs": {...}}}) names the tools the row offers (their schemas go to the chat template's
+`tools=`; a name not among the run's tools is refused at start-up) and the keyword arguments their calls get;
+`extra_info.need_tools_kwargs: true` requires them. A row without tools_kwargs is offered every tool of the run.
 """
 
 from __future__ import annotations
@@ -106,8 +111,34 @@ def _chars_per_token(tokenizer) -> int | None:
         return None
 
 
-def load_prompts(path: str, tokenizer, max_prompt_length: int) -> tuple[list[PromptExample], int]:
-    """(examples, number dropped for being longer than max_prompt_length). Raises DataError on bad input."""
+def row_tools(row: dict, where: str, tools: dict[str, dict]) -> tuple[list[dict], dict]:
+    """(the schemas the row offers, its tools_kwargs) against the run's tools {name: schema}."""
+    extra = row.get("extra_info") or {}
+    kwargs = extra.get("tools_kwargs") or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(v, dict) or v is None for v in kwargs.values()):
+        raise DataError(f"{where}: 'extra_info.tools_kwargs' must map tool names to objects "
+                        f"({{\"calculator\": {{\"create_kwargs\": {{...}}}}}}), got {str(kwargs)[:60]!r}")
+    unknown = [n for n in kwargs if n not in tools]
+    if unknown:
+        raise DataError(f"{where}: extra_info.tools_kwargs names tool {unknown[0]!r}, which is not in "
+                        f"rollout.multi_turn.tools ({', '.join(tools)}); add it there or drop it from the row")
+    if extra.get("need_tools_kwargs") and not kwargs:
+        raise DataError(f"{where}: extra_info.need_tools_kwargs is true but extra_info.tools_kwargs is empty; "
+                        f"give the row's tools_kwargs or set need_tools_kwargs to false")
+    for name, kw in kwargs.items():
+        for k in ("create_kwargs", "execute_kwargs"):
+            if kw and kw.get(k) is not None and not isinstance(kw[k], dict):
+                raise DataError(f"{where}: extra_info.tools_kwargs.{name}.{k} must be an object, got "
+                                f"{type(kw[k]).__name__}")
+    names = list(kwargs) or list(tools)
+    return [tools[n] for n in names], {n: dict(kw or {}) for n, kw in kwargs.items()}
+
+
+def load_prompts(path: str, tokenizer, max_prompt_length: int,
+                 tools: dict[str, dict] | None = None) -> tuple[list[PromptExample], int]:
+    """(examples, number dropped for being longer than max_prompt_length). Raises DataError on bad input.
+    `tools` ({name: schema}, rollout.multi_turn on): each prompt is rendered with the schemas its row offers as
+    the chat template's `tools=`, and its tools_kwargs checked against them (kept in extra_info)."""
     p = Path(path)
     out, dropped, seen = [], 0, 0
     per_token = _chars_per_token(tokenizer)
@@ -115,13 +146,17 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int) -> tuple[list[Pro
         where = f"{p}:{line_no}"
         msgs, truth = _check(row, where)
         seen += 1
+        kw = {}
+        if tools is not None:
+            schemas, tools_kwargs = row_tools(row, where, tools)
+            kw = {"tools": schemas}
         try:
             if per_token and sum(len(m["content"]) for m in msgs) > per_token * max_prompt_length and len(
-                    tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                    tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
             ) > per_token * max_prompt_length:  # (rendered: a template may leave a message out)
                 dropped += 1  # more text than max_prompt_length tokens can spell: dropped without tokenising it
                 continue
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
         except Exception as e:  # noqa: BLE001 - template errors come in many types
             raise DataError(f"{where}: the tokenizer's chat template failed on this prompt ({e})") from None
         if hasattr(ids, "keys"):
@@ -136,6 +171,20 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int) -> tuple[list[Pro
     if not out:
         raise DataError(f"{p}: all {seen} prompts are longer than batch.max_prompt_length={max_prompt_length} tokens")
     return out, dropped
+
+
+def tools_kwargs_lookup(examples: list[PromptExample], path: str):
+    """prompt ids -> the row's extra_info.tools_kwargs (None without): how the multi-turn engine, which sees
+    token ids, finds a sample's tool arguments. Two rows with the same prompt ids and different tools_kwargs
+    cannot be told apart by it and are refused."""
+    table: dict[tuple, dict] = {}
+    for e in examples:
+        kw = e.extra_info.get("tools_kwargs") or None
+        key = tuple(e.prompt_ids)
+        if kw is not None and table.setdefault(key, kw) != kw:
+            raise DataError(f"{path}: two rows render to the same prompt with different extra_info.tools_kwargs "
+                            f"({str(table[key])[:60]} vs {str(kw)[:60]}); make the prompts differ or the kwargs agree")
+    return lambda prompt_ids: table.get(tuple(prompt_ids))
 
 
 class PromptStream:

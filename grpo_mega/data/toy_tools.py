@@ -17,7 +17,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.cont
                  "{% endfor %}")
 
 
-def make_tool_tokenizer():
+TENS_TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<eos>"
+                 "{% elif m.role == 'tool' %}<tool>{{ m.content }}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+"""task=tens_tool's: a tool turn is `<tool>RESULT`, the model's turn following right after the result."""
+
+
+def make_tool_tokenizer(chat_template: str = CHAT_TEMPLATE):
     """A character-level PreTrainedTokenizerFast: <pad>=0, <bos>=1, <eos>=2, the symbols, the markers (whole)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -28,7 +33,7 @@ def make_tool_tokenizer():
     core.decoder = decoders.Fuse()
     core.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIALS + MARKERS])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -65,3 +70,38 @@ class ProductTask:
             ids = ids[len(ids) - ids[::-1].index(self.tool_end):]
         want = self.tok.convert_tokens_to_ids(list(example.answer)) + [self.tok.eos_token_id]
         return 1.0 if ids == want else 0.0
+
+
+class TensDigitTask(ProductTask):
+    """task=tens_tool, the toy task that learns with a tool from a random start: "<bos>37*58=" -> the tens
+    digit of the product ("4": 2146), which a tiny model cannot work out in a short run (chance: 1 in 10)
+    and can read off the calculator's answer. Each prompt's expression ("37*58//10%10") is its row's
+    tools_kwargs (verl's create_kwargs), so calling the tool takes one token: with rollout.multi_turn.parser=bare
+    and call_stop=[<tool_call>], a turn ending `<tool_call>` gets `<tool>4` (TENS_TEMPLATE), and the next turn
+    copies it, `4<eos>`. Reward: the first token of the last model turn (after the last tool result, one
+    digit) is the digit: 1.0 with <eos> next, 0.5 without; else 0."""
+
+    def __init__(self, tokenizer, seed: int = 0):
+        super().__init__(tokenizer, seed)
+        self.tool_open = tokenizer.convert_tokens_to_ids("<tool>")
+
+    def example(self, a: int, b: int) -> ToyExample:
+        ex = super().example(a, b)
+        return ToyExample(prompt_ids=ex.prompt_ids, answer=str(a * b // 10 % 10))
+
+    def validation(self) -> list[ToyExample]:
+        r = random.Random(99)
+        return [self.example(r.randint(10, 99), r.randint(10, 99)) for _ in range(64)]
+
+    def tools_kwargs(self, prompt_ids) -> dict:
+        """The prompt's row for the calculator: {"calculator": {"create_kwargs": {"expression": "37*58//10%10"}}}."""
+        text = self.tok.decode(list(prompt_ids), skip_special_tokens=True)
+        return {"calculator": {"create_kwargs": {"expression": text.rstrip("=") + "//10%10"}}}
+
+    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+        ids = list(response_ids)
+        if self.tool_open in ids:  # `<tool>` and the result's one digit
+            ids = ids[len(ids) - ids[::-1].index(self.tool_open) + 1:]
+        if not ids or self.tok.convert_ids_to_tokens(ids[0]) != example.answer:
+            return 0.0
+        return 1.0 if len(ids) > 1 and ids[1] == self.tok.eos_token_id else 0.5

@@ -59,6 +59,7 @@ class ToolTurnRenderer:
 @dataclass
 class _Sample:
     context: list[int]
+    tools_kwargs: dict
     seed: int
     ids: list[int]
     logps: list[float]
@@ -67,32 +68,51 @@ class _Sample:
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    truncated: int = 0
     finish: Optional[str] = None
 
 
-STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "model_tokens", "tool_tokens")
+STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated", "model_tokens", "tool_tokens")
+
+
+def clip_result(text: str, max_chars: int) -> tuple[str, bool]:
+    """A tool result of at most `max_chars` characters (then '...[truncated N chars]' marks what was cut)."""
+    if len(text) <= max_chars:
+        return text, False
+    return text[:max_chars] + f"...[truncated {len(text) - max_chars} chars]", True
 
 
 def join_stats(parts: Sequence[Optional[dict]]) -> dict:
     """Several engines' Generation.extra["multi_turn"] as one (per-sample lists joined, seconds summed)."""
     parts = [p for p in parts if p]
-    out = {k: [v for p in parts for v in p[k]] for k in STAT_KEYS}
+    out = {k: [v for p in parts for v in p.get(k, [0] * len(p["turns"]))] for k in STAT_KEYS}
     out["tool_seconds"] = sum(p["tool_seconds"] for p in parts)
     return out
 
 
 class MultiTurnEngine(RolloutEngine):
     """`inner` (an engine whose generate takes per-row seeds: the embedded engine) driven turn by turn.
-    Weights, checksums and health are the inner engine's."""
+    Weights, checksums and health are the inner engine's. A tool result longer than `max_tool_response_chars`
+    is cut to it and marked; one longer than the trajectory's remaining token budget is cut there and the
+    trajectory ends "length" (reward.overlong); both are counted in `tool_truncated`.
+    `call_stop_ids`: tokens that also end a model turn (to run its calls; e.g. `</tool_call>`), beside the
+    trajectory's stop tokens. `row_tools_kwargs(prompt_ids)`: the prompt row's verl tools_kwargs
+    ({tool: {"create_kwargs": {...}, "execute_kwargs": {...}}}, or None), given to that tool's calls."""
 
     def __init__(self, inner, tokenizer, pool: ToolPool, parser: str = "hermes", max_turns: int = 4,
-                 stop_token_ids: Optional[Iterable[int]] = None):
+                 stop_token_ids: Optional[Iterable[int]] = None, max_tool_response_chars: int = 4096,
+                 call_stop_ids: Iterable[int] = (),
+                 row_tools_kwargs: Optional[Callable[[Sequence[int]], Optional[dict]]] = None):
         if "row_seeds" not in inspect.signature(inner.generate).parameters:
             raise ValueError(f"rollout.multi_turn needs an engine that samples with per-row seeds (the embedded "
                              f"engine); {type(inner).__name__} does not")
         if max_turns < 1:
             raise ValueError(f"rollout.multi_turn.max_turns={max_turns} must be >= 1")
+        if max_tool_response_chars < 1:
+            raise ValueError(f"rollout.multi_turn.max_tool_response_chars={max_tool_response_chars} must be >= 1")
         self.inner, self.tok, self.pool, self.max_turns = inner, tokenizer, pool, max_turns
+        self.max_chars = max_tool_response_chars
+        self.call_stop, self.row_tools_kwargs = list(call_stop_ids), row_tools_kwargs
         self.parse: Callable[[str], list[ToolCall]] = PARSERS.get(parser)
         self.renderer = ToolTurnRenderer(tokenizer, stop_token_ids or [tokenizer.eos_token_id])
 
@@ -122,7 +142,8 @@ class MultiTurnEngine(RolloutEngine):
                  stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
         """As RolloutEngine.generate, each sample a multi-turn trajectory of at most max_new_tokens tokens."""
         stop = list(stop_token_ids)
-        samples = [_Sample(list(prompts[p]), sample_seed(seed, prompt_offset + p, j), [], [], [])
+        rows = [(self.row_tools_kwargs(p) if self.row_tools_kwargs else None) or {} for p in prompts]
+        samples = [_Sample(list(prompts[p]), rows[p], sample_seed(seed, prompt_offset + p, j), [], [], [])
                    for p in range(len(prompts)) for j in range(n)]
         tool_seconds, version = 0.0, self.inner.weight_version
         for turn in range(self.max_turns):
@@ -130,7 +151,8 @@ class MultiTurnEngine(RolloutEngine):
             if not active:
                 break
             budget = max(max_new_tokens - len(s.ids) for s in active)
-            gen = self.inner.generate([s.context for s in active], 1, temperature, top_p, budget, stop, seed,
+            gen = self.inner.generate([s.context for s in active], 1, temperature, top_p, budget,
+                                      stop + [t for t in self.call_stop if t not in stop], seed,
                                       row_seeds=[sample_seed(s.seed, turn, 0) for s in active])
             version = gen.weight_version
             want: list[tuple[_Sample, list[ToolCall]]] = []
@@ -153,6 +175,9 @@ class MultiTurnEngine(RolloutEngine):
                 if len(s.ids) >= max_new_tokens:  # tool calls, but no room for their results
                     s.finish = "length"
                     continue
+                for c in calls:
+                    kw = s.tools_kwargs.get(c.name) or {}
+                    c.kwargs = {**(kw.get("create_kwargs") or {}), **(kw.get("execute_kwargs") or {})}
                 want.append((s, calls))
             if not want:
                 continue
@@ -165,9 +190,12 @@ class MultiTurnEngine(RolloutEngine):
                 s.calls += len(calls)
                 s.errors += sum(r.error for r in mine)
                 s.timeouts += sum(r.timeout for r in mine)
-                seg = self.renderer.ids([r.content for r in mine])
+                clipped = [clip_result(r.content, self.max_chars) for r in mine]
+                s.truncated += sum(cut for _, cut in clipped)
+                seg = self.renderer.ids([text for text, _ in clipped])
                 room = max_new_tokens - len(s.ids)
                 if len(seg) >= room:  # no room left for the model: the trajectory is cut by the budget
+                    s.truncated += len(seg) > room
                     seg, s.finish = seg[:room], "length"
                 s.ids += seg
                 s.logps += [0.0] * len(seg)
@@ -175,6 +203,7 @@ class MultiTurnEngine(RolloutEngine):
                 s.context += seg
         stats = {"turns": [s.turns for s in samples], "tool_calls": [s.calls for s in samples],
                  "tool_errors": [s.errors for s in samples], "tool_timeouts": [s.timeouts for s in samples],
+                 "tool_truncated": [s.truncated for s in samples],
                  "model_tokens": [sum(s.mask) for s in samples], "tool_tokens": [len(s.mask) - sum(s.mask) for s in samples],
                  "tool_seconds": tool_seconds}
         return Generation(token_ids=[s.ids for s in samples], logprobs=[s.logps for s in samples],
@@ -183,15 +212,16 @@ class MultiTurnEngine(RolloutEngine):
 
 
 def rollout_metrics(gen: Generation) -> dict:
-    """The step's multi-turn metrics (empty for single-turn rollouts): turns per sample, tool calls, errors and
-    timeouts per sample, seconds in tools (summed over engines), and tokens per sample by kind. The same on
-    every rank (from the per-sample counts every rank receives)."""
+    """The step's multi-turn metrics (empty for single-turn rollouts): turns per sample, tool calls, errors,
+    timeouts and truncated results per sample, seconds in tools (summed over engines), and tokens per sample by
+    kind. The same on every rank (from the per-sample counts every rank receives)."""
     stats = gen.extra.get("multi_turn")
     if not stats:
         return {}
     count = max(1, len(stats["turns"]))
-    mean = lambda k: sum(stats[k]) / count  # noqa: E731
+    mean = lambda k: sum(stats.get(k, ())) / count  # noqa: E731 (a key an older engine lacks: 0)
     return {"multi_turn/turns": mean("turns"), "multi_turn/tool_calls": mean("tool_calls"),
             "multi_turn/tool_errors": mean("tool_errors"), "multi_turn/tool_timeouts": mean("tool_timeouts"),
+            "multi_turn/tool_truncated": mean("tool_truncated"),
             "timing/tools": stats["tool_seconds"], "multi_turn/model_tokens": mean("model_tokens"),
             "multi_turn/tool_tokens": mean("tool_tokens")}

@@ -21,13 +21,15 @@ class ToolError(Exception):
 
 class Tool:
     """A callable tool. `name` is what the model calls; `parameters` the JSON schema of its arguments (what a
-    chat template's `tools=` shows the model); `call(args)` returns the text of the tool's turn."""
+    chat template's `tools=` shows the model); `call(args)` returns the text of the tool's turn. A prompt row
+    whose extra_info.tools_kwargs names the tool (verl's schema) has its create_kwargs and execute_kwargs given
+    as keyword arguments: `call(args, **kwargs)`."""
 
     name: str = ""
     description: str = ""
     parameters: dict = {"type": "object", "properties": {}}
 
-    def call(self, args: dict) -> str:
+    def call(self, args: dict, **kwargs) -> str:
         raise NotImplementedError
 
     def schema(self) -> dict:
@@ -127,7 +129,10 @@ class Calculator(Tool):
     parameters = {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 12*(3+4)"}},
                   "required": ["expression"]}
 
-    def call(self, args: dict) -> str:
+    def call(self, args: dict, expression: str | None = None, **_) -> str:
+        """`expression`: the prompt row's (tools_kwargs), used when the model's call gives none."""
+        if not args and expression is not None:
+            args = {"expression": expression}
         if set(args) != {"expression"}:
             raise ToolError(f"calculator takes exactly one argument 'expression'; got {sorted(args)}")
         return str(evaluate_arithmetic(args["expression"]))

@@ -18,6 +18,9 @@ class ToolCall:
     arguments: dict = field(default_factory=dict)
     error: Optional[str] = None
     """Why the call could not be made (malformed JSON, arguments not an object); None: well formed."""
+    kwargs: dict = field(default_factory=dict)
+    """The prompt row's keyword arguments for this tool (verl's extra_info.tools_kwargs[name]: create_kwargs and
+    execute_kwargs merged), given to Tool.call beside the model's arguments; {} for none."""
 
 
 PARSERS: Registry[Callable[[str], list[ToolCall]]] = Registry("tool-call parser")
@@ -59,3 +62,10 @@ def expression(text: str) -> list[ToolCall]:
     (task=product_tool) that cannot spell JSON."""
     return [ToolCall(name="calculator", arguments={"expression": "".join(m.group(1).split())})
             for m in _HERMES.finditer(text)]
+
+
+@PARSERS.register("bare")
+def bare(text: str) -> list[ToolCall]:
+    """Each `<tool_call>` in the turn is one call of the calculator without arguments: the prompt row's
+    tools_kwargs give the expression (the toy task=tens_tool, with rollout.multi_turn.call_stop=[<tool_call>])."""
+    return [ToolCall(name="calculator") for _ in range(text.count("<tool_call>"))]

@@ -40,11 +40,11 @@ def _worker(conn, names: list[str], max_memory_mb: Optional[int] = None) -> None
     conn.send(("ready", sorted(tools)))
     while True:
         try:
-            name, args = conn.recv()
+            name, args, kwargs = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            out = tools[name].call(args)
+            out = tools[name].call(args, **kwargs) if kwargs else tools[name].call(args)
             reply = ("ok", out if isinstance(out, str) else str(out))
         except ToolError as e:
             reply = ("error", f"Error: {e}")
@@ -114,8 +114,8 @@ class ToolPool:
                 for i, w in enumerate(self._workers):
                     if w.busy is None and todo:
                         k = todo.pop()
-                        w = send_or_replace(self._workers, i, (calls[k].name, calls[k].arguments), self._spawn,
-                                            "tool worker")
+                        w = send_or_replace(self._workers, i, (calls[k].name, calls[k].arguments, calls[k].kwargs),
+                                            self._spawn, "tool worker")
                         w.busy, w.started = k, time.monotonic()
                         w.deadline = w.started + self.timeout_s
                 busy = [w for w in self._workers if w.busy is not None]

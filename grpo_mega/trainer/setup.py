@@ -33,16 +33,19 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
         return read_hf_config(cfg.model)[2], AutoTokenizer.from_pretrained(cfg.model), cfg.model
     from grpo_mega.conf.schema import load_model_config
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.data.toy_tools import make_tool_tokenizer
+    from grpo_mega.data.toy_tools import CHAT_TEMPLATE, TENS_TEMPLATE, make_tool_tokenizer
 
-    tok = make_tool_tokenizer() if cfg.task == "product_tool" else make_tokenizer()
+    if cfg.task in ("product_tool", "tens_tool"):
+        tok = make_tool_tokenizer(TENS_TEMPLATE if cfg.task == "tens_tool" else CHAT_TEMPLATE)
+    else:
+        tok = make_tokenizer()
     model = load_model_config(cfg.model)
     model.vocab_size = len(tok)  # the toy task's own vocabulary
     return model, tok, None
 
 
 def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], out_dir: Path, tok=None,
-                   stop_token_ids: Optional[list[int]] = None) -> Callable[[], object]:
+                   stop_token_ids: Optional[list[int]] = None, tools_kwargs=None) -> Callable[[], object]:
     """What builds one rollout engine on the ranks that hold one: the dedicated servers' client, or the
     registered engine class of rollout.engine (colocated: on the rank's own GPU where there is one), driven
     turn by turn with tools when rollout.multi_turn.enable (`tok` renders the tool turns)."""
@@ -71,7 +74,15 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
 
         pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
                         max_memory_mb=mt.tool_max_memory_mb)
-        return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids)
+        call_stop = []
+        for t in mt.call_stop:
+            i = tok.convert_tokens_to_ids(t)
+            if not isinstance(i, int) or tok.convert_ids_to_tokens(i) != t:
+                raise ValueError(f"rollout.multi_turn.call_stop: {t!r} is not one token of the tokenizer")
+            call_stop.append(i)
+        return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids,
+                               max_tool_response_chars=mt.max_tool_response_chars, call_stop_ids=call_stop,
+                               row_tools_kwargs=tools_kwargs)
 
     return build
 
@@ -213,7 +224,8 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)
     try:
-        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids), hf_dir,
+        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids,
+                                                    task.tools_kwargs), hf_dir,
                    out_dir)
     except BaseException:
         getattr(task.reward, "close", lambda: None)()  # the reward's worker processes end with the run

@@ -28,6 +28,8 @@ class Task:
     """Rank 0 writes the task's non-JSON state (a reward model in training) into a checkpoint's directory."""
     load_files: Optional[Callable[[Path], None]] = None
     """Every rank is given that directory on resume."""
+    tools_kwargs: Optional[Callable[[list[int]], Optional[dict]]] = None
+    """Multi-turn: a prompt's ids -> its row's tools_kwargs (verl's), given to that prompt's tool calls."""
 
 
 def _reward_model(rew: RewardConfig, tok, verifier):
@@ -71,18 +73,24 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
                     get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
                     load_files=getattr(reward, "load_files", None))
-    if cfg.task == "product_tool":
-        from grpo_mega.data.toy_tools import ProductTask
+    if cfg.task in ("product_tool", "tens_tool"):
+        from grpo_mega.data.toy_tools import ProductTask, TensDigitTask
 
-        t = ProductTask(tok, seed=seed)
+        t = (ProductTask if cfg.task == "product_tool" else TensDigitTask)(tok, seed=seed)
         return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
-                    stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state)
-    from grpo_mega.data.dataset import PromptStream, load_prompts
+                    stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state,
+                    tools_kwargs=getattr(t, "tools_kwargs", None))
+    from grpo_mega.data.dataset import PromptStream, load_prompts, tools_kwargs_lookup
     from grpo_mega.rewards.scoring import PromptReward
 
-    train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length)
+    tools = None
+    if cfg.rollout.multi_turn.enable:  # the tools' schemas for the chat template; rows checked against them
+        from grpo_mega.tools import build_tools
+
+        tools = {name: t.schema() for name, t in build_tools(cfg.rollout.multi_turn.tools).items()}
+    train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length, tools)
     if cfg.data.val_files:
-        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length)[0]
+        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length, tools)[0]
     else:  # a bounded, fixed sample of the training prompts, in file order (all of them when few)
         keep = sorted(random.Random(seed).sample(range(len(train)), min(cfg.eval.max_prompts, len(train))))
         val = [train[i] for i in keep]
@@ -96,6 +104,8 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
                               timeout_s=rew.timeout_s, start_method=rew.start_method, max_memory_mb=rew.max_memory_mb)
 
+    lookup = tools_kwargs_lookup(train + val, cfg.data.train_files) if tools is not None else None
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
                 stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state,
-                save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None))
+                save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None),
+                tools_kwargs=lookup)

@@ -161,3 +161,74 @@ def test_loss_mask_excludes_tool_tokens():
     assert torch.equal(rb.response_mask(), want)
     assert torch.equal(rb.rows_at(torch.tensor([1, 0])).response_mask(), want[[1, 0]])
     assert torch.equal(rb.rows(0, 1).loss_mask(), want[:1])
+
+
+def test_bad_tool_calls_become_error_turns_and_the_trajectory_goes_on(tok):
+    """Malformed JSON, an unknown tool, a tool that raises, one that hangs past its limit, and one whose result is
+    longer than max_tool_response_chars: each answers with a one-line error (or the cut, marked result) as the
+    tool's turn, is counted, and the model's next turn is generated as usual."""
+    p = prompt_ids(tok, "try everything")
+    turns = ["<tool_call>{oops</tool_call>",
+             '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>',
+             '<tool_call>{"name": "raiser", "arguments": {}}</tool_call>',
+             '<tool_call>{"name": "sleeper", "arguments": {"s": 30}}</tool_call>',
+             '<tool_call>{"name": "calculator", "arguments": {"expression": "10**80"}}</tool_call>',
+             "done"]
+    engine = ScriptedEngine(tok, {tuple(p): turns})
+    pool = ToolPool(["calculator", "tests.tools.test_tools:Sleeper", "tests.tools.test_tools:Raiser"],
+                    timeout_s=1.0, start_method="fork")
+    mt = MultiTurnEngine(engine, tok, pool, "hermes", max_turns=8, stop_token_ids=[engine.end],
+                         max_tool_response_chars=70)
+    try:
+        gen = mt.generate([p], 1, 1.0, 1.0, 1000, [engine.end], seed=0)
+    finally:
+        mt.shutdown()
+    text = tok.decode(gen.token_ids[0])
+    expect = ["Error: the tool call is not valid JSON", "Error: unknown tool 'search'; valid: calculator, raiser, sleeper",
+              "Error: raiser raised RuntimeError: boom", "Error: sleeper timed out after 1 s",
+              "1" + "0" * 69 + "...[truncated 11 chars]"]
+    pos = [text.find(e) for e in expect]
+    assert all(i >= 0 for i in pos) and pos == sorted(pos), (pos, text)
+    assert text.rstrip().endswith("done<|im_end|>") and gen.finish_reasons == ["stop"]
+    s = gen.extra["multi_turn"]
+    assert (s["turns"], s["tool_calls"], s["tool_errors"], s["tool_timeouts"], s["tool_truncated"]) == \
+        ([6], [5], [4], [1], [2])  # cut: the calculator's 81 digits and the JSON error's long message
+    assert rollout_metrics(gen)["multi_turn/tool_truncated"] == 2.0
+
+
+def test_a_tool_result_longer_than_the_remaining_budget_is_cut_and_marked_length(tok):
+    """The result is cut at the budget (the trajectory is exactly max_new_tokens long, ends "length" for
+    reward.overlong, the cut counted); the other sample in the batch finishes normally."""
+    p1, p2 = prompt_ids(tok, "long"), prompt_ids(tok, "short")
+    engine = ScriptedEngine(tok, {tuple(p1): [call("9" * 30 + "*" + "9" * 30), "never"], tuple(p2): ["fine"]})
+    mt = MultiTurnEngine(engine, tok, ToolPool(["calculator"], start_method="fork"), max_turns=4,
+                         stop_token_ids=[engine.end])
+    try:
+        first = len(tok.encode(call("9" * 30 + "*" + "9" * 30), add_special_tokens=False)) + 1
+        budget = first + 10
+        gen = mt.generate([p1, p2], 1, 1.0, 1.0, budget, [engine.end], seed=0)
+    finally:
+        mt.shutdown()
+    assert len(mt.renderer.ids(["9" * 60])) > 10  # the full result would not fit
+    assert gen.finish_reasons == ["length", "stop"] and len(gen.token_ids[0]) == budget
+    assert gen.model_mask[0] == [1] * first + [0] * 10
+    assert gen.extra["multi_turn"]["tool_truncated"] == [1, 0] and gen.extra["multi_turn"]["turns"] == [1, 1]
+    assert len(engine.calls) == 1  # no model turn after the cut
+
+
+def test_a_rows_tools_kwargs_reach_its_calls(tok):
+    """verl's tools_kwargs: the row's create_kwargs/execute_kwargs are given to the tool it names, for that
+    prompt only (the calculator takes its expression from them when the model's call gives none)."""
+    p1, p2 = prompt_ids(tok, "with kwargs"), prompt_ids(tok, "without")
+    bare = '<tool_call>{"name": "calculator", "arguments": {}}</tool_call>'
+    engine = ScriptedEngine(tok, {tuple(p1): [bare, "ok"], tuple(p2): [bare, "ok"]})
+    rows = {tuple(p1): {"calculator": {"create_kwargs": {"expression": "6*7"}, "execute_kwargs": {}}}}
+    mt = MultiTurnEngine(engine, tok, ToolPool(["calculator"], start_method="fork"), max_turns=3,
+                         stop_token_ids=[engine.end], row_tools_kwargs=lambda ids: rows.get(tuple(ids)))
+    try:
+        gen = mt.generate([p1, p2], 1, 1.0, 1.0, 200, [engine.end], seed=0)
+    finally:
+        mt.shutdown()
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(gen.token_ids[0])
+    assert "calculator takes exactly one argument 'expression'; got []" in tok.decode(gen.token_ids[1])
+    assert gen.extra["multi_turn"]["tool_errors"] == [0, 1]

@@ -77,7 +77,7 @@ def test_hermes_parser():
     assert calls[2].error and "not valid JSON" in calls[2].error
     assert calls[3].error and "JSON object" in calls[3].error
     assert p("no call here") == []
-    with pytest.raises(ValueError, match="valid: expression, hermes, qwen"):
+    with pytest.raises(ValueError, match="valid: bare, expression, hermes, qwen"):
         PARSERS.get("xml")
 
 
