@@ -25,7 +25,8 @@ def test_bench_vocab_parallel_writes_json(tmp_path):
 
 def test_bench_activations_writes_json(tmp_path):
     """Measured per-layer saved activations vs the planner's formula. Under full recompute a layer keeps
-    only its input, and the measurement must equal the formula exactly; the other ratios are recorded."""
+    only its input, and the measurement must equal the formula exactly; with the local spec (no TE) every
+    mode must (planning.local_layer_activation_bytes); the TE spec's other ratios are recorded."""
     out = tmp_path / "act.json"
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_activations.py"), "--model", "tiny", "--layers", "1",
            "--seq", "32", "--out", str(out)]
@@ -34,6 +35,8 @@ def test_bench_activations_writes_json(tmp_path):
     rows = {r["recompute"]: r for r in data["rows"]}
     assert set(rows) == {"none", "selective", "full"} and data["layer_spec"] in ("local", "transformer_engine")
     assert rows["full"]["measured_over_planned"] == 1.0
+    if data["layer_spec"] == "local":
+        assert rows["none"]["measured_over_planned"] == rows["selective"]["measured_over_planned"] == 1.0
     assert rows["none"]["measured_bytes_per_layer"] > rows["selective"]["measured_bytes_per_layer"] > 0
 
 
@@ -77,3 +80,30 @@ def test_bench_routing_writes_json(tmp_path):
     assert data["samples"] == 32 and data["routed"]["rows_per_other_rank"] == [8, 8, 8]
     assert 0 < data["routed"]["bytes_to_other_ranks"] < data["broadcast"]["bytes_to_other_ranks"]
     assert data["routed"]["seconds"] > 0 and data["broadcast"]["seconds"] > 0
+
+
+def test_bench_decode_writes_json(tmp_path):
+    """The embedded engine and transformers' generate on the same batch: both generate every token asked for."""
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_decode.py"), "--prompts", "2", "--n", "2",
+           "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["rows"] == 4 and data["generated_tokens"] == 16
+    assert set(data["median_seconds"]) == {"embedded", "transformers_generate"}
+    assert data["embedded_over_transformers"] > 0 and len(data["seconds"]["embedded"]) == 1
+
+
+def test_bench_response_only_writes_json(tmp_path):
+    """The response-only output layer's bench: the logits bytes are exact (tokens x padded vocab x 4, fp32) and
+    with lr 0 both settings' losses agree."""
+    out = tmp_path / "ro.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_response_only.py"), "--model", "tiny", "--groups", "1",
+           "--n", "2", "--prompt-len", "8", "--response-len", "8", "--micro-batch", "2", "--steps", "1", "--warmup",
+           "0", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True)
+    r = json.loads(out.read_text())["result"]
+    row = 384 * 4  # tiny's vocabulary 320, padded to 384, fp32
+    assert r["all_positions"]["logits_bytes_per_update"] == r["tokens_per_step"] * row == 32 * row
+    assert r["response_only"]["logits_bytes_per_update"] == r["loss_positions"] * row == 16 * row
+    assert r["all_positions"]["update_loss"] == r["response_only"]["update_loss"]
