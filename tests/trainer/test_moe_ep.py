@@ -25,3 +25,28 @@ def test_three_steps_at_ep2_with_audited_syncs(tmp_path):
     assert [r["weight_version"] for r in rows] == [0, 1, 2]  # each step sampled from the last update's weights
     print("EP2 logprob mismatch per step:", [f"{r['logprob_mismatch']:.2e}" for r in rows],
           "grad_norm:", [round(r["grad_norm"], 4) for r in rows])
+
+
+def test_ep2_update_matches_single_process(tmp_path):
+    """One GRPO update of tiny-qwen3-moe (no load-balancing loss) at EP2 x DP2 against one process: loss,
+    grad norm and the gradient read back through the optimizer (tests/trainer/layouts.py) to 1e-5 relative,
+    fp32. The EP2 ranks pad their micro-batches to one shape (the allgather token dispatcher); the padding
+    must not reach the loss."""
+    import os
+
+    from grpo_mega.parallel.forked import run_ranks
+    from tests.trainer import layouts as L
+    from tests.trainer.test_layout_invariance import _check
+
+    spec, combos = dict(variant="tiny-qwen3-moe"), [("token-mean", 2), ("seq-mean-token-sum", 1)]
+    w0 = str(tmp_path / "w0")
+    (ref,) = run_ranks(L.make_reference, 1, w0, False, combos, "adam", spec, timeout=300)
+    out = str(tmp_path / "ep2")
+    res = run_ranks(L.run_layout, 2, 1, 1, False, w0, out, ref[2], False, combos, "adam", dict(ep=2), spec,
+                    timeout=300)
+    (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in combos], False,
+                          "tiny-qwen3-moe", timeout=300)
+    _check(ref, res, {c: states[os.path.join(out, f"{c[0]}_{c[1]}")] for c in combos})
+    for c in combos:
+        print(f"EP2 {c}: loss {res[0][1][c]['loss']:.8f} vs {ref[3][c][0]['loss']:.8f}, grad_norm "
+              f"{res[0][1][c]['grad_norm']:.8f} vs {ref[3][c][0]['grad_norm']:.8f}")
