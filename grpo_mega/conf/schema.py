@@ -956,8 +956,8 @@ class TrainConfig:
                              "(megatron-core's MoE layer refuses tensor parallelism without it in training)")
         dp = self.parallel.check(model, world_size)
         if self.parallel.ep > 1 and self.parallel.tp > 1:
-            raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp}: training with experts "
-                             "split over both is not supported yet (the weight sync gathers experts over EP only); "
+            raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp}: training with "
+                             "experts split over both is not supported yet (the weight sync gathers experts over EP only); "
                              "train with parallel.tp=1 or parallel.ep=1 (the converters take both)")
         self.batch.check_layout(self.parallel, dp, self.rollout.n)
         if world_size % self.rollout.num_engines:

@@ -163,10 +163,10 @@ class SyncRoute:
 
     Stage s is gathered by the TP group of its first DP replica, and with expert parallelism by that group's
     EP partners too, each all-gathering the experts it holds (`tp_ranks[s]`); its TP rank 0 (`senders[s]`)
-    packs the buckets. An engine rank inside that TP group packs the same buckets itself from the same
-    all-gathered shards. Without tensor parallelism a stage is whole on every DP replica, with nothing to
-    gather (and no experts elsewhere): an engine rank holding stage s on another replica packs it from its own copy (`local[s]`), as
-    it would the sender's bytes, and nothing crosses ranks (`local_replicas=False` sends it over the wire
+    packs the buckets. An engine rank among those gatherers packs the same buckets itself from the same
+    all-gathered shards. Without tensor or expert parallelism a stage is whole on every DP replica, with
+    nothing to gather: an engine rank holding stage s on another replica packs it from its own copy
+    (`local[s]`), as it would the sender's bytes, and nothing crosses ranks (`local_replicas=False` sends it over the wire
     instead; the benchmark compares the two). Every other engine rank receives stage s, one broadcast per
     bucket over `groups[s]` (the sender and those engines), with the bucket's header (names, shapes,
     checksums) on a second group of the same ranks so that it does not queue behind the previous bucket's

@@ -5,16 +5,22 @@ gathered from the EP rank that holds it), and the engine's logprobs equal to the
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.fork_server import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGP_TOL = 1e-5  # mean absolute engine/trainer logprob difference, fp32
 
 
-def test_three_steps_at_ep2_with_audited_syncs(tmp_path):
+# engines=2: the second engine sits on rank 1, the EP partner that gathers the experts with rank 0 and packs
+# its own copy of the buckets
+@pytest.mark.parametrize("engines", [1, 2])
+def test_three_steps_at_ep2_with_audited_syncs(tmp_path, engines):
     out = tmp_path / "run"
     argv = [f"hydra.run.dir={out}", "model=tiny-qwen3-moe", "parallel.ep=2", "run.steps=3", "eval.interval=0",
-            "batch.train_batch_size=4", "batch.ppo_mini_batch_size=4", "rollout.n=4", "rollout.audit_weights=true"]
+            "batch.train_batch_size=4", "batch.ppo_mini_batch_size=4", "rollout.n=4", "rollout.audit_weights=true",
+            f"rollout.num_engines={engines}"]
     proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -23,7 +29,7 @@ def test_three_steps_at_ep2_with_audited_syncs(tmp_path):
         assert r["logprob_mismatch"] <= LOGP_TOL, (r["step"], r["logprob_mismatch"])
         assert r["grad_norm"] > 0 and any(k.startswith("moe/") for k in r)
     assert [r["weight_version"] for r in rows] == [0, 1, 2]  # each step sampled from the last update's weights
-    print("EP2 logprob mismatch per step:", [f"{r['logprob_mismatch']:.2e}" for r in rows],
+    print(f"EP2, {engines} engines, logprob mismatch per step:", [f"{r['logprob_mismatch']:.2e}" for r in rows],
           "grad_norm:", [round(r["grad_norm"], 4) for r in rows])
 
 
