@@ -60,18 +60,28 @@ def test_ep2_update_matches_single_process(tmp_path):
 
 def test_resume_at_ep2_gives_the_uninterrupted_step(tmp_path):
     """A checkpoint at EP2 holds both of megatron's chained optimizers (dense and expert parameters): resumed
-    from step 2, step 3 equals the uninterrupted run's (loss, grad norm, reward, logprob mismatch)."""
+    from step 2, step 3 equals the uninterrupted run's (loss, grad norm, reward, logprob mismatch). Its HF
+    export holds every expert."""
     import shutil
 
     def train(out, ckpt):
         argv = [f"hydra.run.dir={out}", "model=tiny-qwen3-moe", "parallel.ep=2", "run.steps=3", "eval.interval=0",
                 "batch.train_batch_size=4", "batch.ppo_mini_batch_size=4", "rollout.n=4", f"checkpoint.dir={ckpt}",
-                "checkpoint.interval=2"]
+                "checkpoint.interval=2", "checkpoint.export_hf=true"]
         proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
 
     full = train(tmp_path / "full", tmp_path / "ckpt")
+    # the HF export goes through the weight sync: every expert of every MoE layer, loadable by transformers
+    import transformers
+    from safetensors import safe_open
+
+    hf = tmp_path / "ckpt" / "step_00000002" / "hf"
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        assert sum(".mlp.experts." in k for k in f.keys()) == 3 * 8 * 3  # MoE layers x experts x gate/up/down
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     (tmp_path / "ckpt2").mkdir()
     shutil.copytree(tmp_path / "ckpt" / "step_00000002", tmp_path / "ckpt2" / "step_00000002")
     resumed = train(tmp_path / "resumed", tmp_path / "ckpt2")
