@@ -954,11 +954,11 @@ class TrainConfig:
         if model.is_moe and self.parallel.tp > 1 and not self.parallel.sequence_parallel:
             raise ValueError(f"parallel.tp={self.parallel.tp} with an MoE model needs parallel.sequence_parallel=true "
                              "(megatron-core's MoE layer refuses tensor parallelism without it in training)")
+        if self.parallel.ep > 1 and self.parallel.tp > 1:
+            raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp}: training with "
+                             "experts split over both is not supported yet (the weight sync gathers experts over EP only); "
+                             "train with parallel.tp=1 or parallel.ep=1 (the converters take both)")
         dp = self.parallel.check(model, world_size)
-        if self.parallel.ep > 1:
-            raise ValueError(f"parallel.ep={self.parallel.ep}: training with the experts split over EP ranks is not "
-                             "supported yet (the weight sync gathers each stage from its first DP replica, not the "
-                             "experts the other EP ranks hold); train with parallel.ep=1 (the converters take --ep)")
         self.batch.check_layout(self.parallel, dp, self.rollout.n)
         if world_size % self.rollout.num_engines:
             raise ValueError(f"rollout.num_engines={self.rollout.num_engines} must divide the number of ranks "

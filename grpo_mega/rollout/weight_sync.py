@@ -1,7 +1,8 @@
 """Weight sync: the trainer's sharded Megatron weights -> full HF-named tensors -> buckets -> every engine.
 
 Owns the path every engine is fed by. On the first DP replica, each pipeline stage walks its own
-parameters in a fixed order, all-gathers each TP-sharded one over its TP group, merges the shards through
+parameters in a fixed order, all-gathers each TP-sharded one over its TP group (each expert from the EP
+rank that holds it, over the EP group), merges the shards through
 the bridge (which knows the fused QKV and gate/up layouts), renames it to HF, casts it to the engine's
 dtype and packs it into flat buckets of at most `bucket_mb` (a single larger tensor gets a bucket of its
 own). Each bucket is gathered and packed once per sync, however many engines there are: the stage's TP
@@ -111,18 +112,29 @@ def _ps():
 
 def stage_hf_tensors(gpt: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's parameters as full HF-named tensors, in a fixed order (every TP rank of the
-    stage must iterate: the gathers are collectives; all ranks get the tensors)."""
+    stage, and with expert parallelism every EP rank of those, must iterate: the gathers are collectives;
+    all ranks get the tensors). Each expert comes from the EP rank that holds it (experts split over EP
+    ranks, tensor parallelism within an expert not supported: training refuses parallel.tp > 1 with ep > 1)."""
     ps = _ps()
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group()
+    ep = ps.get_expert_model_parallel_world_size() if cfg.is_moe else 1
     offset = bridge.layer_offset(gpt)
     for local, param in gpt.state_dict(keep_vars=True).items():
         if local.endswith("_extra_state") or not torch.is_tensor(param):
             continue
+        data = param.detach()
+        if ep > 1 and bridge.expert_of(local) is not None:  # EP rank r's local expert j is expert r * (E / ep) + j
+            copies = [torch.empty_like(data) for _ in range(ep)]
+            dist.all_gather(copies, data.contiguous(), group=ps.get_expert_model_parallel_group())
+            for r, full in enumerate(copies):
+                name = bridge.global_name(local, offset, r * (cfg.num_experts // ep))
+                for hf_name, t in bridge.to_hf(name, full, cfg):
+                    yield hf_name, t.to(dtype)
+            continue
         name = bridge.global_name(local, offset)
         if name == "output_layer.weight" and cfg.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding; the first stage sends the original
-        data = param.detach()
         if tp > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(data) for _ in range(tp)]
             dist.all_gather(shards, data.contiguous(), group=group)
@@ -149,11 +161,12 @@ class SyncRoute:
     """Who gathers each pipeline stage and how its buckets reach the engines; built once per set of engine
     ranks (collective over the whole world: it all-gathers every rank's position and creates the groups).
 
-    Stage s is gathered by the TP group of its first DP replica (`tp_ranks[s]`); its TP rank 0 (`senders[s]`)
-    packs the buckets. An engine rank inside that TP group packs the same buckets itself from the same
-    all-gathered shards. Without tensor parallelism a stage is whole on every DP replica, with nothing to
-    gather: an engine rank holding stage s on another replica packs it from its own copy (`local[s]`), as
-    it would the sender's bytes, and nothing crosses ranks (`local_replicas=False` sends it over the wire
+    Stage s is gathered by the TP group of its first DP replica, and with expert parallelism by that group's
+    EP partners too, each all-gathering the experts it holds (`tp_ranks[s]`); its TP rank 0 (`senders[s]`)
+    packs the buckets. An engine rank among those gatherers packs the same buckets itself from the same
+    all-gathered shards. Without tensor or expert parallelism a stage is whole on every DP replica, with
+    nothing to gather: an engine rank holding stage s on another replica packs it from its own copy
+    (`local[s]`), as it would the sender's bytes, and nothing crosses ranks (`local_replicas=False` sends it over the wire
     instead; the benchmark compares the two). Every other engine rank receives stage s, one broadcast per
     bucket over `groups[s]` (the sender and those engines), with the bucket's header (names, shapes,
     checksums) on a second group of the same ranks so that it does not queue behind the previous bucket's
@@ -165,21 +178,27 @@ class SyncRoute:
         world = dist.get_world_size()
         if not self.engine_ranks or not all(0 <= r < world for r in self.engine_ranks):
             raise ValueError(f"engine ranks {list(engine_ranks)} must be global ranks in [0, {world})")
+        ep = ps.get_expert_model_parallel_world_size()
+        # the expert-data-parallel rank: 0 on the first DP replica's TP group and, with EP, its EP partners
+        first = ps.get_expert_data_parallel_rank() if ep > 1 else ps.get_data_parallel_rank()
         info = torch.tensor([ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                             ps.get_data_parallel_rank()], dtype=torch.long)
+                             ps.get_data_parallel_rank(), first], dtype=torch.long)
         gathered = [torch.empty_like(info) for _ in range(world)]
         dist.all_gather(gathered, info)
-        whole = local_replicas and ps.get_tensor_model_parallel_world_size() == 1
-        tp_ranks: dict[int, dict[int, int]] = {}
+        whole = local_replicas and ps.get_tensor_model_parallel_world_size() == 1 and ep == 1
+        tp_ranks: dict[int, list[int]] = {}
+        senders: dict[int, int] = {}
         stage_of = {}
         for r, t in enumerate(gathered):
-            stage, tp_rank, dp_rank = t.tolist()
+            stage, tp_rank, dp_rank, first_rank = t.tolist()
             stage_of[r] = stage
-            if dp_rank == 0:
-                tp_ranks.setdefault(stage, {})[tp_rank] = r
+            if first_rank == 0:
+                tp_ranks.setdefault(stage, []).append(r)
+                if dp_rank == 0 and tp_rank == 0:
+                    senders[stage] = r
         stages = sorted(tp_ranks)
-        self.tp_ranks = [sorted(tp_ranks[s].values()) for s in stages]
-        self.senders = [tp_ranks[s][0] for s in stages]
+        self.tp_ranks = [sorted(tp_ranks[s]) for s in stages]
+        self.senders = [senders[s] for s in stages]
         self.local = [[r for r in self.engine_ranks if whole and stage_of[r] == s and r not in self.tp_ranks[s]]
                       for s in stages]
         self.receivers = [[r for r in self.engine_ranks if r not in ranks and r not in local]

@@ -40,6 +40,12 @@ def _pad_multiple(parallel: ParallelConfig) -> int:
     return parallel.tp if parallel.sequence_parallel else 1
 
 
+def _same_over_ranks(parallel: ParallelConfig) -> bool:
+    """Every DP rank's i-th micro-batch has one shape: megatron's allgather token dispatcher (expert
+    parallelism without CUDA; see grpo_mega.models.builder.moe_config) gathers equal token counts."""
+    return parallel.ep > 1 and not torch.cuda.is_available()
+
+
 def _chunk_of(size: int, batch: BatchConfig) -> Optional[int]:
     """The update's mini-batch size in responses when a batch of `size` is several of them, else None: a pass
     over the whole step batch then gives each DP rank the rows it trains (the logprob passes)."""
@@ -67,7 +73,7 @@ def dp_shares(seq_lens: list[int], parallel: ParallelConfig, batch: BatchConfig,
 
     if batch.packing:
         plan = plan_packing(seq_lens, dp, batch.token_budget, _pad_multiple(parallel), same_length=parallel.pp > 1,
-                            chunk=chunk)
+                            chunk=chunk, same_over_ranks=_same_over_ranks(parallel))
         return [sorted(i for row in plan.rows[r] for i in row) for r in range(dp)]
     return _padded_shares(len(seq_lens), dp, chunk)
 
@@ -104,7 +110,8 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     seq_lens = (rollout.prompt_lens + rollout.response_lens).tolist()
     pad = _pad_multiple(parallel)
     if batch.packing:
-        plan = plan_packing(seq_lens, dp, batch.token_budget, pad, same_length=parallel.pp > 1, chunk=chunk)
+        plan = plan_packing(seq_lens, dp, batch.token_budget, pad, same_length=parallel.pp > 1, chunk=chunk,
+                            same_over_ranks=_same_over_ranks(parallel))
         micro = packed_micro_batches(rollout, plan, rank, with_mask=not have_transformer_engine())
         stats = dict(micro_batches=plan.micro_batches, computed_tokens=plan.computed, useful_tokens=plan.useful,
                      dp_token_imbalance=plan.dp_token_imbalance(seq_lens))
@@ -116,7 +123,8 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
         computed += len(rows) * max(pad, -(-longest // pad) * pad)
         per_rank.append(sum(seq_lens[i] for i in rows))
     index = torch.tensor(shares[rank], dtype=torch.long)
-    micro, length = micro_batches(rollout.rows_at(index), batch.micro_batch_size, pad)
+    longest = max(seq_lens) if _same_over_ranks(parallel) else None
+    micro, length = micro_batches(rollout.rows_at(index), batch.micro_batch_size, pad, longest)
     for mb in micro:
         mb["rows"] = index[mb["rows"]]
     mean = sum(per_rank) / dp

@@ -104,12 +104,14 @@ class RolloutBatch:
         )
 
 
-def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int = 1) -> tuple[list[dict], int]:
+def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int = 1,
+                  longest: Optional[int] = None) -> tuple[list[dict], int]:
     """Cut `batch` into micro-batch dicts for Megatron's schedule, all trimmed to one length L' (the longest
-    row, rounded up to `pad_multiple`: sequence parallelism needs L' divisible by tp). Returns (dicts, L')."""
+    row, or `longest` when given, rounded up to `pad_multiple`: sequence parallelism needs L' divisible by
+    tp). Returns (dicts, L')."""
     if batch.size % micro_batch_size:
         raise ValueError(f"{batch.size} responses do not split into micro-batches of {micro_batch_size}")
-    used = int((batch.prompt_lens + batch.response_lens).max())
+    used = longest or int((batch.prompt_lens + batch.response_lens).max())
     length = -(-used // pad_multiple) * pad_multiple
     length = max(length, pad_multiple)
 
@@ -224,11 +226,12 @@ def balance_chunks(seq_lens: Sequence[int], dp: int, chunk: int) -> list[list[in
 
 
 def plan_packing(seq_lens: Sequence[int], dp: int, budget: int, pad_multiple: int = 1,
-                 same_length: bool = False, chunk: Optional[int] = None) -> PackPlan:
+                 same_length: bool = False, chunk: Optional[int] = None, same_over_ranks: bool = False) -> PackPlan:
     """Balance `seq_lens` over `dp` ranks and pack each rank's share into rows of at most `budget` tokens.
     With `same_length` (pipeline parallelism: one tensor shape for every micro-batch of the schedule) every
     row of a rank is padded to that rank's longest row. With `chunk`, the shares are balanced within each
-    run of `chunk` sequences (balance_chunks)."""
+    run of `chunk` sequences (balance_chunks). With `same_over_ranks` the i-th row has one length on every
+    rank (expert parallelism without CUDA: megatron's allgather token dispatcher needs equal token counts)."""
     seq_lens = [int(n) for n in seq_lens]
     shares = balance_chunks(seq_lens, dp, chunk) if chunk else balance_over_dp(seq_lens, dp)
     rows = [first_fit_decreasing(share, seq_lens, budget, pad_multiple) for share in shares]
@@ -240,6 +243,8 @@ def plan_packing(seq_lens: Sequence[int], dp: int, budget: int, pad_multiple: in
         if same_length:
             ls = [max(ls)] * len(ls)
         lengths.append(ls)
+    if same_over_ranks:
+        lengths = [[max(col) for col in zip(*lengths)]] * len(lengths)
     return PackPlan(rows=rows, lengths=lengths, useful=sum(seq_lens), computed=sum(sum(ls) for ls in lengths))
 
 

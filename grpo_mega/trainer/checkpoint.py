@@ -80,16 +80,23 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
     mrandom.get_cuda_rng_tracker().set_states({k.split("/", 1)[1]: v for k, v in states.items() if k.startswith("tracker/")})
 
 
+def _torch_optimizers(actor) -> list:
+    """The torch optimizers under megatron's: one, or with expert parallelism two (megatron chains an
+    optimizer for the dense parameters and one for the experts)."""
+    opt = actor.optimizer
+    return [part.optimizer for part in getattr(opt, "chained_optimizers", None) or [opt]]
+
+
 def prime_optimizer(actor) -> None:
     """A freshly built optimizer has no state to load into ("assert len(steps) == 1"): give every
     parameter zero Adam moments and its own step tensor (one step tensor shared by all parameters would
     advance once per parameter). The checkpoint's values overwrite all of them."""
-    inner = actor.optimizer.optimizer
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if not inner.state[p]:
-                inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    for inner in _torch_optimizers(actor):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _rng_device() -> str:
@@ -102,10 +109,10 @@ def _unshare_steps(actor) -> None:
     """After megatron-core 0.16.1 loads a DistributedOptimizer, every parameter's Adam `step` is the same
     tensor object: each optimizer step then advances it once per parameter (measured: 2 -> 33 after one
     step of a 31-parameter model), and bias correction is silently wrong from the first resumed step."""
-    inner = actor.optimizer.optimizer
-    for state in inner.state.values():
-        if "step" in state and torch.is_tensor(state["step"]):
-            state["step"] = state["step"].clone()
+    for inner in _torch_optimizers(actor):
+        for state in inner.state.values():
+            if "step" in state and torch.is_tensor(state["step"]):
+                state["step"] = state["step"].clone()
 
 
 class _HFExport:

@@ -64,14 +64,15 @@ def _corrupted(cfg) -> str:
     return "model.layers.1.self_attn.k_norm.weight" if cfg.qk_layernorm else "model.layers.2.mlp.down_proj.weight"
 
 
-def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False):
+def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False, ep=1):
     with cpu_compat.cpu_device_mode():
-        init_distributed(tp=tp, pp=pp, seed=5)
+        init_distributed(tp=tp, pp=pp, seed=5, ep=ep)
         cfg = load_model_config(model)
         cfg.tie_word_embeddings = tied
         from grpo_mega.trainer.actor import Actor
 
-        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), PrecisionConfig(params_dtype="fp32"),
+        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, ep=ep),
+                      PrecisionConfig(params_dtype="fp32"),
                       OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0),
                       BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10))
@@ -80,6 +81,12 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False):
         batch.old_logp = actor.logprobs(batch, 1.0)
         actor.update(batch, 1.0)
         out = {"norm_spread": 0.0}
+        if ep > 1:  # each EP rank's own experts, by global index, to compare with what the engine received
+            from grpo_mega.models import bridge
+
+            off = bridge.expert_offset(actor.built.gpt, cfg)
+            out["experts"] = {bridge.global_name(n, bridge.layer_offset(actor.built.gpt), off): p.detach().clone()
+                              for n, p in actor.built.gpt.named_parameters() if bridge.expert_of(n) is not None}
         if cfg.qk_layernorm:  # each TP rank's q/k norm gradient covers only its heads: summed over TP, equal copies
             from megatron.core import parallel_state as ps
 
@@ -94,6 +101,8 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False):
         stats = sync_weights(actor.built.gpt, cfg, engine, version=1, bucket_mb=bucket_mb, audit=True)
         if engine is not None:
             out["changed"] = sum(before[k] != v for k, v in engine.weight_checksums().items())
+            if ep > 1:
+                out["engine"] = {k: v.clone() for k, v in engine.params.items() if ".mlp.experts." in k}
             out["stats"] = stats
             # a tensor corrupted inside the engine after the sync is caught and named
             name = _corrupted(cfg)
@@ -149,6 +158,35 @@ def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied, sp):
             assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
             print(f"{model} TP{tp}xPP{pp} tied={tied} sp={sp} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
         assert sum(len(t) for t in gen.token_ids) > 12
+
+
+# tiny-qwen3-moe at EP2 (dp=2): rank 0 holds experts 0..E/2-1, rank 1 the rest; the engine on rank 0 must get
+# every expert, trained, from the rank that holds it (a sync from rank 0 alone misses half: the audit names them).
+# At PP2xEP2 (4 ranks) each stage's experts come from that stage's EP pair.
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sync_at_ep2_gathers_every_expert_from_its_rank(pp):
+    res = run_ranks(_sync_and_sample, 2 * pp, 1, pp, False, 0.01, "tiny-qwen3-moe", False, 2, timeout=300)
+    r0, cfg = res[0], load_model_config("tiny-qwen3-moe")
+    stats = r0["stats"]
+    assert r0["changed"] > 0 and stats.audited and stats.version == 1
+    assert "1 tensors differ" in r0["audit_error"]
+    assert stats.bytes == sum(4 * p for p in _hf_param_counts(False, "tiny-qwen3-moe"))
+    from grpo_mega.models import bridge
+
+    held = {}
+    for r in res:
+        held.update(r["experts"])
+    experts = {bridge.expert_of(n) for n in held}
+    assert experts == set(range(cfg.num_experts)) and len(held) == 3 * cfg.num_experts * 2  # 3 MoE layers, fc1+fc2
+
+    for name, t in held.items():  # the engine holds each expert bit for bit as the rank that trained it
+        for hf_name, want in bridge.to_hf(name, t, cfg):
+            assert torch.equal(r0["engine"][hf_name], want), hf_name
+    for temperature in (0.7, 1.0):
+        for r in res:
+            mismatch, gen = r[temperature]
+            assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
+            print(f"tiny-qwen3-moe PP{pp}xEP2 T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
 
 
 def _hf_param_counts(tied, model="tiny"):

@@ -26,13 +26,18 @@ MAX_PROMPT = 12  # with MAX_RESPONSE: packed token budgets of micro_batch_size *
 
 def model_cfg(tied: bool = False, variant: str = "tiny"):
     """The tiny model (Qwen2 family: q/k/v biases); variant 'llama3-rope': the Llama family (no biases) with
-    Llama-3.1's RoPE frequency scaling."""
+    Llama-3.1's RoPE frequency scaling; 'tiny-qwen3-moe': that model without its load-balancing loss."""
     from grpo_mega.conf.schema import RopeScaling
 
     cfg = load_model_config("tiny")
     cfg.tie_word_embeddings = tied
     if variant == "llama3-rope":
         cfg.family, cfg.qkv_bias, cfg.rope_scaling = "llama", False, RopeScaling(factor=8.0)
+    elif variant == "tiny-qwen3-moe":
+        # without the load-balancing loss: it is computed over each rank's tokens (padding included), so
+        # it is not invariant to the DP split, while the policy loss's gradient must be
+        cfg = load_model_config(variant)
+        cfg.moe_aux_loss_coeff = 0.0
     elif variant != "tiny":
         raise ValueError(variant)
     return cfg
@@ -115,7 +120,7 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
     from megatron.core import dist_checkpointing
 
     with cpu_compat.cpu_device_mode():
-        init_distributed(tp=tp, pp=pp, seed=1234)
+        init_distributed(tp=tp, pp=pp, seed=1234, ep=(parallel_kw or {}).get("ep", 1))
         combos = combos or [(m, b) for m in MODES for b in MICRO]
         parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, **(parallel_kw or {}))
         results, first_logp = {}, None

@@ -228,3 +228,14 @@ def test_packed_update_matches_padded_single_process(padded, tmp, name):
 def test_packed_update_with_llama3_rope_scaling(padded, tmp, name):
     tp, pp, dp, sp = LAYOUTS[name]
     _packed_matches_padded(tmp, padded["llama3-rope"], name, tp, pp, dp, sp, "llama3-rope")
+
+
+def test_plan_same_over_ranks_gives_every_rank_one_shape_per_row():
+    from grpo_mega.trainer.batch import plan_packing
+
+    lens = [3, 9, 4, 7, 2, 8, 5, 6]
+    plain = plan_packing(lens, 2, 12)
+    same = plan_packing(lens, 2, 12, same_over_ranks=True)
+    assert plain.lengths[0] != plain.lengths[1]  # else the case proves nothing
+    assert same.rows == plain.rows and same.lengths[0] == same.lengths[1]
+    assert same.lengths[0] == [max(a, b) for a, b in zip(*plain.lengths)]
