@@ -177,6 +177,14 @@ CONFIG_CASES = {
     "layout_ep_with_tp_in_training": (["model=tiny-qwen3-moe", "parallel.tp=2", "parallel.sequence_parallel=true",
                                        "parallel.ep=2"],
                                       r"parallel\.ep=2 with parallel\.tp=2: training with experts split over both is not"),
+    "routing_replay_unknown": (["algo.routing_replay=always"], r"algo\.routing_replay='always' must be 'none' or 'rollout'"),
+    "routing_replay_on_a_dense_model": (["algo.routing_replay=rollout"],
+                                        r"algo\.routing_replay=rollout needs an MoE model; model tiny is dense"),
+    "routing_replay_on_sglang": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout", "rollout.engine=sglang"],
+                                 r"algo\.routing_replay=rollout with rollout\.engine=sglang .*SGLang 0\.5\.23 has "
+                                 r"return_routed_experts, which grpo-mega's client does not request yet"),
+    "routing_replay_with_full_recompute": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout", "parallel.recompute=full"],
+                                           r"algo\.routing_replay=rollout with parallel\.recompute=full"),
 }
 
 

@@ -436,6 +436,9 @@ class AlgoConfig:
     """Lower bound on rho; null: 0 when truncating, 1/high when masking (icepop: 0.5)."""
     rollout_correction_high: Optional[float] = None
     """Upper bound on rho (> low); null: 2.0 (icepop: 5.0)."""
+    routing_replay: str = "none"
+    """MoE models: 'rollout' (R3) routes each token in the trainer's passes to the top-k experts the rollout engine
+    chose for it (prompt and response; grpo_mega.models.routing_replay), 'none': the trainer routes on its own."""
 
     def __post_init__(self):
         from grpo_mega.algo.kl import KL_ESTIMATORS
@@ -465,6 +468,8 @@ class AlgoConfig:
         self.dynamic_sampling = resolve_mode(self.dynamic_sampling)
         if self.max_gen_rounds < 1:
             raise ValueError(f"algo.max_gen_rounds={self.max_gen_rounds} must be >= 1 (the step's first round counts)")
+        if self.routing_replay not in ("none", "rollout"):
+            raise ValueError(f"algo.routing_replay={self.routing_replay!r} must be 'none' or 'rollout'")
         if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
             raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
                              f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
@@ -958,6 +963,7 @@ class TrainConfig:
             raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp}: training with "
                              "experts split over both is not supported yet (the weight sync gathers experts over EP only); "
                              "train with parallel.tp=1 or parallel.ep=1 (the converters take both)")
+        self.check_routing_replay(model)
         dp = self.parallel.check(model, world_size)
         self.batch.check_layout(self.parallel, dp, self.rollout.n)
         if world_size % self.rollout.num_engines:
@@ -970,6 +976,25 @@ class TrainConfig:
                              f"model.family={model.family!r}: set rollout.audit_weights=false (the engine/trainer "
                              "logprob mismatch metric still checks the weights) or use rollout.engine=embedded")
         return dp
+
+    def check_routing_replay(self, model: ModelConfig) -> None:
+        """algo.routing_replay=rollout against the model and the engines: a ValueError naming what refuses it."""
+        if self.algo.routing_replay == "none":
+            return
+        if not model.is_moe:
+            raise ValueError(f"algo.routing_replay={self.algo.routing_replay} needs an MoE model; model {model.name} is "
+                             f"dense (family {model.family!r}, no num_experts): set algo.routing_replay=none")
+        if self.rollout.engine != "embedded" or self.rollout.placement != "colocated":
+            raise ValueError(f"algo.routing_replay=rollout with rollout.engine={self.rollout.engine} placement="
+                             f"{self.rollout.placement}: only the colocated embedded engine returns its routed experts "
+                             "so far (SGLang 0.5.23 has return_routed_experts, which grpo-mega's client does not "
+                             "request yet); use rollout.engine=embedded rollout.placement=colocated")
+        if self.rollout.multi_turn.enable:
+            raise ValueError("algo.routing_replay=rollout with rollout.multi_turn.enable=true: tool turns are not "
+                             "recorded yet; set algo.routing_replay=none")
+        if self.parallel.recompute == "full":
+            raise ValueError("algo.routing_replay=rollout with parallel.recompute=full: a recomputed layer would route "
+                             "again with another micro-batch's experts; use parallel.recompute=selective or none")
 
     @classmethod
     def from_hydra(cls, cfg) -> "TrainConfig":

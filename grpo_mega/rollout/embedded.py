@@ -8,6 +8,7 @@ at the sampled token. tools/bench_decode.py holds it against transformers' `gene
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterable, Optional
 
 import torch
@@ -47,16 +48,35 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _moe_routers(model: torch.nn.Module) -> list:
+    """The model's MoE routers in layer order (transformers' Qwen3MoeTopKRouter: `mlp.gate` of a sparse layer,
+    returning (router_logits, top-k weights, top-k indices))."""
+    return [m.mlp.gate for m in model.model.layers if hasattr(m.mlp, "gate") and hasattr(m.mlp, "experts")] \
+        if hasattr(model, "model") and hasattr(model.model, "layers") else []
+
+
 @ENGINES.register("embedded")
 class EmbeddedEngine(RolloutEngine):
     loads_tensors = True  # load_bucket copies tensor by tensor: an unflattened bucket is loaded as is
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 record_routing: bool = False):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.requires_grad_(False)
         self.device, self.dtype = device, dtype
         self.params = checkpoint_views(self.model)
         self.weight_version = 0
+        self.routers = _moe_routers(self.model)
+        if record_routing and not self.routers:
+            raise ValueError(f"routing replay: the engine's model ({type(self.model).__name__}) has no MoE router")
+        self.record_routing = record_routing
+        self.router_noise = 0.0
+        """Test hook (tools/routing_replay.py): Gaussian noise of this std added to every router's logits for its
+        top-k choice, a stand-in for the kernel and precision differences that make engines route differently."""
+        self._noise_gen = torch.Generator(device=device).manual_seed(0)
+        self._routes: list = []  # per forward call: [M] of [b, s, k]
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(partial(self._router_hook, i))
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
@@ -82,8 +102,38 @@ class EmbeddedEngine(RolloutEngine):
     def for_run(cls, spec) -> "EmbeddedEngine":
         """The run's engine (an EngineSpec): on the rank's own device, from the HF checkpoint or the model config."""
         if spec.hf_dir is not None:
-            return cls.from_hf_dir(spec.hf_dir, device=spec.device)
-        return cls.from_model_config(spec.model, seed=spec.seed, device=spec.device)
+            engine = cls.from_hf_dir(spec.hf_dir, device=spec.device)
+        else:
+            engine = cls.from_model_config(spec.model, seed=spec.seed, device=spec.device)
+        if spec.record_routing:
+            engine.enable_routing_record()
+        return engine
+
+    # ---- routing (algo.routing_replay=rollout) --------------------------------------------------------
+
+    def enable_routing_record(self) -> None:
+        if not self.routers:
+            raise ValueError(f"routing replay: the engine's model ({type(self.model).__name__}) has no MoE router")
+        self.record_routing = True
+
+    def _router_hook(self, layer: int, router, inputs, output):
+        """Records the layer's top-k ([tokens, k]); with router_noise, picks the top-k of noisy logits instead,
+        weighted by the router's own probabilities of those experts (renormalised as the router does)."""
+        if not (self.record_routing or self.router_noise):
+            return None
+        logits, weights, index = output
+        if self.router_noise:
+            noisy = logits.float() + self.router_noise * torch.randn(logits.shape, generator=self._noise_gen,
+                                                                     device=logits.device)
+            index = torch.topk(noisy, router.top_k, dim=-1).indices
+            top = torch.softmax(logits.float(), dim=-1).gather(1, index)  # the chosen experts' own weights
+            if router.norm_topk_prob:
+                top = top / top.sum(-1, keepdim=True)
+            weights = top.to(weights.dtype)
+            output = (logits, weights, index)
+        if self.record_routing:
+            self._routes.append(index.detach().to("cpu", torch.int16))
+        return output if self.router_noise else None
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -122,8 +172,10 @@ class EmbeddedEngine(RolloutEngine):
         stop = set(int(t) for t in stop_token_ids)
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self._routes = []
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        steps_routes = [self._take_routes(b)]  # [b, width, M, k], then [b, 1, M, k] per decode step
         next_pos = positions[:, -1] + 1
         tokens: list[list[int]] = [[] for _ in range(b)]
         logps: list[list[float]] = [[] for _ in range(b)]
@@ -156,8 +208,28 @@ class EmbeddedEngine(RolloutEngine):
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
             out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask.to(self.device),
                              position_ids=next_pos[:, None].to(self.device), past_key_values=cache, use_cache=True)
+            steps_routes.append(self._take_routes(b))
             next_pos = next_pos + 1
-        return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish, weight_version=self.weight_version)
+        routed = None
+        if self.record_routing:  # the prompt's own positions (left padding dropped), then the fed response tokens
+            decode = torch.cat(steps_routes[1:], dim=1) if len(steps_routes) > 1 else None
+            routed = []
+            for r, (p, _) in enumerate(rows):
+                parts = [steps_routes[0][r, width - len(prompts[p]):]]
+                if decode is not None:
+                    parts.append(decode[r, : len(tokens[r]) - 1])
+                routed.append(torch.cat(parts).contiguous())
+        return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish, weight_version=self.weight_version,
+                          routed_experts=routed)
+
+    def _take_routes(self, b: int) -> Optional[torch.Tensor]:
+        """The forward call's recorded top-k as [b, s, M, k] (None when not recording)."""
+        if not self.record_routing:
+            return None
+        got, self._routes = self._routes, []
+        if len(got) != len(self.routers):
+            raise RuntimeError(f"routing record: {len(got)} router calls in one forward, {len(self.routers)} routers")
+        return torch.stack([g.view(b, -1, g.shape[-1]) for g in got], dim=2)
 
     # ---- weights ---------------------------------------------------------------------------------
 

@@ -103,9 +103,12 @@ class Engines:
             from grpo_mega.rollout.multi_turn import join_stats
 
             extra["multi_turn"] = join_stats([g.extra.get("multi_turn") for g in parts])
+        routed = None
+        if any(g.routed_experts is not None for g in parts):
+            routed = [r for g in parts for r in (g.routed_experts or [None] * len(g.token_ids))]
         return Generation(token_ids=[t for g in parts for t in g.token_ids], logprobs=[lp for g in parts for lp in g.logprobs],
                           finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version,
-                          extra=extra, model_mask=masks)
+                          extra=extra, model_mask=masks, routed_experts=routed)
 
     def sync(self, gpt, version: int, **kwargs):
         """The trainer's weights into every engine (collective): each bucket gathered once and broadcast to

@@ -197,15 +197,19 @@ def _forward(model, mb: dict) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last stage (hidden states elsewhere); with mb["out_positions"] (K of
     them, see `_with_positions`) logits [1, K, V/tp] at those positions alone. A packed row ([1, S])
     reaches the model as THD with cu_seqlens under Transformer Engine, else with its block-diagonal causal
-    mask and RoPE positions restarting per sequence (megatron-core's local spec)."""
+    mask and RoPE positions restarting per sequence (megatron-core's local spec). With mb["routes"] the MoE
+    layers route to the rollout engine's experts (grpo_mega.models.routing_replay)."""
     from grpo_mega.models.builder import set_output_positions
+    from grpo_mega.models.routing_replay import set_routes
 
     gpt = _unwrap(model)
     set_output_positions(gpt, mb.get("out_positions"))
+    set_routes(gpt, mb.get("routes"), gpt.config.sequence_parallel)  # the engine's experts (routing replay)
     try:
         return _forward_rows(model, gpt, mb)
     finally:
         set_output_positions(gpt, None)
+        set_routes(gpt, None)
 
 
 def _forward_rows(model, gpt, mb: dict) -> torch.Tensor:
@@ -325,6 +329,10 @@ class Reference:
                  offload: bool = False):
         self.model_cfg, self.parallel, self.batch = model_cfg, parallel, batch
         self.built = build_reference(model_cfg, parallel, precision)
+        if model_cfg.is_moe:
+            from grpo_mega.models import routing_replay
+
+            routing_replay.install(self.built.gpt, model_cfg.moe_layers())
         _check_packing(self.built.gpt, batch)
         self.offload = offload and torch.cuda.is_available()
         if self.offload:
@@ -381,6 +389,9 @@ class Actor:
             from grpo_mega.models.moe_metrics import MoEMetrics
 
             self.moe = MoEMetrics(self.built.gpt, model_cfg.num_layers, model_cfg.num_experts, parallel.sequence_parallel)
+            from grpo_mega.models import routing_replay
+
+            routing_replay.install(self.built.gpt, model_cfg.moe_layers())
         _check_packing(self.built.gpt, batch)
         bf16 = precision.params_dtype == "bf16"
         self.params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -416,6 +427,19 @@ class Actor:
 
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
         return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+
+    def routing_agreement(self) -> dict:
+        """Collective: {"moe/routing_agreement": share} over the actor's passes since the last call (the old-logprob
+        pass and the update), with the engine's routes: of the (token, layer) pairs the engine routed, the share
+        where the trainer's own top-k of its router logits is the engine's set (grpo_mega.models.routing_replay;
+        counted whether or not the routes are replayed; under replay a layer's inputs are those the replayed
+        layers before it made). {} for a dense model or without routes."""
+        if not self.model_cfg.is_moe:
+            return {}
+        from grpo_mega.models.routing_replay import world_agreement
+
+        share = world_agreement(self.built.gpt)
+        return {} if share is None else {"moe/routing_agreement": share}
 
     def dp_rows(self, seq_lens: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         """For a step's batch of these sequence lengths: (each DP rank's rows in the logprob pass, a partition

@@ -32,11 +32,17 @@ class RolloutBatch:
     model_mask: Optional[torch.Tensor] = None
     """[N, L] bool, position-aligned: False where the predicted response token is not the model's (a tool result
     or chat-template glue of a multi-turn rollout, grpo_mega.rollout.multi_turn); None: every response token is."""
+    routed: Optional[list] = None
+    """Rollout routing replay: per row, the engine's top-k experts int16 [n_i, M, k] for the row's first n_i
+    input tokens (Generation.routed_experts: prompt and response but the last token), or None (not held on this
+    rank); None: not recorded. The micro-batches carry them as `routes` (grpo_mega.models.routing_replay)."""
 
     @classmethod
     def from_samples(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                     model_masks: Optional[Sequence[Sequence[int]]] = None) -> "RolloutBatch":
-        """`model_masks`: per response token, 1 where the model sampled it (Generation.model_mask), or None."""
+                     model_masks: Optional[Sequence[Sequence[int]]] = None,
+                     routed: Optional[list] = None) -> "RolloutBatch":
+        """`model_masks`: per response token, 1 where the model sampled it (Generation.model_mask), or None;
+        `routed`: Generation.routed_experts."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -58,7 +64,7 @@ class RolloutBatch:
             tokens=tokens,
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
             response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
-            model_mask=model_mask,
+            model_mask=model_mask, routed=None if routed is None else list(routed),
         )
 
     @property
@@ -91,6 +97,7 @@ class RolloutBatch:
             self, tokens=self.tokens[lo:hi], prompt_lens=self.prompt_lens[lo:hi], response_lens=self.response_lens[lo:hi],
             advantages=f(self.advantages), old_logp=f(self.old_logp), ref_logp=f(self.ref_logp), in_loss=f(self.in_loss),
             engine_logp=f(self.engine_logp), model_mask=f(self.model_mask),
+            routed=None if self.routed is None else self.routed[lo:hi],
         )
 
     def rows_at(self, index: torch.Tensor) -> "RolloutBatch":
@@ -101,6 +108,7 @@ class RolloutBatch:
             response_lens=self.response_lens[index], advantages=f(self.advantages), old_logp=f(self.old_logp),
             ref_logp=f(self.ref_logp), in_loss=f(self.in_loss), engine_logp=f(self.engine_logp),
             model_mask=f(self.model_mask),
+            routed=None if self.routed is None else [self.routed[i] for i in index.tolist()],
         )
 
 
@@ -141,6 +149,8 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int, pad_multiple: int 
             mb["ref_logp"] = fit(batch.ref_logp[sl].float())
         if batch.engine_logp is not None:
             mb["engine_logp"] = fit(batch.engine_logp[sl].float())
+        if batch.routed is not None:
+            mb["routes"] = batch_routes(batch, list(range(lo, lo + b)), length, packed=False)
         out.append(mb)
     return out, length
 
@@ -317,7 +327,20 @@ def packed_micro_batch(batch: RolloutBatch, indices: Sequence[int], length: int,
         t = getattr(sub, key)
         if t is not None:
             mb[key] = fit(t.float())
+    if batch.routed is not None:
+        mb["routes"] = batch_routes(batch, idx.tolist(), length, packed=True)
     return mb
+
+
+def batch_routes(batch: RolloutBatch, indices: list[int], width: int, packed: bool) -> torch.Tensor:
+    """The micro-batch's `routes` [s, b, M, k] (grpo_mega.models.routing_replay.routes_layout) from batch.routed."""
+    from grpo_mega.models.routing_replay import routes_layout
+
+    some = next((r for r in batch.routed if r is not None), None)
+    if some is None:
+        raise ValueError("routing replay: no row of the batch holds the engine's routed experts on this rank")
+    seq_lens = (batch.prompt_lens + batch.response_lens).tolist()
+    return routes_layout(batch.routed, indices, seq_lens, width, packed, some.shape[1], some.shape[2])
 
 
 def packed_micro_batches(batch: RolloutBatch, plan: PackPlan, dp_rank: int, with_mask: bool = True) -> list[dict]:

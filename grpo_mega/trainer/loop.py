@@ -41,7 +41,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         got = collect_step(run, step, timer)  # generated and scored (refilled: algo.dynamic_sampling=refill)
         gen, samples, rewards, reward_metrics = got.gen, got.samples, got.rewards, got.metrics
         owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
-        rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask)
+        rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask,
+                                       gen.routed_experts)  # the engine's experts: replayed (algo.routing_replay)
         if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
             with timer("old_logprobs"):
                 rb.old_logp = actor.logprobs(rb, temperature)
@@ -55,6 +56,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
         mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
+        routing = actor.routing_agreement()
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
             rollouts.wait()
         with timer("weight_sync"):
@@ -71,7 +73,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
                    overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(shaped.in_loss.sum()),
                    response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
                    weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"], **ratio_quantiles,
-                   **update_means(updates), **reward_metrics, **rollout_metrics(gen), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
+                   **update_means(updates), **routing, **reward_metrics, **rollout_metrics(gen), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
         history.rows.append(row)
         if log is not None:
             log(row)

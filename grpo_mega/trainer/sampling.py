@@ -99,7 +99,10 @@ def _pick(gens: list[Generation], rows: list[tuple[int, int]]) -> Generation:
         stats = [g.extra["multi_turn"] for g in gens]
         extra["multi_turn"] = {k: [stats[r][k][i] for r, i in rows] for k in STAT_KEYS}
         extra["multi_turn"]["tool_seconds"] = sum(s["tool_seconds"] for s in stats)
+    routed = None
+    if any(g.routed_experts is not None for g in gens):
+        routed = [(gens[r].routed_experts or [None] * len(gens[r].token_ids))[i] for r, i in rows]
     return Generation(token_ids=[gens[r].token_ids[i] for r, i in rows], logprobs=[gens[r].logprobs[i] for r, i in rows],
                       finish_reasons=[gens[r].finish_reasons[i] for r, i in rows],
                       weight_version=min(gens[r].weight_version for r in {r for r, _ in rows}),
-                      extra=extra, model_mask=masks)
+                      extra=extra, model_mask=masks, routed_experts=routed)

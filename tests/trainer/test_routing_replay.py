@@ -1,0 +1,109 @@
+"""Rollout routing replay (algo.routing_replay=rollout) on tiny-qwen3-moe: the embedded engine records the top-k
+experts transformers' router chose for every token it fed its model, and the trainer's MoE layers
+(megatron-core's TopKRouter) use exactly those in the logprob, reference and update passes, padded or packed.
+
+The engine routes with noise on its router logits (its choices weighted by the router's own probabilities), so
+without replay trainer and engine route differently: routing agreement < 1 and a logprob mismatch; with replay
+both compute the same function of the same weights, so the mismatch is fp32 rounding (transformers' modelling
+code on one side, megatron-core's on the other)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_mega.parallel.forked import run_ranks
+from tests.fork_server import run_main
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLAY_TOL = 1e-5  # mean |engine - trainer| logprob with replay, fp32 (measured ~1.2e-7)
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("routing_replay_tool", ROOT / "tools" / "routing_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check(res: dict) -> None:
+    assert res["replayed_pairs_logprob_pass"] > 0
+    # the trainer's routing map is the engine's experts for 100% of the (token, MoE layer) pairs the engine routed
+    assert res["replay_followed_logprob_pass"] == 1.0
+    assert res["replay_followed_update"] == 1.0 and res["replayed_pairs_update"] == res["replayed_pairs_logprob_pass"]
+    assert res["replay_followed_reference"] == 1.0
+    assert res["reference_equals_actor_with_replay"] == 0.0
+    assert res["routing_agreement_without_replay"] < 0.97  # the noise changed some choices
+    assert res["logprob_mismatch_with_replay"] < REPLAY_TOL
+    assert res["logprob_mismatch_without_replay"] > 10 * res["logprob_mismatch_with_replay"]
+    assert res["update_grad_norm"] > 0
+
+
+def test_replay_at_ep2_packed_on_two_ranks():
+    res = run_ranks(_tool().measure, 2, 0.02, 2, True, timeout=300)
+    assert res[0] == res[1]
+    _check(res[0])
+    print("EP2 packed:", json.dumps(res[0]))
+
+
+def test_replay_single_process_padded():
+    (res,) = run_ranks(_tool().measure, 1, 0.02, 1, False, timeout=300)
+    _check(res)
+    print("TP1 padded:", json.dumps(res))
+
+
+def test_engine_records_transformers_router_choices():
+    """The engine's recorded experts ([P + R - 1, M, k] per sample: the prompt, then the response but its last
+    token) are those transformers' router picks when the whole sequence runs through the model in one
+    forward, without the KV cache or the batch's left padding; and recording changes no sample."""
+    from grpo_mega.conf import load_model_config
+    from grpo_mega.rollout.embedded import EmbeddedEngine
+
+    cfg = load_model_config("tiny-qwen3-moe")
+    engine = EmbeddedEngine.from_model_config(cfg, seed=3)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in engine.model.parameters():  # transformers initialises its routers to 0: give them real choices
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    prompts = [[5, 9, 12, 40, 7], [3, 8]]
+    plain = engine.generate(prompts, 2, 1.0, 1.0, 8, [], seed=1)
+    engine.enable_routing_record()
+    gen = engine.generate(prompts, 2, 1.0, 1.0, 8, [], seed=1)
+    assert gen.token_ids == plain.token_ids and gen.logprobs == plain.logprobs
+    moe = sum(cfg.moe_layers())
+    picks = []
+    hooks = [r.register_forward_hook(lambda m, i, o: picks.append(o[2])) for r in engine.routers]
+    for row, ids in enumerate(gen.token_ids):
+        seq = prompts[row // 2] + ids
+        routed = gen.routed_experts[row]
+        assert routed.dtype == torch.int16 and tuple(routed.shape) == (len(seq) - 1, moe, cfg.moe_router_topk)
+        picks.clear()
+        engine.record_routing = False
+        with torch.no_grad():
+            engine.model(input_ids=torch.tensor([seq]))
+        engine.record_routing = True
+        full = torch.stack(picks, dim=1)[: len(seq) - 1]  # [tokens, M, k]
+        assert torch.equal(full.sort(-1).values, routed.long().sort(-1).values), row
+    for h in hooks:
+        h.remove()
+
+
+def test_training_with_replay_at_ep2(tmp_path):
+    """The Hydra entry point at EP2 on 2 forked ranks with algo.routing_replay=rollout, packed: the routes travel
+    with the samples to the DP replica that trains them; moe/routing_agreement is reported (fp32 engine and
+    trainer on the same weights: 1.0) and the engine/trainer logprob mismatch stays at fp32 rounding."""
+    out = tmp_path / "run"
+    argv = [f"hydra.run.dir={out}", "model=tiny-qwen3-moe", "parallel.ep=2", "run.steps=2", "eval.interval=0",
+            "batch.train_batch_size=4", "batch.ppo_mini_batch_size=4", "rollout.n=4", "algo.routing_replay=rollout",
+            "algo.recompute_old_logprobs=true"]
+    proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["moe/routing_agreement"] == pytest.approx(1.0, abs=0.02), r["moe/routing_agreement"]
+        assert r["logprob_mismatch"] <= REPLAY_TOL, r["logprob_mismatch"]
+        assert r["grad_norm"] > 0
+    print("EP2 replay:", [(r["moe/routing_agreement"], r["logprob_mismatch"]) for r in rows])
