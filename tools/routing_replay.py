@@ -118,6 +118,7 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
                    reference_equals_actor_with_replay=float((ref_lp - replayed).abs().max()))
         if update:
             counts["same"] = counts["total"] = 0
+            routing_replay.take_agreement(gpt)
             rb.old_logp = replayed
             rb.advantages = algo.group_advantages(torch.rand(len(rows), generator=g), n=n).float()
             (m,) = actor.update(rb, TEMPERATURE)

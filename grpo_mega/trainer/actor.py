@@ -426,14 +426,19 @@ class Actor:
         self.skipped_nonfinite = 0
 
     def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+        if self.model_cfg.is_moe:  # routing_agreement() after this counts this pass alone
+            from grpo_mega.models.routing_replay import take_agreement
+
+            take_agreement(self.built.gpt)
         return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
 
     def routing_agreement(self) -> dict:
-        """Collective: {"moe/routing_agreement": share} over the actor's passes since the last call (the old-logprob
-        pass and the update), with the engine's routes: of the (token, layer) pairs the engine routed, the share
-        where the trainer's own top-k of its router logits is the engine's set (grpo_mega.models.routing_replay;
-        counted whether or not the routes are replayed; under replay a layer's inputs are those the replayed
-        layers before it made). {} for a dense model or without routes."""
+        """Collective: {"moe/routing_agreement": share} over the actor's forwards since the last call or the last
+        `logprobs` (the loop asks after the pass on the weights the engine sampled with: the old-logprob pass, or
+        the exactly on-policy update), with the engine's routes: of the (token, MoE layer) pairs the engine
+        routed, the share where the trainer's own top-k of its router logits is the engine's set
+        (grpo_mega.models.routing_replay; counted whether or not the routes are replayed: under replay a layer's
+        inputs are those the replayed layers before it made). {} for a dense model or without routes."""
         if not self.model_cfg.is_moe:
             return {}
         from grpo_mega.models.routing_replay import world_agreement

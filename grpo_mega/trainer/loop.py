@@ -46,6 +46,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
             with timer("old_logprobs"):
                 rb.old_logp = actor.logprobs(rb, temperature)
+            routing = actor.routing_agreement()  # MoE: engine vs trainer routing on the same weights
         if run.reference is not None and not actor.full_kl_in_loss:  # the full KL's reference runs in the update
             with timer("ref_logprobs"):
                 rb.ref_logp = run.reference.logprobs(rb, temperature)
@@ -55,8 +56,9 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         rb.engine_logp = engine_logprobs(gen, rb)
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
+        if cfg.on_policy:  # the update's own forward was the pass on the engine's weights
+            routing = actor.routing_agreement()
         mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
-        routing = actor.routing_agreement()
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
             rollouts.wait()
         with timer("weight_sync"):
