@@ -181,8 +181,8 @@ CONFIG_CASES = {
     "routing_replay_on_a_dense_model": (["algo.routing_replay=rollout"],
                                         r"algo\.routing_replay=rollout needs an MoE model; model tiny is dense"),
     "routing_replay_on_sglang": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout", "rollout.engine=sglang"],
-                                 r"algo\.routing_replay=rollout with rollout\.engine=sglang .*SGLang 0\.5\.23 has "
-                                 r"return_routed_experts, which grpo-mega's client does not request yet"),
+                                 r"algo\.routing_replay=rollout with the colocated rollout\.engine=sglang: its routed "
+                                 r"experts are not read yet"),
     "routing_replay_with_full_recompute": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout", "parallel.recompute=full"],
                                            r"algo\.routing_replay=rollout with parallel\.recompute=full"),
 }

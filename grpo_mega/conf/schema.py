@@ -984,11 +984,11 @@ class TrainConfig:
         if not model.is_moe:
             raise ValueError(f"algo.routing_replay={self.algo.routing_replay} needs an MoE model; model {model.name} is "
                              f"dense (family {model.family!r}, no num_experts): set algo.routing_replay=none")
-        if self.rollout.engine != "embedded" or self.rollout.placement != "colocated":
-            raise ValueError(f"algo.routing_replay=rollout with rollout.engine={self.rollout.engine} placement="
-                             f"{self.rollout.placement}: only the colocated embedded engine returns its routed experts "
-                             "so far (SGLang 0.5.23 has return_routed_experts, which grpo-mega's client does not "
-                             "request yet); use rollout.engine=embedded rollout.placement=colocated")
+        if self.rollout.engine != "embedded" and self.rollout.placement == "colocated":
+            raise ValueError(f"algo.routing_replay=rollout with the colocated rollout.engine={self.rollout.engine}: its "
+                             "routed experts are not read yet (SGLang 0.5.23 returns them to dedicated servers' clients, "
+                             "rollout.placement=dedicated, started with --enable-return-routed-experts); use "
+                             "rollout.engine=embedded or rollout.placement=dedicated")
         if self.rollout.multi_turn.enable:
             raise ValueError("algo.routing_replay=rollout with rollout.multi_turn.enable=true: tool turns are not "
                              "recorded yet; set algo.routing_replay=none")

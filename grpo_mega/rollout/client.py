@@ -117,7 +117,8 @@ class ServerClient(RolloutEngine):
     """Samples from, and weights into, the servers at `urls` (e.g. ["http://10.0.0.5:30000"])."""
 
     def __init__(self, urls: list[str], timeout_s: float = 60.0, server_tp: int = 1,
-                 group_name: str = "grpo_mega_weights"):
+                 group_name: str = "grpo_mega_weights", moe_layers: Optional[list[bool]] = None):
+        """`moe_layers` (per layer: does it hold experts): ask for the routed experts (routing replay)."""
         if not urls:
             raise ValueError("rollout.servers is empty: dedicated placement needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -127,6 +128,7 @@ class ServerClient(RolloutEngine):
         self._sent_dtypes: dict[str, torch.dtype] = {}  # HF name -> dtype of what the last sync sent
         self._audit_route: dict[str, str] = {}  # URL -> how its weights are read back (see weight_checksums)
         self.weight_version = 0
+        self.moe_layers = moe_layers
         for url in self.urls:  # named before any training starts
             self._call(url, "/health", None, what="the start-up health check")
 
@@ -181,7 +183,10 @@ class ServerClient(RolloutEngine):
                                    skip_special_tokens=False, no_stop_trim=True))
         self.outstanding[url] += tokens
         try:
-            out = self._call(url, "/generate", dict(input_ids=input_ids, sampling_params=params, return_logprob=True))
+            body = dict(input_ids=input_ids, sampling_params=params, return_logprob=True)
+            if self.moe_layers is not None:
+                body["return_routed_experts"] = True
+            out = self._call(url, "/generate", body)
         finally:
             self.outstanding[url] -= tokens
         if not isinstance(out, list) or len(out) != len(input_ids):
@@ -200,18 +205,39 @@ class ServerClient(RolloutEngine):
             for k, i in enumerate(idx):
                 rows[i] = [(url, o) for o in out[k * n:(k + 1) * n]]
         tokens, logps, finish, versions = [], [], [], set()
+        routed = None if self.moe_layers is None else []
         for i in range(len(prompts)):
             for url, o in rows[i]:
                 meta = o["meta_info"]
                 ids = list(o["output_ids"])
                 tokens.append(ids)
+                if routed is not None:
+                    routed.append(self._routed_experts(url, meta, len(prompts[i]) + len(ids) - 1))
                 logps.append([float(x[0]) for x in meta["output_token_logprobs"]][: len(ids)])
                 finish.append("length" if (meta.get("finish_reason") or {}).get("type") == "length" else "stop")
                 versions.add(self._sample_version(url, meta))
         if len(versions) > 1:
             raise ServerError(f"the rollout servers {self.urls} answered with different weight versions {sorted(versions)}")
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish,
-                          weight_version=versions.pop() if versions else self.weight_version)
+                          weight_version=versions.pop() if versions else self.weight_version, routed_experts=routed)
+
+    def _routed_experts(self, url: str, meta: dict, positions: int) -> torch.Tensor:
+        """SGLang's meta_info["routed_experts"] (0.5.23, `return_routed_experts`: base64 of int32
+        [prompt + completion - 1, num_hidden_layers, top_k]) as Generation.routed_experts' int16 [positions, M, k]
+        of the MoE layers."""
+        import base64
+
+        raw = meta.get("routed_experts")
+        if raw is None:
+            raise ServerError(f"rollout server {url} returned no routed_experts (algo.routing_replay=rollout): start "
+                              "SGLang with --enable-return-routed-experts")
+        flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
+        layers = len(self.moe_layers)
+        if flat.numel() % (positions * layers):
+            raise ServerError(f"rollout server {url} returned {flat.numel()} routed expert ids for {positions} "
+                              f"positions and {layers} layers")
+        full = flat.view(positions, layers, -1)
+        return full[:, torch.tensor(self.moe_layers)].to(torch.int16).contiguous()
 
     @staticmethod
     def _sample_version(url: str, meta: dict) -> int:

@@ -102,14 +102,30 @@ class EngineServer:
             groups.setdefault(key, []).append(i)
         for (temperature, top_p, max_new, stop), rows in groups.items():
             seeds = [int(params[i].get("sampling_seed", 0)) for i in rows]
+            self.engine.record_routing = bool(req.get("return_routed_experts")) and bool(self.engine.routers)
             gen = self.engine.generate([ids[i] for i in rows], 1, temperature, top_p, max_new, stop, 0, row_seeds=seeds)
             for k, i in enumerate(rows):
                 meta = dict(finish_reason={"type": gen.finish_reasons[k]}, weight_version=str(gen.weight_version),
                             prompt_tokens=len(ids[i]), completion_tokens=len(gen.token_ids[k]))
                 if req.get("return_logprob"):
                     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(gen.logprobs[k], gen.token_ids[k])]
+                if gen.routed_experts is not None:
+                    meta["routed_experts"] = self._routed_experts_b64(gen.routed_experts[k])
                 outs[i] = dict(output_ids=gen.token_ids[k], meta_info=meta)
         return outs[0] if single else outs
+
+    def _routed_experts_b64(self, routed) -> str:
+        """SGLang 0.5.23's meta_info["routed_experts"]: base64 of int32 [positions, num_hidden_layers, top_k]
+        (-1 at the dense layers) from the engine's [positions, M, k] of the MoE layers."""
+        import base64
+
+        import torch
+
+        layers = self.engine.model.config.num_hidden_layers
+        moe = [i for i, m in enumerate(self.engine.model.model.layers) if hasattr(m.mlp, "experts")]
+        full = torch.full((routed.shape[0], layers, routed.shape[2]), -1, dtype=torch.int32)
+        full[:, moe] = routed.to(torch.int32)
+        return base64.b64encode(full.numpy().tobytes()).decode()
 
     def init_weights_update_group(self, req: dict) -> dict:
         name = req.get("group_name", "weight_update_group")

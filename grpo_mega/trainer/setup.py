@@ -56,7 +56,8 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
         if rollout.placement == "dedicated":
             from grpo_mega.rollout.client import ServerClient
 
-            return ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp)
+            return ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
+                                moe_layers=model.moe_layers() if cfg.algo.routing_replay == "rollout" else None)
         import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
         import grpo_mega.rollout.sglang_engine  # noqa: F401
         from grpo_mega.rollout.interface import ENGINES, EngineSpec
