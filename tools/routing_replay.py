@@ -2,7 +2,10 @@
 (a stand-in for the kernel and precision differences that make an inference engine route differently), and the
 trainer computes the same samples' logprobs without and with the engine's routes replayed. Writes JSON.
 
-    python tools/routing_replay.py [--noise 0.5] [--ep 2] [--packing] [--out bench_results/routing_replay.json]
+    python tools/routing_replay.py [--noise 0.02] [--ep 2] [--no-packing] [--out bench_results/routing_replay.json]
+
+Two perturbations, each its own forked run: noise on the engine's router logits (fp32 engine), and a bf16
+engine (no noise) against the fp32 trainer.
 
 Reported: moe/routing_agreement (the share of (token, MoE layer) pairs whose top-k set, of the trainer's own
 router logits, equals the engine's: measured without replay), the mean |engine - trainer| logprob over response
@@ -55,8 +58,11 @@ def _used_experts(gpt):
 
 
 def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int = 2, n: int = 4,
-            max_new: int = 12, seed: int = 0, update: bool = True) -> dict:
-    """On every rank of a world of ep ranks (tp=pp=1, dp=ep): the figures above (the same dict on every rank)."""
+            max_new: int = 12, seed: int = 0, update: bool = True, engine_dtype: str = "float32", pp: int = 1,
+            tp: int = 1) -> dict:
+    """On every rank of a world of tp * pp * ep ranks (dp = ep; tp > 1 with sequence parallelism): the figures above (the same dict on every rank).
+    engine_dtype='bfloat16': the engine computes in bf16 (the fp32 trainer's weights rounded), another cause of
+    routing disagreement."""
     import torch
 
     from grpo_mega import algo
@@ -71,10 +77,10 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
     from grpo_mega.trainer.loop import engine_logprobs
 
     with cpu_compat.cpu_device_mode():
-        init_distributed(tp=1, pp=1, seed=1234, ep=ep)
+        init_distributed(tp=tp, pp=pp, seed=1234, ep=ep)
         rank = torch.distributed.get_rank()
         cfg = load_model_config("tiny-qwen3-moe")
-        parallel = ParallelConfig(ep=ep)
+        parallel = ParallelConfig(ep=ep, pp=pp, tp=tp, sequence_parallel=tp > 1)
         batch = BatchConfig(train_batch_size=prompts, ppo_mini_batch_size=prompts, micro_batch_size=2,
                             max_prompt_length=8, max_response_length=max_new, packing=packing)
         precision = PrecisionConfig(params_dtype="fp32")
@@ -82,6 +88,8 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
         engine = None
         if rank == 0:
             engine = EmbeddedEngine.from_model_config(cfg, seed=seed)
+            if engine_dtype != "float32":
+                engine = EmbeddedEngine(engine.model, getattr(torch, engine_dtype))
             engine.enable_routing_record()
             engine.router_noise = noise
         sync_weights(actor.built.gpt, cfg, engine, version=1)
@@ -111,7 +119,7 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
         ref_counts, ref_handles = _used_experts(ref.built.gpt)
         ref_lp = ref.logprobs(rb, TEMPERATURE)
         logprob_pass = dict(counts)
-        out = dict(noise=noise, ep=ep, packing=packing, samples=len(rows),
+        out = dict(noise=noise, engine_dtype=engine_dtype, ep=ep, pp=pp, tp=tp, packing=packing, samples=len(rows),
                    response_tokens=int(rb.response_lens.sum()), moe_layers=sum(cfg.moe_layers()),
                    topk=cfg.moe_router_topk, routing_agreement_without_replay=agreement,
                    logprob_mismatch_without_replay=mismatch(free), logprob_mismatch_with_replay=mismatch(replayed),
@@ -139,20 +147,27 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--noise", type=float, default=0.5, help="std of the noise on the engine's router logits")
+    ap.add_argument("--noise", type=float, default=0.02, help="std of the noise on the engine's router logits")
     ap.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (forked gloo ranks; dp = ep)")
     ap.add_argument("--no-packing", dest="packing", action="store_false")
     ap.add_argument("--out", default=str(REPO / "bench_results" / "routing_replay.json"))
     args = ap.parse_args()
     from grpo_mega.parallel.forked import run_ranks
 
-    t0 = time.perf_counter()
-    res = run_ranks(measure, args.ep, args.noise, args.ep, args.packing, timeout=600)[0]
-    res["seconds"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(res, indent=1))
+    res = {}
+    for name, noise, dtype in (("router_noise", args.noise, "float32"), ("bf16_engine", 0.0, "bfloat16")):
+        t0 = time.perf_counter()
+        res[name] = run_ranks(measure, args.ep, noise, args.ep, args.packing, engine_dtype=dtype, timeout=600)[0]
+        res[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        r = res[name]
+        print(f"{name}: moe/routing_agreement {r['routing_agreement_without_replay']:.4f}; logprob mismatch "
+              f"{r['logprob_mismatch_without_replay']:.3e} without replay, {r['logprob_mismatch_with_replay']:.3e} "
+              f"with; replay followed in {r['replay_followed_logprob_pass']:.0%} of {r['replayed_pairs_logprob_pass']} "
+              "token-layer pairs", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+    print("written", args.out)
     return 0
 
 

@@ -41,15 +41,19 @@ def _check(res: dict) -> None:
     assert res["update_grad_norm"] > 0
 
 
-def test_replay_at_ep2_packed_on_two_ranks():
-    res = run_ranks(_tool().measure, 2, 0.02, 2, True, timeout=300)
+# (name, ranks, kwargs of measure): EP2 (dp=2, each rank half of the rows, micro-batches padded to one length over
+# ranks), PP2 (each stage its layers' routers), TP2 with sequence parallelism (each TP rank's routers see s/tp)
+@pytest.mark.parametrize("name,ranks,kw", [("EP2", 2, dict(ep=2)), ("PP2", 2, dict(pp=2)),
+                                           ("TP2-SP", 2, dict(tp=2))])
+def test_replay_on_two_ranks_packed(name, ranks, kw):
+    res = run_ranks(_tool().measure, ranks, 0.02, packing=True, timeout=300, **kw)
     assert res[0] == res[1]
     _check(res[0])
-    print("EP2 packed:", json.dumps(res[0]))
+    print(name, "packed:", json.dumps(res[0]))
 
 
 def test_replay_single_process_padded():
-    (res,) = run_ranks(_tool().measure, 1, 0.02, 1, False, timeout=300)
+    (res,) = run_ranks(_tool().measure, 1, 0.02, packing=False, timeout=300)
     _check(res)
     print("TP1 padded:", json.dumps(res))
 
