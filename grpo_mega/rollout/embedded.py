@@ -132,7 +132,7 @@ class EmbeddedEngine(RolloutEngine):
             weights = top.to(weights.dtype)
             output = (logits, weights, index)
         if self.record_routing:
-            self._routes.append(index.detach().to("cpu", torch.int16))
+            self._routes.append(index.detach().to(torch.int16))  # on the model's device until generate() ends
         return output if self.router_noise else None
 
     # ---- generation -------------------------------------------------------------------------------
@@ -212,6 +212,7 @@ class EmbeddedEngine(RolloutEngine):
             next_pos = next_pos + 1
         routed = None
         if self.record_routing:  # the prompt's own positions (left padding dropped), then the fed response tokens
+            steps_routes = [r.cpu() for r in steps_routes]  # one copy per forward, after the last one
             decode = torch.cat(steps_routes[1:], dim=1) if len(steps_routes) > 1 else None
             routed = []
             for r, (p, _) in enumerate(rows):

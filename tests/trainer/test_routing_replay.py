@@ -111,3 +111,20 @@ def test_training_with_replay_at_ep2(tmp_path):
         assert r["logprob_mismatch"] <= REPLAY_TOL, r["logprob_mismatch"]
         assert r["grad_norm"] > 0
     print("EP2 replay:", [(r["moe/routing_agreement"], r["logprob_mismatch"]) for r in rows])
+
+
+def test_routes_layout_by_hand():
+    """Micro-batch routes [s, b, M, k]: a sequence of n tokens has the engine's experts at its first n - 1
+    positions (the last token is never fed to the engine), -1 at its last token and at padding; packed rows put
+    the sequences back to back in b = 1."""
+    from grpo_mega.models.routing_replay import routes_layout
+
+    r0 = torch.tensor([[[1, 2]], [[3, 4]]], dtype=torch.int16)  # sequence 0: 3 tokens, 1 MoE layer, top-2
+    r1 = torch.tensor([[[5, 6]]], dtype=torch.int16)  # sequence 1: 2 tokens
+    packed = routes_layout([r0, r1], [0, 1], [3, 2], 6, True, 1, 2)
+    assert packed.shape == (6, 1, 1, 2)
+    assert packed[:, 0, 0].tolist() == [[1, 2], [3, 4], [-1, -1], [5, 6], [-1, -1], [-1, -1]]
+    padded = routes_layout([r0, r1], [1, 0], [3, 2], 3, False, 1, 2)  # rows in the order of `indices`
+    assert padded.shape == (3, 2, 1, 2)
+    assert padded[:, 0, 0].tolist() == [[5, 6], [-1, -1], [-1, -1]]
+    assert padded[:, 1, 0].tolist() == [[1, 2], [3, 4], [-1, -1]]
