@@ -3,12 +3,13 @@
 For machines without SGLang (CI, laptops, the demo). Batched sampling with a KV cache, left-padded prompts,
 one seeded generator per sample (so a sample does not depend on what else is in the batch) drawing that
 sample's uniforms, inverse-CDF sampling of the whole batch at once, logprobs of softmax(logits / temperature)
-at the sampled token. tools/bench_decode.py holds it against transformers' `generate`.
+at the sampled token. tools/bench_decode.py holds it against transformers' `generate`. For routing replay
+(algo.routing_replay=rollout) it records the top-k experts transformers' MoE routers pick for every token it feeds
+the model (forward hooks; Generation.routed_experts).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Iterable, Optional
 
 import torch
@@ -75,8 +76,8 @@ class EmbeddedEngine(RolloutEngine):
         top-k choice, a stand-in for the kernel and precision differences that make engines route differently."""
         self._noise_gen = torch.Generator(device=device).manual_seed(0)
         self._routes: list = []  # per forward call: [M] of [b, s, k]
-        for i, r in enumerate(self.routers):
-            r.register_forward_hook(partial(self._router_hook, i))
+        for r in self.routers:
+            r.register_forward_hook(self._router_hook)
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
@@ -116,7 +117,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"routing replay: the engine's model ({type(self.model).__name__}) has no MoE router")
         self.record_routing = True
 
-    def _router_hook(self, layer: int, router, inputs, output):
+    def _router_hook(self, router, inputs, output):
         """Records the layer's top-k ([tokens, k]); with router_noise, picks the top-k of noisy logits instead,
         weighted by the router's own probabilities of those experts (renormalised as the router does)."""
         if not (self.record_routing or self.router_noise):
