@@ -183,6 +183,9 @@ CONFIG_CASES = {
     "routing_replay_on_sglang": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout", "rollout.engine=sglang"],
                                  r"algo\.routing_replay=rollout with the colocated rollout\.engine=sglang: its routed "
                                  r"experts are not read yet"),
+    "routing_replay_with_multi_turn": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout",
+                                        "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
+                                       r"algo\.routing_replay=rollout with rollout\.multi_turn\.enable=true"),
     "routing_replay_with_full_recompute": (["model=tiny-qwen3-moe", "algo.routing_replay=rollout", "parallel.recompute=full"],
                                            r"algo\.routing_replay=rollout with parallel\.recompute=full"),
 }
