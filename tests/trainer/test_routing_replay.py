@@ -94,14 +94,16 @@ def test_engine_records_transformers_router_choices():
         h.remove()
 
 
-def test_training_with_replay_at_ep2(tmp_path):
+# recompute=true: the agreement is read after the old-logprob pass; false: the exactly on-policy update's forward
+@pytest.mark.parametrize("recompute", [True, False])
+def test_training_with_replay_at_ep2(tmp_path, recompute):
     """The Hydra entry point at EP2 on 2 forked ranks with algo.routing_replay=rollout, packed: the routes travel
     with the samples to the DP replica that trains them; moe/routing_agreement is reported (fp32 engine and
     trainer on the same weights: 1.0) and the engine/trainer logprob mismatch stays at fp32 rounding."""
     out = tmp_path / "run"
     argv = [f"hydra.run.dir={out}", "model=tiny-qwen3-moe", "parallel.ep=2", "run.steps=2", "eval.interval=0",
             "batch.train_batch_size=4", "batch.ppo_mini_batch_size=4", "rollout.n=4", "algo.routing_replay=rollout",
-            "algo.recompute_old_logprobs=true"]
+            f"algo.recompute_old_logprobs={str(recompute).lower()}"]
     proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
