@@ -2,7 +2,9 @@
 
 Owns: the exact parameter count of every pipeline stage's shard (the same modules builder.build_gpt makes),
 the bytes of the actor's weights, fp32 main weights, fp32 gradient buffer and Adam state under Megatron DDP
-and the DistributedOptimizer, the activations held by the 1F1B schedule, the logits and vocab-parallel loss
+and the DistributedOptimizer (its padded buffers included), for MoE models the router and this rank's experts
+(split over EP and expert TP, their optimizer state over expert DP) and the token dispatcher's buffers, the
+activations held by the 1F1B schedule, the logits and vocab-parallel loss
 buffers of the last stage, the frozen reference and the share left to a colocated rollout engine; whether
 their sum fits a GPU, which component does not, and layouts of the same GPUs that do. `meta_stage_params`
 checks the parameter arithmetic against the model built on the meta device, one rank at a time under a fake
@@ -19,6 +21,7 @@ and flash attention on the GPU (TE's fused attention keeps no [a, s, s] scores, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -53,14 +56,26 @@ class StageParams:
     linear: int
     """Of all the above, the transformer layers' linear weights: the GEMMs TE runs in FP8 (megatron's output
     layer stays in bf16)."""
+    expert: int = 0
+    """Of `transformer`, this rank's experts (E / ep per MoE layer, each split over expert TP): their
+    gradients are reduced, and the DistributedOptimizer shards them, over the expert-data-parallel group."""
 
     @property
     def total(self) -> int:
         return self.embedding + self.transformer + self.final_norm + self.output_layer
 
 
-def layer_params(model: ModelConfig, tp: int) -> tuple[int, int]:
-    """(all parameters, linear weights) of one transformer layer's shard on one TP rank."""
+def moe_mlp_params(model: ModelConfig, etp: int, ep: int) -> tuple[int, int]:
+    """(router, this rank's experts) of one MoE layer: the router [E, h] replicated over TP (no bias in Qwen3-MoE)
+    and E / ep experts, each a SwiGLU MLP of moe_ffn_hidden_size split over the expert-TP group (megatron's
+    default etp = tp): fc1 [2 f_e / etp, h], fc2 [h, f_e / etp]. No shared expert."""
+    h, fe = model.hidden_size, model.moe_ffn_hidden_size
+    return model.num_experts * h, model.num_experts // ep * 3 * (fe // etp) * h
+
+
+def layer_params(model: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> tuple[int, int, int]:
+    """(all parameters, linear weights, expert parameters) of one transformer layer's shard on one TP rank;
+    `moe`: its MLP is the router and this EP rank's experts instead of a dense one."""
     h, f = model.hidden_size, model.ffn_hidden_size
     q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
     qkv = (q + 2 * kv) // tp * h
@@ -70,8 +85,12 @@ def layer_params(model: ModelConfig, tp: int) -> tuple[int, int]:
     norms = 2 * h  # input_layernorm and pre_mlp_layernorm: replicated over TP
     if model.qk_layernorm:
         norms += 2 * model.kv_channels  # Qwen3's per-head q/k norms, shared by all heads: replicated
+    if moe:
+        router, experts = moe_mlp_params(model, tp, ep)
+        linear = qkv + proj + experts
+        return linear + bias + norms + router, linear, experts
     linear = qkv + proj + fc1 + fc2
-    return linear + bias + norms, linear
+    return linear + bias + norms, linear, 0
 
 
 def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StageParams]:
@@ -81,16 +100,72 @@ def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StagePara
     copy of the output weight (megatron synchronises the two)."""
     per_stage = parallel.layers_per_stage(model.num_layers)
     tp, pp = parallel.tp, parallel.pp
-    per_layer, linear_layer = layer_params(model, tp)
+    kinds = {moe: layer_params(model, tp, moe, parallel.ep) for moe in ((False, True) if model.is_moe else (False,))}
+    moe_layers = model.moe_layers()
     vocab_shard = model.padded_vocab_size // tp * model.hidden_size
-    out = []
+    out, start = [], 0
     for stage, n in enumerate(per_stage):
         first, last = stage == 0, stage == pp - 1
         output = vocab_shard if last and (not model.tie_word_embeddings or pp > 1) else 0
+        layers = [kinds[m] for m in moe_layers[start:start + n]]
+        start += n
         out.append(StageParams(
-            stage=stage, layers=n, embedding=vocab_shard if first else 0, transformer=n * per_layer,
-            final_norm=model.hidden_size if last else 0, output_layer=output, linear=n * linear_layer,
+            stage=stage, layers=n, embedding=vocab_shard if first else 0, transformer=sum(k[0] for k in layers),
+            final_norm=model.hidden_size if last else 0, output_layer=output, linear=sum(k[1] for k in layers),
+            expert=sum(k[2] for k in layers),
         ))
+    return out
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _layer_sizes(model: ModelConfig, tp: int, moe: bool, ep: int) -> tuple[list[int], list[int]]:
+    """(dense, expert) parameter numels of one layer's shard, one entry per megatron parameter."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    dense = [(q + 2 * kv) // tp * h, h * (q // tp), h, h]
+    dense += [(q + 2 * kv) // tp] if model.qkv_bias else []
+    dense += [d, d] if model.qk_layernorm else []
+    if not moe:
+        return dense + [2 * (f // tp) * h, h * (f // tp)], []
+    fe = model.moe_ffn_hidden_size // tp
+    return dense + [model.num_experts * h], [2 * fe * h, h * fe] * (model.num_experts // ep)
+
+
+def grad_buffer_numel(model: ModelConfig, parallel: ParallelConfig, dp: int,
+                      distributed_optimizer: bool = True) -> list[tuple[int, int]]:
+    """Per pipeline stage: (dense, expert) elements of megatron DDP's parameter-and-gradient buffers on one
+    rank, padding included (megatron-core 0.16.1 param_and_grad_buffer.py, one bucket per buffer as
+    overlap_grad_reduce is off). With the DistributedOptimizer every parameter starts at a multiple of 64
+    elements and a bucket ends at a multiple of lcm(its DP size, 128): the dense buffer's DP size is dp, the
+    expert buffer's the expert-DP size dp / ep. A tied embedding shared by the first and last stage (pp > 1)
+    is a bucket of its own. Without the DistributedOptimizer nothing is padded."""
+    tp, ep = parallel.tp, parallel.ep
+    kinds = {m: _layer_sizes(model, tp, m, ep) for m in ((False, True) if model.is_moe else (False,))}
+    moe_layers, start, out = model.moe_layers(), 0, []
+    vocab_shard = model.padded_vocab_size // tp * model.hidden_size
+    for p in stage_params(model, parallel):
+        dense, expert = [], []
+        for m in moe_layers[start:start + p.layers]:
+            dense += kinds[m][0]
+            expert += kinds[m][1]
+        start += p.layers
+        dense += [n for n in (p.final_norm, ) if n]
+        shared = model.tie_word_embeddings and parallel.pp > 1
+        own = [n for n in (p.embedding, p.output_layer) if n]
+        if not shared:
+            dense, own = dense + own, []
+
+        def buffer(sizes: list[int], group: int) -> int:
+            if not distributed_optimizer:
+                return sum(sizes)
+            return _round_up(sum(_round_up(n, 64) for n in sizes), math.lcm(group, 128)) if sizes else 0
+
+        dense_numel = buffer(dense, dp) + sum(buffer([n], dp) for n in own)
+        out.append((dense_numel, buffer(expert, dp // ep)))
+        assert sum(dense) + sum(own) + sum(expert) == p.total  # the same parameters as stage_params
     return out
 
 
@@ -102,7 +177,7 @@ LAYER_SPECS = ("transformer_engine", "local")
 
 def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
                            recompute: str, flash_attention: bool = True, fp8: bool = False,
-                           layer_spec: str = "transformer_engine") -> float:
+                           layer_spec: str = "transformer_engine", mlp: bool = True) -> float:
     """Bytes one transformer layer keeps for its backward, per micro-batch, on one TP rank (Korthikanti et al.
     Table 2, per tensor, for this project's block; 16-bit activations, FP8 GEMM inputs under fp8).
 
@@ -120,14 +195,15 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
                   attention without selective recompute; flash attention keeps none of it.
     Full recompute keeps only each layer's input, 2h per token (/tp with sequence parallelism).
     For GPT-3's block (q = k = h, f = 4h, GeLU keeping 8h + 8h, two sbh dropout masks) the same accounting
-    gives the paper's sbh(34 + 5as/h).
+    gives the paper's sbh(34 + 5as/h). Without `mlp` (an MoE layer's attention half: `moe_activation_bytes`
+    adds the rest), the fc1 input and the f terms are left out.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"layer_spec={layer_spec!r} must be one of {LAYER_SPECS}")
     if layer_spec == "local" and recompute != "full":
-        return local_layer_activation_bytes(model, seq, micro_batch, tp, sequence_parallel, recompute)
+        return local_layer_activation_bytes(model, seq, micro_batch, tp, sequence_parallel, recompute, mlp)
     tokens = seq * micro_batch
     h, f = model.hidden_size, model.ffn_hidden_size
     q, k = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
@@ -135,8 +211,8 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
     sp = tp if sequence_parallel else 1
     if recompute == "full":
         return tokens * 2 * h / sp
-    replicated = 4 * h + gemm_in * h + gemm_in * h
-    split = 2 * q + 4 * k + gemm_in * q + 4 * f + gemm_in * f
+    replicated = 4 * h + gemm_in * h + (gemm_in * h if mlp else 0)
+    split = 2 * q + 4 * k + gemm_in * q + ((4 * f + gemm_in * f) if mlp else 0)
     if model.qk_layernorm:
         split += 2 * q + 2 * k
     per_token = replicated / sp + split / tp
@@ -146,7 +222,7 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
 
 
 def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                                 recompute: str) -> float:
+                                 recompute: str, mlp: bool = True) -> float:
     """What one layer of megatron-core's local spec (no Transformer Engine: torch RMSNorm, unfused attention,
     unfused SwiGLU) keeps for its backward, per micro-batch, on one TP rank, with bf16 weights. Read off the
     tensors autograd saves (tools/bench_activations.py; tests/test_plan.py holds it to the byte for a Qwen2 and a
@@ -172,8 +248,8 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
                      model.kv_channels)
     q, k = a * d, g * d
     sp = tp if sequence_parallel else 1
-    replicated = 2 * (8 * h + 4) + 4 * h
-    split = 2 * q + 4 * f + 6 * f
+    replicated = 2 * (8 * h + 4) + (4 * h if mlp else 2 * h)
+    split = 2 * q + ((4 * f + 6 * f) if mlp else 0)
     if model.qk_layernorm:
         split += 8 * q + 8 * k + 4 * (a + g)
     if recompute == "none":
@@ -181,6 +257,31 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
     else:
         split += 2 * q + 2 * k + 2 * (q + 2 * k)
     return tokens * (replicated / sp + split / tp) + 8 * d * seq + (4 if recompute == "selective" else 0)
+
+
+def moe_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+                         fp8: bool = False) -> tuple[float, float]:
+    """(kept, dispatch): what one MoE layer's MLP keeps for its backward per micro-batch on one rank, and the
+    token dispatcher's transient buffers while it runs (one layer at a time). Read from megatron-core 0.16.1's
+    MoELayer, TopKRouter and alltoall dispatcher, not measured (tests hold only the parameter, gradient and
+    optimizer bytes to megatron's allocations); routing assumed balanced, no token dropping. Per token of this
+    rank (s*b / tp under sequence parallelism, as the attention half):
+        4h + 4h     the pre-MLP RMSNorm's input and output (the router's and the dispatcher's input)
+        4E + 4E     the router's fp32 logits and softmax scores (aux loss and top-k backward), E experts
+    per routed copy (top-k per token; after the EP all-to-all and the expert-TP all-gather each rank runs
+    tokens * k copies through its experts, E/ep experts at f_e / etp width):
+        2h          the experts' fc1 input (1h as FP8)
+        4f_e + 2f_e fc1's output (gate and up) and SwiGLU's output, fc2's input (1f_e as FP8), over etp
+        2h          the experts' output, kept for the multiplication by the routing probabilities
+    dispatch: the all-to-all's send and receive copies of the permuted tokens, 2 x 2h per routed copy."""
+    tokens = seq * micro_batch
+    sp = tp if sequence_parallel else 1
+    h, fe, e, k = model.hidden_size, model.moe_ffn_hidden_size, model.num_experts, model.moe_router_topk
+    gemm_in = 1 if fp8 else 2
+    local = tokens / sp
+    routed = local * k * (tp if sequence_parallel else 1)  # the expert-TP group gathers its ranks' tokens
+    kept = local * (8 * h + 8 * e) + routed * (gemm_in * h + (4 + gemm_in) * fe / tp + 2 * h)
+    return kept, routed * 4 * h
 
 
 def loss_buffer_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
@@ -235,9 +336,6 @@ class PlanInput:
     logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):
-        if self.model.is_moe:
-            raise ValueError(f"model {self.model.name} is an MoE model: the planner does not model expert, router or "
-                             "dispatcher memory yet, and a dense estimate would be wrong")
         if self.reference not in REFERENCE:
             raise ValueError(f"reference={self.reference!r} must be one of {REFERENCE}")
         if self.params_dtype not in ("bf16", "fp32"):
@@ -255,9 +353,16 @@ class PlanInput:
     def usable_gib(self) -> float:
         return self.gpu_gib * (1 - self.margin)
 
+    @property
+    def expert_dp(self) -> int:
+        """Ranks sharing each expert shard (megatron's expert-data-parallel group): world / (pp * etp * ep),
+        with etp = tp."""
+        return self.dp // self.parallel.ep
+
     def describe(self) -> str:
         p = self.parallel
-        return (f"tp={p.tp} pp={p.pp} dp={self.dp} sp={'on' if p.sequence_parallel else 'off'} "
+        ep = f" ep={p.ep}" if self.model.is_moe else ""
+        return (f"tp={p.tp} pp={p.pp} dp={self.dp}{ep} sp={'on' if p.sequence_parallel else 'off'} "
                 f"recompute={p.recompute} micro_batch={self.micro_batch_size}")
 
 
@@ -272,6 +377,8 @@ class StagePlan:
     param_numel: int
     in_flight: int
     gib: dict = field(default_factory=dict)
+    expert_numel: int = 0
+    """Of param_numel, this rank's expert parameters (sharded over expert DP by the DistributedOptimizer)."""
     """Component -> GiB at the update's peak (COMPONENTS)."""
     ref_forward_gib: float = 0.0
     """Peak while the offloaded reference runs its forward (model states + reference weights + forward-only
@@ -300,7 +407,7 @@ class Plan:
         worst = self.stages[self.worst]
         return dict(
             model=inp.model.name, world_size=inp.world_size, gpus_per_node=inp.gpus_per_node,
-            tp=inp.parallel.tp, pp=inp.parallel.pp, dp=inp.dp, sequence_parallel=inp.parallel.sequence_parallel,
+            tp=inp.parallel.tp, pp=inp.parallel.pp, dp=inp.dp, ep=inp.parallel.ep, sequence_parallel=inp.parallel.sequence_parallel,
             recompute=inp.parallel.recompute, micro_batch_size=inp.micro_batch_size, seq_length=inp.seq_length,
             num_microbatches=inp.num_microbatches, params_dtype=inp.params_dtype, fp8=inp.fp8,
             distributed_optimizer=inp.distributed_optimizer, reference=inp.reference, engine_gib=inp.engine_gib,
@@ -308,7 +415,7 @@ class Plan:
             usable_gib=inp.usable_gib,
             worst_stage=worst.stage, per_gpu_gib=dict(worst.gib), total_gib=self.total_gib,
             headroom_gib=inp.usable_gib - self.total_gib, fits=self.fits, reason=self.reason,
-            stages=[dict(stage=s.stage, layers=s.layers, param_numel=s.param_numel,
+            stages=[dict(stage=s.stage, layers=s.layers, param_numel=s.param_numel, expert_numel=s.expert_numel,
                          param_bytes=s.param_numel * _weight_bytes(inp), in_flight=s.in_flight, gib=dict(s.gib),
                          ref_forward_gib=s.ref_forward_gib, total_gib=s.total_gib) for s in self.stages],
         )
@@ -326,35 +433,55 @@ def plan(inp: PlanInput) -> Plan:
     bf16 = inp.params_dtype == "bf16"
     tp, pp = parallel.tp, parallel.pp
     in_flight_max = pp if inp.num_microbatches is None else min(pp, inp.num_microbatches)
-    per_layer = layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
-                                       parallel.recompute, inp.flash_attention, inp.fp8, inp.layer_spec)
+    args = (model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel)
+    per_layer = layer_activation_bytes(*args, parallel.recompute, inp.flash_attention, inp.fp8, inp.layer_spec)
+    moe_kept, dispatch = moe_activation_bytes(*args, inp.fp8) if model.is_moe else (0.0, 0.0)
+    if model.is_moe and parallel.recompute != "full":
+        per_moe_layer = layer_activation_bytes(*args, parallel.recompute, inp.flash_attention, inp.fp8,
+                                               inp.layer_spec, mlp=False) + moe_kept
+    else:
+        per_moe_layer = per_layer  # full recompute keeps each layer's input whatever its MLP
+    moe_layers, start = model.moe_layers(), 0
     stages = []
-    for sp_ in stage_params(model, parallel):
-        n = sp_.total
-        weights = n * (2 if bf16 else 4)
+    buffers = grad_buffer_numel(model, parallel, dp, inp.distributed_optimizer)
+    for sp_, (dense_buf, expert_buf) in zip(stage_params(model, parallel), buffers):
+        n, ne = sp_.total, sp_.expert
+        # with the DistributedOptimizer the weights live in DDP's padded parameter buffer, as the gradients do
+        weights = (dense_buf + expert_buf if inp.distributed_optimizer else n) * (2 if bf16 else 4)
         if inp.fp8:  # TE caches each linear weight and its transpose as FP8 across the micro-batches
             weights += 2 * sp_.linear
-        # fp32 main weights (bf16 training), Adam m and v: sharded over DP by the DistributedOptimizer
-        main = 4 * n if bf16 else 0
-        adam = 8 * n
-        shard = dp if inp.distributed_optimizer else 1
+        # fp32 main weights (bf16 training), Adam m and v: sharded by the DistributedOptimizer, the dense
+        # parameters over DP, the experts over expert DP (dp / ep); per rank the mean (a rank's shard of the
+        # padded buffer holds a few elements more or fewer; summed over the DP group they are exact)
+        if inp.distributed_optimizer:
+            sharded = (n - ne) / dp + ne / inp.expert_dp
+        else:
+            sharded = n
+        main = 4 * sharded if bf16 else 0
+        adam = 8 * sharded
         in_flight = max(1, min(in_flight_max, pp - sp_.stage))
-        acts = in_flight * sp_.layers * per_layer
+        n_moe = sum(moe_layers[start:start + sp_.layers])
+        start += sp_.layers
+        acts = in_flight * ((sp_.layers - n_moe) * per_layer + n_moe * per_moe_layer)
+        if n_moe:
+            acts += dispatch  # one layer's dispatcher buffers at a time
         if sp_.stage == 0:
             acts += in_flight * 16 * inp.seq_length * inp.micro_batch_size  # token and position ids
         if parallel.recompute == "full":  # one layer's activations rebuilt at a time during the backward
-            acts += layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp,
-                                           parallel.sequence_parallel, "selective", inp.flash_attention, inp.fp8,
-                                           inp.layer_spec)
+            rebuilt = layer_activation_bytes(*args, "selective", inp.flash_attention, inp.fp8, inp.layer_spec)
+            if n_moe:
+                rebuilt = max(rebuilt, layer_activation_bytes(*args, "selective", inp.flash_attention, inp.fp8,
+                                                              inp.layer_spec, mlp=False) + moe_kept)
+            acts += rebuilt
         last = sp_.stage == pp - 1
         logits = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
                                    inp.logprob_chunk_size) if last else 0.0
         ref_weights = n * (2 if bf16 else 4)
         gib = dict(
             engine=inp.engine_gib,
-            parameters=(weights + main / shard) / GIB,
-            gradients=4 * n / GIB,  # Megatron DDP's grad buffer, grad_reduce_in_fp32
-            optimizer=adam / shard / GIB,
+            parameters=(weights + main) / GIB,
+            gradients=4 * (dense_buf + expert_buf) / GIB,  # DDP's grad buffers (dense, expert), grad_reduce_in_fp32
+            optimizer=adam / GIB,
             reference=ref_weights / GIB if inp.reference == "gpu" else 0.0,
             activations=acts / GIB,
             logits=logits / GIB,
@@ -368,7 +495,7 @@ def plan(inp: PlanInput) -> Plan:
             states = sum(gib[k] for k in ("engine", "parameters", "gradients", "optimizer"))
             ref_forward = states + (ref_weights + fwd) / GIB
         stages.append(StagePlan(stage=sp_.stage, layers=sp_.layers, param_numel=n, in_flight=in_flight, gib=gib,
-                                ref_forward_gib=ref_forward))
+                                ref_forward_gib=ref_forward, expert_numel=ne))
     worst = max(range(len(stages)), key=lambda i: stages[i].total_gib)
     result = Plan(input=inp, stages=stages, worst=worst, fits=stages[worst].total_gib <= inp.usable_gib)
     if not result.fits:
@@ -410,10 +537,14 @@ def candidate_layouts(inp: PlanInput, batch=None, n: int = 0) -> list[PlanInput]
         if any(n % tp for n in (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size,
                                 model.padded_vocab_size)):
             continue
-        for pp in _divisors(model.num_layers):
+        if model.is_moe and model.moe_ffn_hidden_size % tp:
+            continue
+        for pp, ep in [(pp, ep) for pp in _divisors(model.num_layers) for ep in _divisors(inp.world_size)]:
             if inp.world_size % (tp * pp):
                 continue
             dp = inp.world_size // (tp * pp)
+            if dp % ep or (model.num_experts or 1) % ep or (ep > 1 and not model.is_moe):
+                continue
             for recompute in RECOMPUTE:
                 if recompute == "selective" and inp.flash_attention:
                     continue  # flash attention already keeps no scores: selective recompute saves nothing
@@ -426,7 +557,7 @@ def candidate_layouts(inp: PlanInput, batch=None, n: int = 0) -> list[PlanInput]
                         m = batch.ppo_mini_batch_size * n // (dp * mbs)
                     else:
                         m = None
-                    par = ParallelConfig(tp=tp, pp=pp, sequence_parallel=tp > 1, recompute=recompute)
+                    par = ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1, recompute=recompute)
                     out.append(replace(inp, parallel=par, micro_batch_size=mbs, num_microbatches=m))
     return out
 
@@ -437,7 +568,7 @@ def suggest(inp: PlanInput, batch=None, n: int = 0, limit: int = 5) -> list[Plan
     order = {r: i for i, r in enumerate(RECOMPUTE)}
     fits = [p for p in map(plan, candidate_layouts(inp, batch, n)) if p.fits]
     fits.sort(key=lambda p: (order[p.input.parallel.recompute], p.input.parallel.tp * p.input.parallel.pp,
-                             -p.input.micro_batch_size, p.input.parallel.tp))
+                             -p.input.micro_batch_size, p.input.parallel.tp, p.input.parallel.ep))
     return fits[:limit]
 
 
@@ -473,6 +604,7 @@ def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: 
             try:
                 ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp,
                                              pipeline_model_parallel_size=parallel.pp,
+                                             expert_model_parallel_size=parallel.ep,
                                              create_gloo_process_groups=False)
                 stage = ps.get_pipeline_model_parallel_rank()
                 if stage not in found:

@@ -295,7 +295,7 @@ def _mid_model():
                        num_attention_heads=8, num_query_groups=4, vocab_size=8000, qkv_bias=True)
 
 
-def _allocated_state_bytes(tp: int, pp: int) -> dict:
+def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: int = 1) -> dict:
     """On one rank: build the bf16 actor (Megatron DDP + DistributedOptimizer), run one real GRPO update so
     that Adam's state exists, and add up the distinct storages megatron allocated for the weights, the
     gradient buffers, and the optimizer's fp32 main weights and Adam moments."""
@@ -316,10 +316,11 @@ def _allocated_state_bytes(tp: int, pp: int) -> dict:
             seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())
 
-    model = _mid_model()
+    model = load_model_config(model_name) if model_name else _mid_model()
     with cpu_compat.cpu_device_mode():
-        init_distributed(tp=tp, pp=pp, seed=0)
-        actor = Actor(model, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="bf16"),
+        init_distributed(tp=tp, pp=pp, seed=0, ep=ep)
+        actor = Actor(model, ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and model.is_moe),
+                      PrecisionConfig(params_dtype="bf16"),
                       OptimConfig(lr=1e-4, use_distributed_optimizer=True), AlgoConfig(kl_coef=0.0),
                       BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4))
         g = torch.Generator().manual_seed(0)
@@ -330,13 +331,16 @@ def _allocated_state_bytes(tp: int, pp: int) -> dict:
         batch.old_logp = actor.logprobs(batch, 1.0)
         (metrics,) = actor.update(batch, 1.0)
         ddp = actor.built.module
-        inner = actor.optimizer.optimizer
-        states = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-        main = [p for group in inner.param_groups for p in group["params"]]
+        # with experts, megatron chains two optimizers (dense and expert parameters), each its own torch one
+        inners = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+        states = [v for inner in inners for st in inner.state.values() for v in st.values()
+                  if torch.is_tensor(v) and v.dim() > 0]
+        main = [p for inner in inners for group in inner.param_groups for p in group["params"]]
+        buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
         out = dict(
             stage=ps.get_pipeline_model_parallel_rank(),
             weights=storage_bytes(p for p in ddp.module.parameters()),
-            gradients=sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers),
+            gradients=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
             main=storage_bytes(main), adam=storage_bytes(states),
             grad_norm=metrics["grad_norm"],
         )
@@ -361,6 +365,40 @@ def test_model_state_bytes_match_megatrons_allocations(tp, pp):
                "optimizer": r["adam"] / planning.GIB}
         for key, value in got.items():
             assert value == pytest.approx(gib[key], rel=0.02), (tp, pp, r["stage"], key, value, gib[key])
+
+
+@pytest.mark.parametrize("tp,pp,world", [(1, 1, 2), (1, 1, 4), (2, 1, 4), (1, 2, 4)])
+def test_moe_model_state_bytes_equal_megatrons_allocations(tp, pp, world):
+    """tiny-qwen3-moe at EP2 (dp2; dp4 with each expert on 2 expert-DP ranks; TP2xEP2; PP2xEP2), bf16, the
+    DistributedOptimizer (megatron chains a dense and an expert optimizer), after a real update, against the
+    storages megatron allocated. To the byte on every rank: the weights and gradients (DDP's dense and expert
+    buffers, padding included: 320 elements here, from the 32-wide q/k norms and the bucket end). The fp32 main
+    weights and Adam moments: the planner gives the mean over a DP group (dense over dp, experts over dp / ep);
+    megatron's shards of the padded buffers differ by a few elements from rank to rank (up to 512 bytes here),
+    so their sum over each stage's ranks is held to the byte."""
+    from grpo_mega.parallel.forked import run_ranks
+
+    ranks = run_ranks(_allocated_state_bytes, world, tp, pp, "tiny-qwen3-moe", 2, timeout=300)
+    assert all(r["grad_norm"] > 0 for r in ranks)
+    model, par = load_model_config("tiny-qwen3-moe"), ParallelConfig(tp=tp, pp=pp, ep=2, sequence_parallel=tp > 1)
+    plan = planning.plan(planning.PlanInput(model=model, parallel=par, world_size=world, params_dtype="bf16",
+                                            distributed_optimizer=True, reference="none"))
+    buffers = planning.grad_buffer_numel(model, par, world // (tp * pp))
+    assert all(s.expert_numel > 0 for s in plan.stages)
+    for stage, st in enumerate(plan.stages):
+        mine = [r for r in ranks if r["stage"] == stage]
+        assert len(mine) == world // pp
+        weights = 2 * sum(buffers[stage])
+        for r in mine:
+            assert r["weights"] == weights, (stage, r["weights"], weights)
+            assert r["gradients"] == st.gib["gradients"] * planning.GIB, (stage, r["gradients"])
+        main = (st.gib["parameters"] * planning.GIB - weights) * len(mine)
+        adam = st.gib["optimizer"] * planning.GIB * len(mine)
+        assert sum(r["main"] for r in mine) == pytest.approx(main, abs=1e-6), (stage, [r["main"] for r in mine], main)
+        assert sum(r["adam"] for r in mine) == pytest.approx(adam, abs=1e-6), (stage, [r["adam"] for r in mine], adam)
+        print(f"tiny-qwen3-moe TP{tp}xPP{pp}xEP2 on {world} ranks, stage {stage}: weights {weights} B, gradients "
+              f"{mine[0]['gradients']} B, main {[r['main'] for r in mine]} (planned mean {main / len(mine):.0f}), "
+              f"Adam {[r['adam'] for r in mine]} (planned mean {adam / len(mine):.0f})")
 
 
 # ---- the local spec's activations, measured ----------------------------------------------------------
@@ -390,8 +428,13 @@ def test_local_spec_activations_equal_what_autograd_saves(name):
         planning.layer_activation_bytes(base, seq, micro, 1, False, "none", layer_spec="fused")
 
 
-def test_moe_models_are_refused_by_name():
-    from grpo_mega import planning
-
-    with pytest.raises(ValueError, match=r"model qwen3-30b-a3b is an MoE model: the planner does not model expert"):
-        planning.PlanInput(model=load_model_config("qwen3-30b-a3b"), parallel=ParallelConfig(), world_size=8)
+def test_moe_layers_count_router_and_this_ranks_experts():
+    """qwen3-30b-a3b at TP2xEP4: per MoE layer the router [128, 2048] and 128/4 experts of 3 x 768/2 x 2048; the
+    whole stage equals megatron's meta-device build (one EP rank's shard)."""
+    model = load_model_config("qwen3-30b-a3b")
+    router, experts = planning.moe_mlp_params(model, etp=2, ep=4)
+    assert (router, experts) == (128 * 2048, 32 * 3 * 384 * 2048)
+    (stage,) = planning.stage_params(model, ParallelConfig(tp=2, ep=4, sequence_parallel=True))
+    assert stage.expert == 48 * experts
+    rows = planning.compare_with_meta(model, ParallelConfig(tp=2, ep=4, sequence_parallel=True), 16)
+    assert rows[0]["planner_numel"] == rows[0]["meta_numel"] == stage.total

@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="model_configs name, YAML path, or HF directory")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models): experts split over ep DP ranks")
     ap.add_argument("--dp", type=int, help="data-parallel size (default: from --gpus or --nodes x --gpus-per-node)")
     ap.add_argument("--gpus", type=int, help="total GPUs")
     ap.add_argument("--nodes", type=int, help="nodes (x --gpus-per-node)")
@@ -191,6 +192,7 @@ def from_launch_script(args, ap) -> tuple[argparse.Namespace, dict]:
     par, batch, prec = c["parallel"], c["batch"], c["precision"]
     args.model, args.nodes, args.gpus_per_node = c["raw"]["model"], nodes, int(gpn.split(":")[-1])
     args.tp, args.pp, args.sp, args.recompute = par.tp, par.pp, par.sequence_parallel, par.recompute
+    args.ep = par.ep
     args.first_stage_layers = par.num_layers_in_first_pipeline_stage
     args.last_stage_layers = par.num_layers_in_last_pipeline_stage
     args.micro_batch, args.seq_len = batch.micro_batch_size, batch.max_prompt_length + batch.max_response_length
@@ -261,7 +263,7 @@ def main() -> int:
             raise ValueError("--model (or --from-launch-script) is required")
         model = resolve_model(args.model)
         sp = args.tp > 1 if args.sp is None else args.sp
-        par = ParallelConfig(tp=args.tp, pp=args.pp, sequence_parallel=sp, recompute=args.recompute,
+        par = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=sp, recompute=args.recompute,
                              num_layers_in_first_pipeline_stage=args.first_stage_layers,
                              num_layers_in_last_pipeline_stage=args.last_stage_layers)
         if args.gpus:

@@ -959,10 +959,6 @@ class TrainConfig:
         if model.is_moe and self.parallel.tp > 1 and not self.parallel.sequence_parallel:
             raise ValueError(f"parallel.tp={self.parallel.tp} with an MoE model needs parallel.sequence_parallel=true "
                              "(megatron-core's MoE layer refuses tensor parallelism without it in training)")
-        if self.parallel.ep > 1 and self.parallel.tp > 1:
-            raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp}: training with "
-                             "experts split over both is not supported yet (the weight sync gathers experts over EP only); "
-                             "train with parallel.tp=1 or parallel.ep=1 (the converters take both)")
         self.check_routing_replay(model)
         dp = self.parallel.check(model, world_size)
         self.batch.check_layout(self.parallel, dp, self.rollout.n)

@@ -113,20 +113,28 @@ def _ps():
 def stage_hf_tensors(gpt: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's parameters as full HF-named tensors, in a fixed order (every TP rank of the
     stage, and with expert parallelism every EP rank of those, must iterate: the gathers are collectives;
-    all ranks get the tensors). Each expert comes from the EP rank that holds it (experts split over EP
-    ranks, tensor parallelism within an expert not supported: training refuses parallel.tp > 1 with ep > 1)."""
+    all ranks get the tensors). Each expert is first merged over the expert-tensor-parallel group (megatron's
+    default: the size of tp, so TP x EP splits every expert's matrices like the dense MLP's) and then comes
+    from the EP rank that holds it."""
     ps = _ps()
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group()
     ep = ps.get_expert_model_parallel_world_size() if cfg.is_moe else 1
+    etp = ps.get_expert_tensor_parallel_world_size() if cfg.is_moe else 1
     offset = bridge.layer_offset(gpt)
     for local, param in gpt.state_dict(keep_vars=True).items():
         if local.endswith("_extra_state") or not torch.is_tensor(param):
             continue
         data = param.detach()
-        if ep > 1 and bridge.expert_of(local) is not None:  # EP rank r's local expert j is expert r * (E / ep) + j
-            copies = [torch.empty_like(data) for _ in range(ep)]
-            dist.all_gather(copies, data.contiguous(), group=ps.get_expert_model_parallel_group())
+        if (ep > 1 or etp > 1) and bridge.expert_of(local) is not None:
+            if etp > 1 and getattr(param, "tensor_model_parallel", False):
+                shards = [torch.empty_like(data) for _ in range(etp)]
+                dist.all_gather(shards, data.contiguous(), group=ps.get_expert_tensor_parallel_group())
+                data = bridge.merge_tp(bridge.global_name(local, offset), shards, cfg)
+            copies = [data]
+            if ep > 1:  # EP rank r's local expert j is expert r * (E / ep) + j
+                copies = [torch.empty_like(data) for _ in range(ep)]
+                dist.all_gather(copies, data.contiguous(), group=ps.get_expert_model_parallel_group())
             for r, full in enumerate(copies):
                 name = bridge.global_name(local, offset, r * (cfg.num_experts // ep))
                 for hf_name, t in bridge.to_hf(name, full, cfg):

@@ -84,9 +84,18 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False, ep=1):
         if ep > 1:  # each EP rank's own experts, by global index, to compare with what the engine received
             from grpo_mega.models import bridge
 
-            off = bridge.expert_offset(actor.built.gpt, cfg)
-            out["experts"] = {bridge.global_name(n, bridge.layer_offset(actor.built.gpt), off): p.detach().clone()
-                              for n, p in actor.built.gpt.named_parameters() if bridge.expert_of(n) is not None}
+            from megatron.core import parallel_state as ps
+
+            off, out["experts"] = bridge.expert_offset(actor.built.gpt, cfg), {}
+            for n, p in actor.built.gpt.named_parameters():
+                if bridge.expert_of(n) is None:
+                    continue
+                name = bridge.global_name(n, bridge.layer_offset(actor.built.gpt), off)
+                shards = [p.detach().clone()]
+                if tp > 1:  # TP x EP: each expert's matrices are split over the expert-tensor-parallel group too
+                    shards = [torch.empty_like(p) for _ in range(tp)]
+                    dist.all_gather(shards, p.detach().contiguous(), group=ps.get_expert_tensor_parallel_group())
+                out["experts"][name] = bridge.merge_tp(name, shards, cfg)
         if cfg.qk_layernorm:  # each TP rank's q/k norm gradient covers only its heads: summed over TP, equal copies
             from megatron.core import parallel_state as ps
 
@@ -162,10 +171,11 @@ def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied, sp):
 
 # tiny-qwen3-moe at EP2 (dp=2): rank 0 holds experts 0..E/2-1, rank 1 the rest; the engine on rank 0 must get
 # every expert, trained, from the rank that holds it (a sync from rank 0 alone misses half: the audit names them).
-# At PP2xEP2 (4 ranks) each stage's experts come from that stage's EP pair.
-@pytest.mark.parametrize("pp", [1, 2])
-def test_sync_at_ep2_gathers_every_expert_from_its_rank(pp):
-    res = run_ranks(_sync_and_sample, 2 * pp, 1, pp, False, 0.01, "tiny-qwen3-moe", False, 2, timeout=300)
+# At PP2xEP2 (4 ranks) each stage's experts come from that stage's EP pair; at TP2xEP2 (4 ranks: tp2 x dp2, EP
+# over DP) every expert is also split over the TP pair (megatron's expert tensor parallelism, the size of tp).
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (2, 1)])
+def test_sync_at_ep2_gathers_every_expert_from_its_rank(tp, pp):
+    res = run_ranks(_sync_and_sample, 2 * tp * pp, tp, pp, False, 0.01, "tiny-qwen3-moe", tp > 1, 2, timeout=300)
     r0, cfg = res[0], load_model_config("tiny-qwen3-moe")
     stats = r0["stats"]
     assert r0["changed"] > 0 and stats.audited and stats.version == 1
@@ -186,7 +196,7 @@ def test_sync_at_ep2_gathers_every_expert_from_its_rank(pp):
         for r in res:
             mismatch, gen = r[temperature]
             assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
-            print(f"tiny-qwen3-moe PP{pp}xEP2 T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
+            print(f"tiny-qwen3-moe TP{tp}xPP{pp}xEP2 T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
 
 
 def _hf_param_counts(tied, model="tiny"):

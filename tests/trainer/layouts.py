@@ -38,6 +38,9 @@ def model_cfg(tied: bool = False, variant: str = "tiny"):
         # it is not invariant to the DP split, while the policy loss's gradient must be
         cfg = load_model_config(variant)
         cfg.moe_aux_loss_coeff = 0.0
+    elif variant == "tiny-qwen3-moe-aux":  # with it, ten times the model's coefficient (1e-2: measurable at 1e-5)
+        cfg = load_model_config("tiny-qwen3-moe")
+        cfg.moe_aux_loss_coeff = 0.01
     elif variant != "tiny":
         raise ValueError(variant)
     return cfg
@@ -74,13 +77,15 @@ PACKING_LENGTHS = ((MAX_PROMPT, [MAX_RESPONSE, 2, 3, 1]), (4, [2, 5, 1, 3]))
 
 
 def rollout(seed: int = 0, vocab: int | None = None, lengths: str = "random") -> RolloutBatch:
-    """8 responses (2 prompts x 4) with random tokens and rewards; random lengths, or PACKING_LENGTHS."""
+    """8 responses (2 prompts x 4) with random tokens and rewards; random lengths, PACKING_LENGTHS, or all full."""
     g = torch.Generator().manual_seed(seed)
     vocab = vocab or model_cfg().vocab_size
     prompts, responses = [], []
     for i in range(8):
         if lengths == "packing":
             p, r = PACKING_LENGTHS[i // 4][0], PACKING_LENGTHS[i // 4][1][i % 4]
+        elif lengths == "full":  # every sequence MAX_PROMPT + MAX_RESPONSE long: no row is ever padded
+            p, r = MAX_PROMPT, MAX_RESPONSE
         else:
             p = int(torch.randint(3, 9, (1,), generator=g)) if i % 4 == 0 else len(prompts[-1])
             r = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=g))

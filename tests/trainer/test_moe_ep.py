@@ -14,14 +14,15 @@ LOGP_TOL = 1e-5  # mean absolute engine/trainer logprob difference, fp32
 
 
 # engines=2: the second engine sits on rank 1, the EP partner that gathers the experts with rank 0 and packs
-# its own copy of the buckets
-@pytest.mark.parametrize("engines", [1, 2])
-def test_three_steps_at_ep2_with_audited_syncs(tmp_path, engines):
+# its own copy of the buckets. tp=2: TP2xEP2 on 4 ranks (tp2 x dp2, EP over DP; every expert split over the TP
+# pair too, sequence parallelism on as megatron's MoE layer needs).
+@pytest.mark.parametrize("engines,tp", [(1, 1), (2, 1), (1, 2)])
+def test_three_steps_at_ep2_with_audited_syncs(tmp_path, engines, tp):
     out = tmp_path / "run"
     argv = [f"hydra.run.dir={out}", "model=tiny-qwen3-moe", "parallel.ep=2", "run.steps=3", "eval.interval=0",
             "batch.train_batch_size=4", "batch.ppo_mini_batch_size=4", "rollout.n=4", "rollout.audit_weights=true",
-            f"rollout.num_engines={engines}"]
-    proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2)
+            f"rollout.num_engines={engines}", f"parallel.tp={tp}", f"parallel.sequence_parallel={tp > 1}"]
+    proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2 * tp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -29,7 +30,7 @@ def test_three_steps_at_ep2_with_audited_syncs(tmp_path, engines):
         assert r["logprob_mismatch"] <= LOGP_TOL, (r["step"], r["logprob_mismatch"])
         assert r["grad_norm"] > 0 and any(k.startswith("moe/") for k in r)
     assert [r["weight_version"] for r in rows] == [0, 1, 2]  # each step sampled from the last update's weights
-    print(f"EP2, {engines} engines, logprob mismatch per step:", [f"{r['logprob_mismatch']:.2e}" for r in rows],
+    print(f"TP{tp}xEP2, {engines} engines, logprob mismatch per step:", [f"{r['logprob_mismatch']:.2e}" for r in rows],
           "grad_norm:", [round(r["grad_norm"], 4) for r in rows])
 
 
