@@ -348,7 +348,7 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up."""
     lr_decay_steps: Optional[int] = None
-    """Optimizer steps to decay over (null: no decay)."""
+    """Optimizer steps to decay over (null: no decay, lr_decay_style constant only)."""
     lr_decay_style: str = "constant"
     """'constant', 'linear' or 'cosine'."""
     use_distributed_optimizer: bool = True
