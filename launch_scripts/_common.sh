@@ -1,5 +1,6 @@
 # The body shared by the large-model launch scripts (qwen2.5-7b.sh, llama-3.1-70b.sh, qwen2.5-72b.sh, qwen3-8b.sh,
-# qwen3-32b.sh), sourced by each after it has set its own layout: NODES, MODEL, TP, PP, MICRO_BATCH, ENGINE_TP and ENGINES. This file
+# qwen3-32b.sh, qwen3-30b-a3b.sh, qwen3-235b-a22b.sh), sourced by each after it has set its own layout: NODES, MODEL,
+# TP, PP, (EP,) MICRO_BATCH, ENGINE_TP and ENGINES. This file
 # sets the defaults they share and builds `overrides`, the Hydra overrides the script hands to
 # slurm/train.sbatch; the script itself then runs `exec sbatch ...` (tools/plan.py --from-launch-script looks
 # for that line in the script it is given). Not run on its own.
@@ -7,6 +8,7 @@ DATA=${DATA:-$HOME/data/gsm8k/train.parquet}  # prompts in verl's schema, .parqu
 VAL_DATA=${VAL_DATA:-}                        # default: the training file
 STEPS=${STEPS:-200}
 RECOMPUTE=${RECOMPUTE:-none}
+EP=${EP:-1}                                   # expert parallelism (MoE models)
 PROMPTS=${PROMPTS:-64} N=${N:-8} MINI_BATCH=${MINI_BATCH:-16}
 PROMPT_LEN=${PROMPT_LEN:-1024} RESPONSE_LEN=${RESPONSE_LEN:-3072}
 LR=${LR:-1e-6} KL_COEF=${KL_COEF:-0.001}
@@ -15,7 +17,7 @@ ENGINE_MEM=${ENGINE_MEM:-0.3}                 # each SGLang engine's share of ev
 
 overrides=(
   task=prompts "model=$MODEL" "data.train_files=$DATA" reward.name=math
-  parallel.tp="$TP" parallel.pp="$PP" parallel.sequence_parallel=true parallel.recompute="$RECOMPUTE"
+  parallel.tp="$TP" parallel.pp="$PP" parallel.ep="$EP" parallel.sequence_parallel=true parallel.recompute="$RECOMPUTE"
   precision.params_dtype=bf16 optim.use_distributed_optimizer=true
   optim.lr="$LR" optim.weight_decay=0.01 optim.clip_grad=1.0 optim.lr_warmup_steps=10
   algo.kl_coef="$KL_COEF" algo.kl_estimator=k3 algo.loss_agg_mode=token-mean

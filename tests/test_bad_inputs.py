@@ -167,6 +167,8 @@ CONFIG_CASES = {
                                  r"rollout\.multi_turn\.max_tool_response_chars=0 must be >= 1"),
     "checkpoint_lock_stale_zero": (["checkpoint.lock_stale_s=0"], r"checkpoint\.lock_stale_s=0\.0 must be > 0"),
     "checkpoint_resume_nonsense": (["checkpoint.resume=sometimes"], r"checkpoint\.resume='sometimes' must be 'auto', 'never' or"),
+    "lr_decay_without_steps": (["optim.lr_decay_style=cosine"],
+                               r"optim\.lr_decay_style='cosine' needs optim\.lr_decay_steps"),
     "layout_ep_on_a_dense_model": (["parallel.ep=2"], r"parallel\.ep=2 needs an MoE model; model tiny is dense"),
     "layout_ep_does_not_divide_experts": (["model=tiny-qwen3-moe", "parallel.ep=3"],
                                           r"parallel\.ep=3 must divide num_experts=8 \(model tiny-qwen3-moe\)"),

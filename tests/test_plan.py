@@ -18,16 +18,21 @@ from grpo_mega.conf.schema import BatchConfig, ParallelConfig, load_model_config
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "tools" / "plan.py"
-SCRIPTS = {  # launch script -> (model, GPUs, tp, pp)
+SCRIPTS = {  # launch script -> (model, training GPUs, tp, pp)
     "qwen2.5-7b.sh": ("qwen2.5-7b", 8, 4, 1),
     "llama-3.1-70b.sh": ("llama-3.1-70b", 64, 8, 4),
     "qwen2.5-72b.sh": ("qwen2.5-72b", 64, 8, 4),
     "qwen3-8b.sh": ("qwen3-8b", 8, 4, 1),
     "qwen3-32b.sh": ("qwen3-32b", 32, 8, 2),
+    "qwen3-30b-a3b.sh": ("qwen3-30b-a3b", 32, 4, 1),
+    "qwen3-235b-a22b.sh": ("qwen3-235b-a22b", 128, 4, 2),
 }
+EP = {"qwen3-30b-a3b.sh": 8, "qwen3-235b-a22b.sh": 16}  # expert parallelism of the MoE scripts (1 elsewhere)
+ROLLOUT_NODES = {"qwen3-235b-a22b.sh": 4}  # dedicated SGLang server nodes (0 elsewhere: colocated)
 # The scripts read these from the environment; the tests plan their defaults.
-_SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "RECOMPUTE", "PROMPTS", "N", "MINI_BATCH",
-                "MICRO_BATCH", "PROMPT_LEN", "RESPONSE_LEN", "LR", "KL_COEF", "CKPT_INTERVAL", "JOB_NAME"}
+_SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "EP", "RECOMPUTE", "PROMPTS", "N",
+                "MINI_BATCH", "MICRO_BATCH", "PROMPT_LEN", "RESPONSE_LEN", "LR", "KL_COEF", "CKPT_INTERVAL", "JOB_NAME",
+                "ROLLOUT_NODES", "ENGINE_TP", "ENGINES", "ENGINE_MEM"}
 
 
 def _env():
@@ -69,10 +74,13 @@ def test_launch_script_layout_fits_and_params_match_meta_build(name, launch_plan
     assert (p["model"], p["world_size"], p["tp"], p["pp"]) == (model_name, gpus, tp, pp)
     assert p["fits"] and p["headroom_gib"] > 0 and p["reason"] == ""
     assert p["sequence_parallel"] and p["params_dtype"] == "bf16" and p["distributed_optimizer"]
-    assert p["engine_gib"] > 0  # the colocated engine's share is accounted (the run's rollout.gpu_memory_fraction)
+    assert p["ep"] == EP.get(name, 1)
+    # the colocated engine's share is accounted (the run's rollout.gpu_memory_fraction); dedicated servers hold none
+    assert (p["engine_gib"] > 0) == (name not in ROLLOUT_NODES)
     assert set(p["per_gpu_gib"]) == set(planning.COMPONENTS)
     model = load_model_config(model_name)
-    rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, sequence_parallel=True), gpus)
+    rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True),
+                                      gpus)
     assert [r["stage"] for r in rows] == list(range(pp))  # first, middle and last stages all checked
     for r, stage in zip(rows, p["stages"]):
         assert r["planner_bytes"] == r["meta_bytes"] == stage["param_bytes"], r  # exact, well within 2%
@@ -92,6 +100,13 @@ def test_stage_params_equal_meta_build(model_name, world, par):
     model = load_model_config(model_name)
     rows = planning.compare_with_meta(model, ParallelConfig(**par), world)
     assert all(r["planner_numel"] == r["meta_numel"] for r in rows), rows
+
+
+@pytest.mark.parametrize("name", list(EP))
+def test_verify_flag_on_the_moe_launch_scripts(name):
+    res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--verify", "--json", check_rc=0)
+    rows = json.loads(res.stdout)["verify"]
+    assert len(rows) == SCRIPTS[name][3] and all(r["rel_diff"] == 0 for r in rows)
 
 
 def test_verify_flag_on_the_70b_launch_script():
@@ -228,7 +243,7 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
         monkeypatch.delenv(var, raising=False)
     model_name, gpus, tp, pp = SCRIPTS[name]
     options, overrides, flags = plan_tool.record_launch_script(str(REPO / "launch_scripts" / name), ["run.steps=3"])
-    assert f"--nodes={gpus // 8}" in options and "--gpus-per-node=8" in options
+    assert f"--nodes={gpus // 8 + ROLLOUT_NODES.get(name, 0)}" in options and "--gpus-per-node=8" in options
     assert overrides[-1] == "run.steps=3"  # "$@" is appended after the script's own overrides
     assert flags == []  # everything the plan needs is in the run's own config
     GlobalHydra.instance().clear()
@@ -239,10 +254,14 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     assert c["run"]["steps"] == 3 and c["data"]["train_files"].endswith("train.parquet")
     typed = TrainConfig.from_hydra(cfg)  # every component validates itself, the root the combinations
     rollout, batch, parallel, precision, optim = typed.rollout, typed.batch, typed.parallel, typed.precision, typed.optim
-    assert (parallel.tp, parallel.pp, parallel.sequence_parallel) == (tp, pp, True)
+    assert (parallel.tp, parallel.pp, parallel.ep, parallel.sequence_parallel) == (tp, pp, EP.get(name, 1), True)
     assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
     assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
-    assert rollout.num_engines == (gpus // 8 if gpus > 8 else 8) and gpus % rollout.num_engines == 0  # one per node or per GPU
+    if name in ROLLOUT_NODES:  # dedicated servers: train.sbatch starts them and adds placement and servers
+        assert f"--export=ALL,GRPO_MEGA_ROLLOUT_NODES={ROLLOUT_NODES[name]},GRPO_MEGA_SERVER_MODEL={model_name}" in options
+        assert rollout.num_engines == 1
+    else:
+        assert rollout.num_engines == (gpus // 8 if gpus > 8 else 8) and gpus % rollout.num_engines == 0  # per node or GPU
     dp = parallel.check(load_model_config(model_name), world_size=gpus)
     assert dp == gpus // (tp * pp)
     batch.check_dp(dp, rollout.n)

@@ -185,6 +185,10 @@ def from_launch_script(args, ap) -> tuple[argparse.Namespace, dict]:
     options, overrides, flags = record_launch_script(args.from_launch_script, args.overrides)
     args = ap.parse_args(flags + sys.argv[1:])  # flags given here win over the script's `# plan:` line
     nodes = int(sbatch_option(options, "--nodes", "-N") or 1)
+    # dedicated rollout servers (slurm/train.sbatch): the allocation's last K nodes hold no trainer rank
+    exported = dict(kv.split("=", 1) for kv in (sbatch_option(options, "--export") or "").split(",") if "=" in kv)
+    rollout_nodes = int(exported.get("GRPO_MEGA_ROLLOUT_NODES", 0))
+    nodes -= rollout_nodes
     gpn = sbatch_option(options, "--gpus-per-node")
     if gpn is None:
         raise ValueError(f"{args.from_launch_script}: sbatch has no --gpus-per-node (got {options})")
@@ -204,9 +208,12 @@ def from_launch_script(args, ap) -> tuple[argparse.Namespace, dict]:
     elif c["algo"].ref_offload and "--ref" not in sys.argv:
         args.ref = "offload"
     fraction = c["rollout"].gpu_memory_fraction
-    if fraction is not None and c["rollout"].engine == "sglang" and "--engine-mem" not in sys.argv:
+    if rollout_nodes and "--engine-mem" not in sys.argv:
+        args.engine_mem = "0"  # the engines are the servers on their own nodes
+    elif fraction is not None and c["rollout"].engine == "sglang" and "--engine-mem" not in sys.argv:
         args.engine_mem = str(fraction)  # the engine's share as the run will ask SGLang for it
-    info = dict(script=args.from_launch_script, sbatch=options, overrides=overrides, plan_flags=flags, batch=batch, n=c["rollout"].n)
+    info = dict(script=args.from_launch_script, sbatch=options, overrides=overrides, plan_flags=flags, batch=batch,
+                n=c["rollout"].n, rollout_nodes=rollout_nodes)
     return args, info
 
 

@@ -348,7 +348,7 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up."""
     lr_decay_steps: Optional[int] = None
-    """Optimizer steps to decay over (null: no decay)."""
+    """Optimizer steps to decay over (null: no decay, lr_decay_style constant only)."""
     lr_decay_style: str = "constant"
     """'constant', 'linear' or 'cosine'."""
     use_distributed_optimizer: bool = True
@@ -359,6 +359,10 @@ class OptimConfig:
             raise ValueError(f"optim.optimizer={self.optimizer!r} must be 'adam' or 'sgd'")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"optim.lr_decay_style={self.lr_decay_style!r} must be constant, linear or cosine")
+        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
+            # without it the schedule decayed over 1 step: min_lr from step 2 on (a run at min_lr=0 learns nothing)
+            raise ValueError(f"optim.lr_decay_style={self.lr_decay_style!r} needs optim.lr_decay_steps (the optimizer "
+                             "steps to decay over, e.g. run.steps)")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim.lr={self.lr} and optim.min_lr={self.min_lr} must satisfy 0 <= min_lr <= lr")
 

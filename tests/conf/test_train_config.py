@@ -131,8 +131,8 @@ def test_moe_layout_rules():
     moe = schema.load_model_config("tiny-qwen3-moe")
     assert schema.TrainConfig(parallel=dict(tp=2, sequence_parallel=True)).check_layout(moe, 2) == 1
     assert schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 2) == 2  # experts split over the 2 DP ranks
-    with pytest.raises(ValueError, match=r"parallel.ep=2 with parallel.tp=2: training with experts split over both"):
-        schema.TrainConfig(parallel=dict(ep=2, tp=2, sequence_parallel=True)).check_layout(moe, 4)
+    # TP x EP trains: tp2 x dp2, the experts split over the 2 DP ranks and each over the TP pair
+    assert schema.TrainConfig(parallel=dict(ep=2, tp=2, sequence_parallel=True)).check_layout(moe, 4) == 2
     with pytest.raises(ValueError, match=r"parallel.ep=2 must divide the data-parallel size dp=1"):
         schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 1)
     assert schema.ParallelConfig(tp=2, ep=2).check(moe, 4) == 2  # conversion and inference layouts

@@ -81,6 +81,19 @@ def test_two_nodes_tp2_dp2_and_a_second_job_resumes(cluster, tmp_path):
     print(f"job 1 {t1 - t0:.1f} s, job 2 {time.monotonic() - t1:.1f} s (submit to completion)")
 
 
+def test_moe_at_tp2_ep2_across_two_nodes(cluster, tmp_path):
+    """tiny-qwen3-moe at TP2 x EP2 (dp2: each node's TP pair is one EP rank, so the experts are split across the
+    nodes): 2 steps with audited weight syncs, every expert gathered from the node that holds it."""
+    job = _submit(cluster, tmp_path, "grpo-moe", ["model=tiny-qwen3-moe", "parallel.ep=2",
+                                                  "parallel.sequence_parallel=true", "run.steps=2",
+                                                  "rollout.audit_weights=true"],
+                  nproc_env=True)
+    _finished(cluster, tmp_path, job)
+    rows = _metrics(tmp_path / "logs" / "grpo-moe" / str(job))
+    assert sorted(rows) == [1, 2] and all(r["logprob_mismatch"] <= 1e-5 and r["grad_norm"] > 0 for r in rows.values())
+    print("TP2xEP2 on 2 nodes: logprob mismatch", [f"{r['logprob_mismatch']:.1e}" for r in rows.values()])
+
+
 def test_usr1_requeues_the_job_and_the_restart_resumes(cluster, tmp_path):
     t0 = time.monotonic()
     job = _submit(cluster, tmp_path, "grpo-requeue", ["run.steps=10"], nproc_env=True)
