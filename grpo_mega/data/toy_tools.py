@@ -136,36 +136,32 @@ class KeyLookup(Tool):
 
 
 class LookupTask(ProductTask):
-    """task=lookup_tool, the toy tool task that learns from a random start: "<bos>372=" -> the letter stored
-    under key 372, drawn at random per key (LOOKUP_TABLE), so without the tool a policy scores chance (1 in 26)
-    and validation keys (64, never trained on) cannot be memorised. With rollout.multi_turn (parser=bare,
+    """task=lookup_tool, the toy tool task: "<bos>372=" -> the letter (a-j) stored under key 372, drawn at
+    random per key (LOOKUP_TABLE), so without the tool a policy scores chance (1 in 10), and the 64 validation
+    keys are never trained on (nothing to memorise). With rollout.multi_turn (parser=bare,
     call_stop=[<tool_call>], tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the
-    tool's turn `<tool>x` and the next turn copies it, `x<eos>`. Reward (nothing for calling): the last model
-    turn exactly the letter and <eos>: 1.0; the letter first without <eos> next: 0.5; else 0."""
+    tool's turn `<tool>x` and the next turn answers with it. Reward (nothing for calling): 1.0 when the
+    answer, the first token of the last model turn (after the last tool result), is the letter; else 0.
 
-    def __init__(self, tokenizer, seed: int = 0):
+    `read=True` (task=lookup_read, the warm-up of tools/tool_task.py): every prompt already ends with the
+    tool's turn, "<bos>372=<tool>x", so a policy learns to read a tool's result without ever calling it."""
+
+    def __init__(self, tokenizer, seed: int = 0, read: bool = False):
         super().__init__(tokenizer, seed)
-        self.tool_open = tokenizer.convert_tokens_to_ids("<tool>")
+        self.tool_open, self.read = tokenizer.convert_tokens_to_ids("<tool>"), read
         keys = list(range(1000))
         random.Random(7).shuffle(keys)
         self.val_keys, self.train_keys = keys[:64], keys[64:]
 
     def example(self, key: int) -> ToyExample:
-        k = f"{key:03d}"
+        k, letter = f"{key:03d}", LOOKUP_TABLE[f"{key:03d}"]
         ids = [self.tok.bos_token_id] + self.tok.convert_tokens_to_ids(list(k + "="))
-        return ToyExample(prompt_ids=ids, answer=LOOKUP_TABLE[k])
-
-    HINTED = 0.5
+        if self.read:
+            ids += [self.tool_open] + self.tok.convert_tokens_to_ids([letter])
+        return ToyExample(prompt_ids=ids, answer=letter)
 
     def train_batch(self, size: int) -> list[ToyExample]:
-        out = []
-        for _ in range(size):
-            ex = self.example(self.rng.choice(self.train_keys))
-            if self.rng.random() < self.HINTED:  # the tool's turn already in the prompt: read it
-                ex = ToyExample(prompt_ids=ex.prompt_ids + [self.tool_open] + self.tok.convert_tokens_to_ids([ex.answer]),
-                                answer=ex.answer)
-            out.append(ex)
-        return out
+        return [self.example(self.rng.choice(self.train_keys)) for _ in range(size)]
 
     def validation(self) -> list[ToyExample]:
         return [self.example(k) for k in self.val_keys]
@@ -179,6 +175,4 @@ class LookupTask(ProductTask):
         ids = list(response_ids)
         if self.tool_open in ids:  # `<tool>` and the result's one letter
             ids = ids[len(ids) - ids[::-1].index(self.tool_open) + 1:]
-        if not ids or self.tok.convert_ids_to_tokens(ids[0]) != example.answer:
-            return 0.0
-        return 1.0 if ids[1:] == [self.tok.eos_token_id] else 0.5
+        return 1.0 if ids and self.tok.convert_ids_to_tokens(ids[0]) == example.answer else 0.0
