@@ -6,12 +6,13 @@ reward (greedy, 64 keys) by step for both; JSON and a PNG of both curves.
 
     python tools/tool_task.py [--warm-steps 150] [--steps 100] [--interval 10] [--out bench_results/tool_task.json]
 
-The start: a warm-up run on task=lookup_read (every prompt already ends with the tool's turn, so the model
-learns to read a result, `<tool>x` -> `x<eos>`, without ever calling the tool; the tiny-tied model from random
-init), exported as an HF directory. Both measured runs start from it, and their reward is the answer's only:
-nothing for calling the tool. Why a warm-up: from a random start, reading a result is no more likely than
-guessing (1 in 10 either way), so the policy stops calling before it learns to read (task=tens_tool,
-bench_results/tool_task_tens.json: calls 0.29 -> 0.00 per sample, validation 0.02 -> 0.03).
+The start: a warm-up run with a shaping reward, task=lookup_call (1.0 for calling the tool, whatever the
+answer; the tiny model from random init, 30 steps), exported as an HF directory: it calls the tool but
+cannot read its result (validation reward at chance). Both measured runs start from it and their reward is
+the answer's only, nothing for calling: the shaping is gone. Why a warm-up: from a random start, reading a
+result is no more likely than guessing (1 in 10 either way), so the policy stops calling before it learns to
+read (task=tens_tool, bench_results/tool_task_tens.json: calls 0.29 -> 0.00 per sample, validation 0.02 ->
+0.03; task=lookup_tool from random init, the same).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = ["rollout.multi_turn.enable=true", "rollout.multi_turn.parser=bare", "rollout.multi_turn.call_stop=['<tool_call>']",
         "rollout.multi_turn.max_turns=2", "rollout.multi_turn.tools=['grpo_mega.data.toy_tools:KeyLookup']"]
 COMMON = ["task=lookup_tool", "batch.max_response_length=6", "optim.lr=2e-3"]
-WARM = ["model=tiny", "task=lookup_read", "batch.max_response_length=1", "optim.lr=3e-3"]
+WARM = ["model=tiny", "task=lookup_call", "batch.max_response_length=6", "optim.lr=2e-3", *TOOL]
 
 
 def start(argv: list[str]):
@@ -59,8 +60,8 @@ def curves(run: Path, interval: int, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--warm-steps", type=int, default=150)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warm-steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--work", default="/tmp/grpo_mega_tool_task")
     p.add_argument("--out", default=str(REPO / "bench_results" / "tool_task.json"))
@@ -72,7 +73,7 @@ def main() -> None:
     work.mkdir(parents=True)
     t0, load_before = time.time(), os.getloadavg()
 
-    # 1. the warm-up: reading a tool's result, never calling it; exported with its tokenizer
+    # 1. the warm-up (shaping: a reward for calling, whatever the answer); exported with its tokenizer
     warm = WARM + [f"hydra.run.dir={work / 'warm'}", f"run.steps={a.warm_steps}", f"eval.interval={a.interval}",
                    f"checkpoint.dir={work / 'warm_ckpt'}", "checkpoint.export_hf=true"]
     finish(*start(warm))

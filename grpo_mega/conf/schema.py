@@ -914,8 +914,8 @@ class TrainConfig:
     task: str = "successor"
     """'successor' (the toy demo), 'product_tool' (the toy tool task: 2-digit products, solvable with
     rollout.multi_turn's calculator), 'tens_tool' (the tens digit of such a product), 'lookup_tool' (the letter
-    stored under a key, which only the tool knows; grpo_mega.data.toy_tools), 'lookup_read' (its warm-up: the
-    tool's turn already in the prompt) or 'prompts' (data.* files scored by reward.*)."""
+    stored under a key, which only the tool knows; grpo_mega.data.toy_tools), 'lookup_call' (its warm-up: a
+    shaping reward for calling the tool, not a measure) or 'prompts' (data.* files scored by reward.*)."""
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -934,9 +934,9 @@ class TrainConfig:
             kind = _COMPONENTS.get(f.name)
             if kind is not None and isinstance(getattr(self, f.name), dict):
                 setattr(self, f.name, kind(**getattr(self, f.name)))
-        if self.task not in ("successor", "product_tool", "tens_tool", "lookup_tool", "lookup_read", "prompts"):
+        if self.task not in ("successor", "product_tool", "tens_tool", "lookup_tool", "lookup_call", "prompts"):
             raise ValueError(f"task={self.task!r} must be 'successor', 'product_tool', 'tens_tool', 'lookup_tool', "
-                             "'lookup_read' or 'prompts'")
+                             "'lookup_call' or 'prompts'")
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)

@@ -143,22 +143,21 @@ class LookupTask(ProductTask):
     tool's turn `<tool>x` and the next turn answers with it. Reward (nothing for calling): 1.0 when the
     answer, the first token of the last model turn (after the last tool result), is the letter; else 0.
 
-    `read=True` (task=lookup_read, the warm-up of tools/tool_task.py): every prompt already ends with the
-    tool's turn, "<bos>372=<tool>x", so a policy learns to read a tool's result without ever calling it."""
+    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): the reward
+    is 1.0 for calling the tool (a tool result in the response), whatever the answer; it gives the measured
+    runs a start that calls the tool but cannot yet read its result."""
 
-    def __init__(self, tokenizer, seed: int = 0, read: bool = False):
+    def __init__(self, tokenizer, seed: int = 0, shaping: bool = False):
         super().__init__(tokenizer, seed)
-        self.tool_open, self.read = tokenizer.convert_tokens_to_ids("<tool>"), read
+        self.tool_open, self.shaping = tokenizer.convert_tokens_to_ids("<tool>"), shaping
         keys = list(range(1000))
         random.Random(7).shuffle(keys)
         self.val_keys, self.train_keys = keys[:64], keys[64:]
 
     def example(self, key: int) -> ToyExample:
-        k, letter = f"{key:03d}", LOOKUP_TABLE[f"{key:03d}"]
+        k = f"{key:03d}"
         ids = [self.tok.bos_token_id] + self.tok.convert_tokens_to_ids(list(k + "="))
-        if self.read:
-            ids += [self.tool_open] + self.tok.convert_tokens_to_ids([letter])
-        return ToyExample(prompt_ids=ids, answer=letter)
+        return ToyExample(prompt_ids=ids, answer=LOOKUP_TABLE[k])
 
     def train_batch(self, size: int) -> list[ToyExample]:
         return [self.example(self.rng.choice(self.train_keys)) for _ in range(size)]
@@ -173,6 +172,8 @@ class LookupTask(ProductTask):
 
     def reward(self, example: ToyExample, response_ids: list[int]) -> float:
         ids = list(response_ids)
+        if self.shaping:
+            return 1.0 if self.tool_open in ids else 0.0
         if self.tool_open in ids:  # `<tool>` and the result's one letter
             ids = ids[len(ids) - ids[::-1].index(self.tool_open) + 1:]
         return 1.0 if ids and self.tok.convert_ids_to_tokens(ids[0]) == example.answer else 0.0

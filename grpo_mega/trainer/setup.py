@@ -35,7 +35,7 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
     from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.data.toy_tools import CHAT_TEMPLATE, TENS_TEMPLATE, make_lookup_tokenizer, make_tool_tokenizer
 
-    if cfg.task in ("lookup_tool", "lookup_read"):
+    if cfg.task in ("lookup_tool", "lookup_call"):
         tok = make_lookup_tokenizer()
     elif cfg.task in ("product_tool", "tens_tool"):
         tok = make_tool_tokenizer(TENS_TEMPLATE if cfg.task == "tens_tool" else CHAT_TEMPLATE)

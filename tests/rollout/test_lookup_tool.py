@@ -1,7 +1,7 @@
 """task=lookup_tool (grpo_mega.data.toy_tools.LookupTask): the letter under a key is random, so only the tool
 knows it; a policy that calls (one token, parser=bare: the run's only tool, the key from the row's
 tools_kwargs) and copies the result solves it, a guessing one scores chance; validation keys are never
-trained on; task=lookup_read's prompts already end with the tool's turn."""
+trained on; task=lookup_call (the warm-up's shaping) rewards calling only."""
 
 import pytest
 
@@ -74,14 +74,19 @@ def test_reward_reads_the_answer_after_the_last_tool_result():
     assert task.reward(ex, []) == 0.0
 
 
-def test_read_prompts_end_with_the_tools_turn_and_the_tool_refuses_unknown_keys():
+def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_only():
     tok = make_lookup_tokenizer()
-    ex = LookupTask(tok, read=True).example(42)
-    assert tok.convert_ids_to_tokens(ex.prompt_ids) == ["<bos>", "0", "4", "2", "=", "<tool>", LOOKUP_TABLE["042"]]
+    ex = LookupTask(tok).example(42)
+    assert tok.convert_ids_to_tokens(ex.prompt_ids) == ["<bos>", "0", "4", "2", "="]
     assert LookupTask(tok).tools_kwargs(ex.prompt_ids) == {"lookup": {"create_kwargs": {"key": "042"}}}
-    assert KeyLookup().call({}, key="042") == LOOKUP_TABLE["042"]
+    assert KeyLookup().call({}, key="042") == LOOKUP_TABLE["042"] == ex.answer
     with pytest.raises(ToolError, match="no key '42'"):
         KeyLookup().call({}, key="42")
+    warm = LookupTask(tok, shaping=True)  # task=lookup_call: calling is what it rewards, the answer is not
+    ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
+    other = next(c for c in "abcdefghij" if c != ex.answer)
+    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other])) == 1.0
+    assert warm.reward(ex, ids([ex.answer, "<eos>"])) == 0.0
 
 
 def test_bare_parser_needs_exactly_one_tool():
