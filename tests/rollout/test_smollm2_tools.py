@@ -8,6 +8,8 @@ hermes JSON calls, malformed ones included), not that the model learns to use th
 
 import json
 
+import pytest
+
 from tests.fork_server import ROOT, run_main
 
 
@@ -24,6 +26,7 @@ def _row(a: int, b: int) -> dict:
     return {"prompt": msgs, "reward_model": {"ground_truth": str(a * b)}, "data_source": "arith_tool"}
 
 
+@pytest.mark.slow  # 396 s on 2 cores shared by ~25 runnable processes; not yet timed alone
 def test_smollm2_calls_the_calculator_and_trains(tmp_path):
     from tests.models.hf_fixtures import smollm2_dir
 
