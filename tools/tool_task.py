@@ -4,7 +4,7 @@ tool (rollout.multi_turn on: a turn ending <tool_call> gets the tool's turn `<to
 (multi-turn off: the model must guess), from the same start, with the same seed, batch and steps. Validation
 reward (greedy, 64 keys) by step for both; JSON and a PNG of both curves.
 
-    python tools/tool_task.py [--warm-steps 150] [--steps 100] [--interval 10] [--out bench_results/tool_task.json]
+    python tools/tool_task.py [--warm-steps 30] [--steps 150] [--interval 10] [--out bench_results/tool_task.json]
 
 The start: a warm-up run with a shaping reward, task=lookup_call (1.0 for calling the tool, whatever the
 answer; the tiny model from random init, 30 steps), exported as an HF directory: it calls the tool (93-99% of
