@@ -673,10 +673,10 @@ class RolloutConfig:
     def __post_init__(self):
         if isinstance(self.multi_turn, dict):  # a checkpoint's saved config
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
-        if self.multi_turn.enable and (self.engine != "embedded" or self.placement != "colocated"):
-            raise ValueError(f"rollout.multi_turn.enable=true runs on the colocated embedded engine only (got "
+        if self.multi_turn.enable and self.placement == "colocated" and self.engine != "embedded":
+            raise ValueError(f"rollout.multi_turn.enable=true runs on the embedded engine or dedicated servers (got "
                              f"rollout.engine={self.engine!r}, rollout.placement={self.placement!r}); set "
-                             "rollout.engine=embedded rollout.placement=colocated")
+                             "rollout.engine=embedded, or rollout.placement=dedicated rollout.servers=[...]")
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"rollout.engine={self.engine!r} must be 'embedded' or 'sglang'")
         if not isinstance(self.n, int) or self.n < 2:
@@ -922,8 +922,9 @@ class TrainConfig:
     """A model_configs/ name (random init), or an HF directory (weights and tokenizer loaded from it)."""
     task: str = "successor"
     """'successor' (the toy demo), 'product_tool' (the toy tool task: 2-digit products, solvable with
-    rollout.multi_turn's calculator), 'tens_tool' (the tens digit of such a product: learns with the tool from a
-    random start, grpo_mega.data.toy_tools) or 'prompts' (data.* files scored by reward.*)."""
+    rollout.multi_turn's calculator), 'tens_tool' (the tens digit of such a product), 'lookup_tool' (the letter
+    stored under a key, which only the tool knows; grpo_mega.data.toy_tools), 'lookup_call' (its warm-up: a
+    shaping reward for calling the tool, not a measure) or 'prompts' (data.* files scored by reward.*)."""
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -942,8 +943,9 @@ class TrainConfig:
             kind = _COMPONENTS.get(f.name)
             if kind is not None and isinstance(getattr(self, f.name), dict):
                 setattr(self, f.name, kind(**getattr(self, f.name)))
-        if self.task not in ("successor", "product_tool", "tens_tool", "prompts"):
-            raise ValueError(f"task={self.task!r} must be 'successor', 'product_tool', 'tens_tool' or 'prompts'")
+        if self.task not in ("successor", "product_tool", "tens_tool", "lookup_tool", "lookup_call", "prompts"):
+            raise ValueError(f"task={self.task!r} must be 'successor', 'product_tool', 'tens_tool', 'lookup_tool', "
+                             "'lookup_call' or 'prompts'")
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from grpo_mega.data.toy import SPECIALS, ToyExample
+from grpo_mega.tools import Tool, ToolError
 
 SYMBOLS = [str(d) for d in range(10)] + [">", "+", "=", "*"]
 MARKERS = ["<tool_call>", "</tool_call>", "<tool>", "</tool>"]
@@ -22,12 +23,13 @@ TENS_TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.cont
 """task=tens_tool's: a tool turn is `<tool>RESULT`, the model's turn following right after the result."""
 
 
-def make_tool_tokenizer(chat_template: str = CHAT_TEMPLATE):
-    """A character-level PreTrainedTokenizerFast: <pad>=0, <bos>=1, <eos>=2, the symbols, the markers (whole)."""
+def make_tool_tokenizer(chat_template: str = CHAT_TEMPLATE, extra_symbols: tuple = ()):
+    """A character-level PreTrainedTokenizerFast: <pad>=0, <bos>=1, <eos>=2, the symbols, the markers (whole),
+    then `extra_symbols` (single characters)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + SYMBOLS + MARKERS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + SYMBOLS + MARKERS + list(extra_symbols))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -105,3 +107,73 @@ class TensDigitTask(ProductTask):
         if not ids or self.tok.convert_ids_to_tokens(ids[0]) != example.answer:
             return 0.0
         return 1.0 if len(ids) > 1 and ids[1] == self.tok.eos_token_id else 0.5
+
+
+LETTERS = [chr(c) for c in range(ord("a"), ord("j") + 1)]
+LOOKUP_TABLE = {f"{k:03d}": random.Random(2026 + k).choice(LETTERS) for k in range(1000)}
+"""task=lookup_tool's secret: a letter for each 3-digit key, drawn at random (nothing in a key predicts it)."""
+
+
+def make_lookup_tokenizer():
+    """The tool tokenizer (TENS_TEMPLATE) with the 26 lowercase letters beside the digits."""
+    return make_tool_tokenizer(TENS_TEMPLATE, extra_symbols=LETTERS)
+
+
+class KeyLookup(Tool):
+    """The `lookup` tool of task=lookup_tool: the letter stored under a 3-digit key (LOOKUP_TABLE). The key
+    comes from the prompt row's tools_kwargs (create_kwargs), so the call takes no arguments."""
+
+    name = "lookup"
+    description = "The letter stored under a 3-digit key."
+    parameters = {"type": "object", "properties": {"key": {"type": "string", "description": "e.g. 042"}},
+                  "required": ["key"]}
+
+    def call(self, args: dict, key: str | None = None, **_) -> str:
+        key = args.get("key", key)
+        if key not in LOOKUP_TABLE:
+            raise ToolError(f"no key {key!r}: keys are 3 digits, 000 to 999")
+        return LOOKUP_TABLE[key]
+
+
+class LookupTask(ProductTask):
+    """task=lookup_tool, the toy tool task: "<bos>372=" -> the letter (a-j) stored under key 372, drawn at
+    random per key (LOOKUP_TABLE), so without the tool a policy scores chance (1 in 10), and the 64 validation
+    keys are never trained on (nothing to memorise). With rollout.multi_turn (parser=bare,
+    call_stop=[<tool_call>], tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the
+    tool's turn `<tool>x` and the next turn answers with it. Reward (nothing for calling): 1.0 when the
+    answer, the first token of the last model turn (after the last tool result), is the letter; else 0.
+
+    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): the reward
+    is 1.0 for calling the tool (a tool result in the response), whatever the answer; it gives the measured
+    runs a start that calls the tool but cannot yet read its result."""
+
+    def __init__(self, tokenizer, seed: int = 0, shaping: bool = False):
+        super().__init__(tokenizer, seed)
+        self.tool_open, self.shaping = tokenizer.convert_tokens_to_ids("<tool>"), shaping
+        keys = list(range(1000))
+        random.Random(7).shuffle(keys)
+        self.val_keys, self.train_keys = keys[:64], keys[64:]
+
+    def example(self, key: int) -> ToyExample:
+        k = f"{key:03d}"
+        ids = [self.tok.bos_token_id] + self.tok.convert_tokens_to_ids(list(k + "="))
+        return ToyExample(prompt_ids=ids, answer=LOOKUP_TABLE[k])
+
+    def train_batch(self, size: int) -> list[ToyExample]:
+        return [self.example(self.rng.choice(self.train_keys)) for _ in range(size)]
+
+    def validation(self) -> list[ToyExample]:
+        return [self.example(k) for k in self.val_keys]
+
+    def tools_kwargs(self, prompt_ids) -> dict:
+        """The prompt row's tools_kwargs: {"lookup": {"create_kwargs": {"key": "372"}}}."""
+        text = self.tok.decode(list(prompt_ids), skip_special_tokens=True)
+        return {"lookup": {"create_kwargs": {"key": text.split("=")[0]}}}
+
+    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+        ids = list(response_ids)
+        if self.shaping:
+            return 1.0 if self.tool_open in ids else 0.0
+        if self.tool_open in ids:  # `<tool>` and the result's one letter
+            ids = ids[len(ids) - ids[::-1].index(self.tool_open) + 1:]
+        return 1.0 if ids and self.tok.convert_ids_to_tokens(ids[0]) == example.answer else 0.0

@@ -170,7 +170,8 @@ class ServerClient(RolloutEngine):
             load[url] += n * (len(prompts[i]) + max_new_tokens)
         return [sorted(out[u]) for u in self.urls]
 
-    def _generate_on(self, url: str, prompts, idx: list[int], n, temperature, top_p, max_new, stop, seed, offset):
+    def _generate_on(self, url: str, prompts, idx: list[int], n, temperature, top_p, max_new, stop, seed, offset,
+                     row_seeds=None):
         if not idx:
             return []
         tokens = sum(n * (len(prompts[i]) + max_new) for i in idx)
@@ -179,7 +180,9 @@ class ServerClient(RolloutEngine):
             for j in range(n):
                 input_ids.append(list(prompts[i]))
                 params.append(dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
-                                   stop_token_ids=list(stop), sampling_seed=sample_seed(seed, offset + i, j) % (2**31),
+                                   stop_token_ids=list(stop),
+                                   sampling_seed=(row_seeds[i] if row_seeds is not None else
+                                                  sample_seed(seed, offset + i, j)) % (2**31),
                                    skip_special_tokens=False, no_stop_trim=True))
         self.outstanding[url] += tokens
         try:
@@ -195,11 +198,17 @@ class ServerClient(RolloutEngine):
         return out
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0,
+                 row_seeds: Optional[list[int]] = None) -> Generation:
+        """As RolloutEngine.generate; with `row_seeds` (n=1, one per prompt; what grpo_mega.rollout.multi_turn
+        passes) prompt i's sampling_seed is row_seeds[i] mod 2**31, wherever it is sent."""
+        if row_seeds is not None and (n != 1 or len(row_seeds) != len(prompts)):
+            raise ValueError(f"row_seeds needs n=1 and one seed per prompt; got n={n}, {len(row_seeds)} seeds for "
+                             f"{len(prompts)} prompts")
         stop = list(stop_token_ids)
         shares = self.assign(prompts, n, max_new_tokens)
         answers = _in_threads([(self._generate_on, (u, prompts, idx, n, temperature, top_p, max_new_tokens, stop, seed,
-                                                    prompt_offset)) for u, idx in zip(self.urls, shares)])
+                                                    prompt_offset, row_seeds)) for u, idx in zip(self.urls, shares)])
         rows: dict[int, list] = {}
         for url, idx, out in zip(self.urls, shares, answers):
             for k, i in enumerate(idx):

@@ -91,7 +91,8 @@ def join_stats(parts: Sequence[Optional[dict]]) -> dict:
 
 
 class MultiTurnEngine(RolloutEngine):
-    """`inner` (an engine whose generate takes per-row seeds: the embedded engine) driven turn by turn.
+    """`inner` (an engine whose generate takes per-row seeds: the embedded engine, or the dedicated servers'
+    client) driven turn by turn.
     Weights, checksums and health are the inner engine's. A tool result longer than `max_tool_response_chars`
     is cut to it and marked; one longer than the trajectory's remaining token budget is cut there and the
     trajectory ends "length" (reward.overlong); both are counted in `tool_truncated`.
@@ -115,6 +116,12 @@ class MultiTurnEngine(RolloutEngine):
         self.call_stop, self.row_tools_kwargs = list(call_stop_ids), row_tools_kwargs
         self.parse: Callable[[str], list[ToolCall]] = PARSERS.get(parser)
         self.renderer = ToolTurnRenderer(tokenizer, stop_token_ids or [tokenizer.eos_token_id])
+        self.bare_name = None  # the parser=bare calls' tool: the run's only one
+        if parser == "bare":
+            if len(pool.tools) != 1:
+                raise ValueError(f"rollout.multi_turn.parser=bare calls the run's only tool; "
+                                 f"rollout.multi_turn.tools has {len(pool.tools)}: {sorted(pool.tools)}")
+            self.bare_name = next(iter(pool.tools))
 
     # the inner engine's weights
     @property
@@ -153,7 +160,7 @@ class MultiTurnEngine(RolloutEngine):
             budget = max(max_new_tokens - len(s.ids) for s in active)
             gen = self.inner.generate([s.context for s in active], 1, temperature, top_p, budget,
                                       stop + [t for t in self.call_stop if t not in stop], seed,
-                                      row_seeds=[sample_seed(s.seed, turn, 0) for s in active])
+                                      row_seeds=[sample_seed(s.seed, turn, 0) % 2**31 for s in active])
             version = gen.weight_version
             want: list[tuple[_Sample, list[ToolCall]]] = []
             for s, ids, lps, fin in zip(active, gen.token_ids, gen.logprobs, gen.finish_reasons):
@@ -176,6 +183,8 @@ class MultiTurnEngine(RolloutEngine):
                     s.finish = "length"
                     continue
                 for c in calls:
+                    if self.bare_name and not c.name and c.error is None:
+                        c.name = self.bare_name
                     kw = s.tools_kwargs.get(c.name) or {}
                     c.kwargs = {**(kw.get("create_kwargs") or {}), **(kw.get("execute_kwargs") or {})}
                 want.append((s, calls))

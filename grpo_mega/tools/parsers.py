@@ -66,6 +66,8 @@ def expression(text: str) -> list[ToolCall]:
 
 @PARSERS.register("bare")
 def bare(text: str) -> list[ToolCall]:
-    """Each `<tool_call>` in the turn is one call of the calculator without arguments: the prompt row's
-    tools_kwargs give the expression (the toy task=tens_tool, with rollout.multi_turn.call_stop=[<tool_call>])."""
-    return [ToolCall(name="calculator") for _ in range(text.count("<tool_call>"))]
+    """Each `<tool_call>` in the turn is one call, without arguments, of the run's only tool (the name is left
+    empty; grpo_mega.rollout.multi_turn fills it in, and refuses a run with several tools): the prompt row's
+    tools_kwargs give the arguments (the toy tasks tens_tool and lookup_tool, with
+    rollout.multi_turn.call_stop=[<tool_call>])."""
+    return [ToolCall(name="") for _ in range(text.count("<tool_call>"))]

@@ -33,9 +33,11 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
         return read_hf_config(cfg.model)[2], AutoTokenizer.from_pretrained(cfg.model), cfg.model
     from grpo_mega.conf.schema import load_model_config
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.data.toy_tools import CHAT_TEMPLATE, TENS_TEMPLATE, make_tool_tokenizer
+    from grpo_mega.data.toy_tools import CHAT_TEMPLATE, TENS_TEMPLATE, make_lookup_tokenizer, make_tool_tokenizer
 
-    if cfg.task in ("product_tool", "tens_tool"):
+    if cfg.task in ("lookup_tool", "lookup_call"):
+        tok = make_lookup_tokenizer()
+    elif cfg.task in ("product_tool", "tens_tool"):
         tok = make_tool_tokenizer(TENS_TEMPLATE if cfg.task == "tens_tool" else CHAT_TEMPLATE)
     else:
         tok = make_tokenizer()
@@ -56,18 +58,19 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
         if rollout.placement == "dedicated":
             from grpo_mega.rollout.client import ServerClient
 
-            return ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
-                                moe_layers=model.moe_layers() if cfg.algo.routing_replay == "rollout" else None)
-        import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
-        import grpo_mega.rollout.sglang_engine  # noqa: F401
-        from grpo_mega.rollout.interface import ENGINES, EngineSpec
+            engine = ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
+                                  moe_layers=model.moe_layers() if cfg.algo.routing_replay == "rollout" else None)
+        else:
+            import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
+            import grpo_mega.rollout.sglang_engine  # noqa: F401
+            from grpo_mega.rollout.interface import ENGINES, EngineSpec
 
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
-                          dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
-                          mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
-                          timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.routing_replay == "rollout")
-        engine = ENGINES.get(rollout.engine).for_run(spec)
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+            spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
+                              dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
+                              mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
+                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.routing_replay == "rollout")
+            engine = ENGINES.get(rollout.engine).for_run(spec)
         if not mt.enable:
             return engine
         from grpo_mega.rollout.multi_turn import MultiTurnEngine

@@ -73,10 +73,13 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
                     get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
                     load_files=getattr(reward, "load_files", None))
-    if cfg.task in ("product_tool", "tens_tool"):
-        from grpo_mega.data.toy_tools import ProductTask, TensDigitTask
+    if cfg.task in ("product_tool", "tens_tool", "lookup_tool", "lookup_call"):
+        from grpo_mega.data.toy_tools import LookupTask, ProductTask, TensDigitTask
 
-        t = (ProductTask if cfg.task == "product_tool" else TensDigitTask)(tok, seed=seed)
+        if cfg.task.startswith("lookup"):
+            t = LookupTask(tok, seed=seed, shaping=cfg.task == "lookup_call")
+        else:
+            t = (ProductTask if cfg.task == "product_tool" else TensDigitTask)(tok, seed=seed)
         return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
                     stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state,
                     tools_kwargs=getattr(t, "tools_kwargs", None))

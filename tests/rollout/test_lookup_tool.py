@@ -1,0 +1,99 @@
+"""task=lookup_tool (grpo_mega.data.toy_tools.LookupTask): the letter under a key is random, so only the tool
+knows it; a policy that calls (one token, parser=bare: the run's only tool, the key from the row's
+tools_kwargs) and copies the result solves it, a guessing one scores chance; validation keys are never
+trained on; task=lookup_call (the warm-up's shaping) rewards calling only."""
+
+import pytest
+
+from grpo_mega.data.toy_tools import LOOKUP_TABLE, KeyLookup, LookupTask, make_lookup_tokenizer
+from grpo_mega.rollout.interface import Generation
+from grpo_mega.rollout.multi_turn import MultiTurnEngine
+from grpo_mega.tools import ToolError
+from grpo_mega.tools.pool import ToolPool
+
+
+class CallThenCopy:
+    """Turn 1: `<tool_call>` (a call-stop token) or a fixed guess 'c'; after a tool result: its letter, <eos>."""
+
+    weight_version = 0
+
+    def __init__(self, tok, use_tool):
+        self.tok, self.use_tool = tok, use_tool
+        self.call, self.open = tok.convert_tokens_to_ids("<tool_call>"), tok.convert_tokens_to_ids("<tool>")
+
+    def generate(self, prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed, prompt_offset=0,
+                 row_seeds=None):
+        out = []
+        for ctx in prompts:
+            if ctx[-2] == self.open:
+                out.append([ctx[-1], self.tok.eos_token_id])
+            else:
+                out.append([self.call] if self.use_tool else self.tok.convert_tokens_to_ids(["c"]) + [self.tok.eos_token_id])
+        return Generation(out, [[-1.0] * len(o) for o in out], ["stop"] * len(out), 0)
+
+    def shutdown(self):
+        pass
+
+
+def test_calling_and_copying_solves_it_guessing_does_not():
+    tok = make_lookup_tokenizer()
+    task = LookupTask(tok)
+    val = task.validation()
+    train_keys = {tok.decode(e.prompt_ids, skip_special_tokens=True) for e in task.train_batch(2000)}
+    val_keys = {tok.decode(e.prompt_ids, skip_special_tokens=True) for e in val}
+    assert len(val) == 64 and len(val_keys) == 64 and not train_keys & val_keys  # never trained on
+    assert len(set(LOOKUP_TABLE.values())) == 10
+    scores = {}
+    for use_tool in (True, False):
+        mt = MultiTurnEngine(CallThenCopy(tok, use_tool), tok,
+                             ToolPool(["grpo_mega.data.toy_tools:KeyLookup"], start_method="fork"), "bare",
+                             max_turns=2, call_stop_ids=[tok.convert_tokens_to_ids("<tool_call>")],
+                             row_tools_kwargs=task.tools_kwargs)
+        try:
+            gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 6, [tok.eos_token_id], seed=0)
+        finally:
+            mt.shutdown()
+        scores[use_tool] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
+        if use_tool:
+            assert gen.extra["multi_turn"]["tool_calls"] == [1] * 64 and gen.extra["multi_turn"]["tool_errors"] == [0] * 64
+            assert gen.model_mask[0] == [1, 0, 0, 1, 1]  # <tool_call> | <tool> x | x <eos>
+    assert scores[True] == 1.0
+    assert scores[False] == pytest.approx(sum(e.answer == "c" for e in val) / 64) and scores[False] < 0.3
+
+
+def test_reward_reads_the_answer_after_the_last_tool_result():
+    tok = make_lookup_tokenizer()
+    task = LookupTask(tok)
+    ex = task.example(372)
+    ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
+    other = next(c for c in "abcdefghij" if c != ex.answer)
+    assert task.reward(ex, ids([ex.answer, "<eos>"])) == 1.0  # a right guess
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
+    assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other])) == 0.0  # the last turn counts
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer])) == 0.0  # no answer after the result
+    assert task.reward(ex, []) == 0.0
+
+
+def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_only():
+    tok = make_lookup_tokenizer()
+    ex = LookupTask(tok).example(42)
+    assert tok.convert_ids_to_tokens(ex.prompt_ids) == ["<bos>", "0", "4", "2", "="]
+    assert LookupTask(tok).tools_kwargs(ex.prompt_ids) == {"lookup": {"create_kwargs": {"key": "042"}}}
+    assert KeyLookup().call({}, key="042") == LOOKUP_TABLE["042"] == ex.answer
+    with pytest.raises(ToolError, match="no key '42'"):
+        KeyLookup().call({}, key="42")
+    warm = LookupTask(tok, shaping=True)  # task=lookup_call: calling is what it rewards, the answer is not
+    ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
+    other = next(c for c in "abcdefghij" if c != ex.answer)
+    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other])) == 1.0
+    assert warm.reward(ex, ids([ex.answer, "<eos>"])) == 0.0
+
+
+def test_bare_parser_needs_exactly_one_tool():
+    tok = make_lookup_tokenizer()
+    pool = ToolPool(["calculator", "grpo_mega.data.toy_tools:KeyLookup"], start_method="fork")
+    try:
+        with pytest.raises(ValueError, match="parser=bare calls the run's only tool; rollout.multi_turn.tools has 2"):
+            MultiTurnEngine(CallThenCopy(tok, True), tok, pool, "bare")
+    finally:
+        pool.close()
