@@ -132,3 +132,19 @@ def test_routes_layout_by_hand():
     assert padded.shape == (3, 2, 1, 2)
     assert padded[:, 0, 0].tolist() == [[5, 6], [-1, -1], [-1, -1]]
     assert padded[:, 1, 0].tolist() == [[1, 2], [3, 4], [-1, -1]]
+
+
+def test_checkpoint_routes_file_round_trip(tmp_path):
+    """An in-flight batch's routes in a checkpoint: one int16 safetensors file, samples without routes kept as
+    None, every tensor back equal (the dedicated-server resume test checks the run resumes exactly)."""
+    from grpo_mega.trainer.checkpoint import ROUTES_FILE, load_routes, save_routes
+
+    g = torch.Generator().manual_seed(0)
+    routed = [torch.randint(0, 8, (n, 3, 2), generator=g, dtype=torch.int16) for n in (5, 1, 7)]
+    routed.insert(1, None)
+    ref = save_routes(tmp_path, routed)
+    assert ref == {"file": ROUTES_FILE, "samples": 4}
+    assert (tmp_path / ROUTES_FILE).stat().st_size < 13 * 6 * 2 + 400  # 2 bytes an id, plus the header
+    back = load_routes(tmp_path, ref)
+    assert back[1] is None and all(torch.equal(a, b) and b.dtype == torch.int16
+                                   for a, b in zip(routed, back) if a is not None)
