@@ -122,6 +122,7 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
         out = dict(noise=noise, engine_dtype=engine_dtype, ep=ep, pp=pp, tp=tp, packing=packing, samples=len(rows),
                    response_tokens=int(rb.response_lens.sum()), moe_layers=sum(cfg.moe_layers()),
                    topk=cfg.moe_router_topk, routing_agreement_without_replay=agreement,
+                   engine_routed_pairs=sum(int(r.shape[0] * r.shape[1]) for r in gen.routed_experts),
                    logprob_mismatch_without_replay=mismatch(free), logprob_mismatch_with_replay=mismatch(replayed),
                    reference_equals_actor_with_replay=float((ref_lp - replayed).abs().max()))
         if update:

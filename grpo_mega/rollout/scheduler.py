@@ -224,16 +224,16 @@ class RolloutScheduler:
         return self.get_state() if self.get_state is not None else None
 
     def state(self) -> Optional[dict]:
-        """The generated, not yet trained batch (JSON: its step, prompts and samples, and for a multi-turn
-        batch its model mask and tool counts), or None."""
+        """The generated, not yet trained batch (its step, prompts and samples; JSON but for routed_experts, int16
+        tensors [positions, M, k] or None per sample, which grpo_mega.trainer.checkpoint stores apart; for a
+        multi-turn batch its model mask and tool counts), or None."""
         if self.ready is None:
             return None
         g = self.ready.gen
         out = dict(step=self.ready.step, prompts=[list(e.prompt_ids) for e in self.ready.examples],
                    token_ids=g.token_ids, logprobs=g.logprobs, finish_reasons=g.finish_reasons,
                    weight_version=g.weight_version, seconds=self.ready.seconds,
-                   routed_experts=None if g.routed_experts is None else
-                   [None if r is None else r.tolist() for r in g.routed_experts])
+                   routed_experts=g.routed_experts)
         if g.model_mask is not None:  # a multi-turn batch: which tokens are the model's, and its tool counts
             out.update(model_mask=g.model_mask, multi_turn=g.extra.get("multi_turn"))
         return out
@@ -251,13 +251,8 @@ class RolloutScheduler:
             raise ValueError(f"the checkpoint's in-flight batch (step {state['step']}) was drawn from other prompts "
                              "than the task now gives: was the data (data.train_files, seed) changed? Resume with "
                              "the same data, or start a new run")
-        routed = state.get("routed_experts")
-        if routed is not None:
-            import torch
-
-            routed = [None if r is None else torch.tensor(r, dtype=torch.int16) for r in routed]
         gen = Generation(token_ids=state["token_ids"], logprobs=state["logprobs"], finish_reasons=state["finish_reasons"],
-                         weight_version=int(state["weight_version"]), routed_experts=routed,
+                         weight_version=int(state["weight_version"]), routed_experts=state.get("routed_experts"),
                          model_mask=state.get("model_mask"),
                          extra={"multi_turn": state["multi_turn"]} if state.get("multi_turn") else {})
         self.ready = StepSamples(int(state["step"]), examples, gen, float(state.get("seconds", 0.0)))

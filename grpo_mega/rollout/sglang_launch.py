@@ -5,7 +5,12 @@ starts several at once and waits until each answers /health. `grpo_mega.processe
 `python -m grpo_mega.rollout.sglang_launch SGLANG_ARGS...` runs `sglang.launch_server` in this process with
 `--api-key` taken from GRPO_MEGA_SERVER_API_KEY: SGLang 0.5.23 takes its key only as a command-line option,
 and a key on a command line is readable by every user of the node (/proc/PID/cmdline); set in-process, the
-visible command line never holds it."""
+visible command line never holds it.
+
+`python -m grpo_mega.rollout.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a
+training run composed from those overrides needs of its servers (`training_flags`: token ids only, weight
+version 0, and `--enable-return-routed-experts` when algo.routing_replay=rollout); slurm/train.sbatch builds its
+default server command with it."""
 
 from __future__ import annotations
 
@@ -17,18 +22,42 @@ from grpo_mega.processes import free_port, stop, tail
 from grpo_mega.rollout.client import API_KEY_ENV
 
 
+def training_flags(routing_replay: bool = False) -> list[str]:
+    """The SGLang options the client relies on: token ids in and out (no tokenizer), weight version 0 until the
+    first sync, and with rollout routing replay the experts each token was routed to (SGLang 0.5.23 returns
+    meta_info["routed_experts"] only from a server started with --enable-return-routed-experts)."""
+    return ["--skip-tokenizer-init", "--weight-version", "0"] + (["--enable-return-routed-experts"] if routing_replay
+                                                                  else [])
+
+
+def training_flags_for(overrides: list[str]) -> list[str]:
+    """`training_flags` of the run `python -m grpo_mega.train OVERRIDES` composes (Hydra, the real schema: a
+    replay switched on by an experiment file counts as well as one on the command line)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    import grpo_mega.train  # noqa: F401 - registers the schema with Hydra's ConfigStore
+    from grpo_mega.conf.schema import TrainConfig
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
+        cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    GlobalHydra.instance().clear()
+    return training_flags(TrainConfig.from_hydra(cfg).algo.routing_replay == "rollout")
+
+
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",
                    python: str = sys.executable, cpu: Optional[bool] = None, max_total_tokens: int = 4096,
-                   extra: tuple = ()) -> list[str]:
-    """The command line of one SGLang server as the client expects it: token ids in and out (no tokenizer),
-    weight version 0 until the first sync. `cpu` (default: where torch sees no CUDA) adds SGLang's CPU
-    settings: torch_native attention, no CUDA graphs, a KV cache of `max_total_tokens`; the environment must
-    then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel (tests/fixtures) first on PYTHONPATH."""
+                   routing_replay: bool = False, extra: tuple = ()) -> list[str]:
+    """The command line of one SGLang server as the client expects it (`training_flags`). `cpu` (default: where
+    torch sees no CUDA) adds SGLang's CPU settings: torch_native attention, no CUDA graphs, a KV cache of
+    `max_total_tokens`; the environment must then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel
+    (tests/fixtures) first on PYTHONPATH."""
     import torch
 
     module = "grpo_mega.rollout.sglang_launch" if os.environ.get(API_KEY_ENV) else "sglang.launch_server"
     cmd = [python, "-m", module, "--model-path", str(model_path), "--host", host, "--port", str(port),
-           "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init", "--weight-version", "0"]
+           "--tp-size", str(tp), "--dtype", dtype, *training_flags(routing_replay)]
     if cpu if cpu is not None else not torch.cuda.is_available():
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                 "--max-total-tokens", str(max_total_tokens)]
@@ -85,9 +114,12 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
 
 
 def main() -> None:
-    """SGLang's server with the API key from the environment (see the module's docstring)."""
+    """SGLang's server with the API key from the environment, or --training-flags (see the module's docstring)."""
     import runpy
 
+    if sys.argv[1:2] == ["--training-flags"]:
+        print(" ".join(training_flags_for(sys.argv[2:])))
+        return
     key = os.environ.get(API_KEY_ENV)
     if not key:
         sys.exit(f"error: {API_KEY_ENV} is not set: start sglang.launch_server directly to serve without a key")

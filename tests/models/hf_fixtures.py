@@ -10,9 +10,11 @@ import torch
 SMOLLM2_DIR = Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache" / "grpo_mega")) / "SmolLM2-135M-Instruct"
 
 
-def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0) -> Path:
+def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0,
+            mlp_only_layers: tuple = (2,)) -> Path:
     """A 4-layer, 8-head, 4-KV-group random model saved with save_pretrained (safetensors). Qwen3's has a
-    head_dim of 32, not hidden_size / heads (8), and random q/k norms."""
+    head_dim of 32, not hidden_size / heads (8), and random q/k norms. Qwen3-MoE's `mlp_only_layers` are dense
+    (SGLang 0.5.23's Qwen3MoeForCausalLM ignores them and makes every layer sparse: () for SGLang)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -25,7 +27,7 @@ def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, s
         "qwen3": lambda: (Qwen3Config(head_dim=32, **kw), Qwen3ForCausalLM),
         # 8 experts, top-2, renormalised top-k (as Qwen3-30B-A3B), layer 2 dense: both MLP kinds
         "qwen3_moe": lambda: (Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                             norm_topk_prob=True, mlp_only_layers=[2], **kw), Qwen3MoeForCausalLM),
+                                             norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers), **kw), Qwen3MoeForCausalLM),
     }[family]()
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)

@@ -8,6 +8,8 @@ import os
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from grpo_mega.processes import stop
 from grpo_mega.rollout import standin_server
@@ -36,8 +38,17 @@ def test_dedicated_off_policy_replay_and_resume(tmp_path):
         full = train(tmp_path / "full", tmp_path / "ckpt")
         assert [full[k]["weight_version"] for k in (1, 2, 3)] == [0, 0, 1]
         assert full[1]["moe/routing_agreement"] == 1.0 and full[1]["logprob_mismatch"] < 1e-5
-        state = json.loads((tmp_path / "ckpt" / "step_00000002" / "loop_state.json").read_text())
-        assert state["rollout"]["step"] == 3 and len(state["rollout"]["routed_experts"]) == 16
+        saved = tmp_path / "ckpt" / "step_00000002"
+        state = json.loads((saved / "loop_state.json").read_text())
+        # the routes are not JSON: int16, the 16 samples back to back in one safetensors file
+        assert state["rollout"]["step"] == 3
+        assert state["rollout"]["routed_experts"] == {"file": "rollout_routes.safetensors", "samples": 16}
+        routes = load_file(str(saved / "rollout_routes.safetensors"))
+        rows = [p for p in state["rollout"]["prompts"] for _ in range(4)]  # rollout.n=4 samples per prompt
+        lens = [len(p) + len(t) - 1 for p, t in zip(rows, state["rollout"]["token_ids"])]
+        assert routes["positions"].tolist() == lens
+        assert routes["experts"].dtype == torch.int16 and tuple(routes["experts"].shape) == (sum(lens), 3, 2)
+        assert int(routes["experts"].min()) >= 0 and int(routes["experts"].max()) < 8
         (tmp_path / "ckpt2").mkdir()
         shutil.copytree(tmp_path / "ckpt" / "step_00000002", tmp_path / "ckpt2" / "step_00000002")
         resumed = train(tmp_path / "resumed", tmp_path / "ckpt2")

@@ -40,7 +40,7 @@ def _mismatch(actor, gen, prompts, temperature):
     return algo.logprob_mismatch(engine_lp, trainer, rb.response_mask())
 
 
-def _sync_sglang(hf_dir, tp, pp, audit=True):
+def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.rollout.interface import Bucket, TensorMeta
     from grpo_mega.rollout.sglang_engine import SGLangEngine
@@ -49,9 +49,9 @@ def _sync_sglang(hf_dir, tp, pp, audit=True):
 
     out = {}
     with cpu_compat.cpu_device_mode():
-        layout = init_distributed(tp=tp, pp=pp, seed=5)
+        layout = init_distributed(tp=tp, pp=pp, seed=5, ep=ep)
         _, _, cfg = read_hf_config(hf_dir)
-        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
+        actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp, ep=ep), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0), BatchConfig(train_batch_size=2, ppo_mini_batch_size=2,
                                                           micro_batch_size=2, max_response_length=10))
         load_hf_into_gpt(actor.built.gpt, hf_dir, cfg, layout.tp_rank, tp)
@@ -101,14 +101,16 @@ def _sync_sglang(hf_dir, tp, pp, audit=True):
     return out
 
 
-@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 2), ("qwen3", 2, 1)])
-def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp):
-    """Llama at TP2xPP2, audited tensor by tensor; Qwen3 (q/k norms, head_dim 32 != hidden / heads) at TP2,
-    where SGLang 0.5.23 cannot read weights back (its Qwen3ForCausalLM has no get_weights_by_name, as
-    rollout.audit_weights's refusal says): the logprobs to 1e-5 are the check."""
+@pytest.mark.parametrize("family,tp,pp,ep", [("llama", 2, 2, 1), ("qwen3", 2, 1, 1), ("qwen3_moe", 1, 1, 2)])
+def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp, ep):
+    """Llama at TP2xPP2, audited tensor by tensor; Qwen3 (q/k norms, head_dim 32 != hidden / heads) at TP2 and
+    Qwen3-MoE (8 experts, top-2, every layer sparse: SGLang 0.5.23 ignores mlp_only_layers; its CPU MoE path)
+    at EP2, each expert gathered from the EP rank that holds it. SGLang 0.5.23 cannot read Qwen3's or
+    Qwen3-MoE's weights back (no get_weights_by_name, as rollout.audit_weights's refusal says): there the
+    logprobs to 1e-5 are the check."""
     audit = family == "llama"
-    hf_dir = str(tiny_hf(tmp_path / family, family, dtype=torch.float32))
-    res = run_ranks(_sync_sglang, tp * pp, hf_dir, tp, pp, audit, timeout=600)
+    hf_dir = str(tiny_hf(tmp_path / family, family, dtype=torch.float32, mlp_only_layers=()))
+    res = run_ranks(_sync_sglang, tp * pp * ep, hf_dir, tp, pp, audit, ep, timeout=600)
     r0 = res[0]
     print(f"sync {r0['stats'].bytes} bytes in {r0['stats'].buckets} buckets, {r0['stats'].seconds:.2f} s")
     assert r0["stats"].audited == audit and r0["stats"].buckets > 3

@@ -29,7 +29,8 @@ def _tool():
 
 
 def _check(res: dict) -> None:
-    assert res["replayed_pairs_logprob_pass"] > 0
+    # every (token, MoE layer) pair the engine routed (prompt and response but its last token) reached a router
+    assert res["replayed_pairs_logprob_pass"] == res["engine_routed_pairs"] > 0
     # the trainer's routing map is the engine's experts for 100% of the (token, MoE layer) pairs the engine routed
     assert res["replay_followed_logprob_pass"] == 1.0
     assert res["replay_followed_update"] == 1.0 and res["replayed_pairs_update"] == res["replayed_pairs_logprob_pass"]
@@ -42,12 +43,13 @@ def _check(res: dict) -> None:
 
 
 # (name, ranks, kwargs of measure): EP2 (dp=2, each rank half of the rows, micro-batches padded to one length over
-# ranks), PP2 (each stage its layers' routers), TP2 with sequence parallelism (each TP rank's routers see s/tp)
+# ranks), PP2 (each stage its layers' routers), TP2 with sequence parallelism (each TP rank's routers see s/tp),
+# TP2xEP2 on 4 ranks (dp=2, expert TP=2: each rank's routers see its DP half's tokens split s/tp)
 @pytest.mark.parametrize("name,ranks,kw", [("EP2", 2, dict(ep=2)), ("PP2", 2, dict(pp=2)),
-                                           ("TP2-SP", 2, dict(tp=2))])
-def test_replay_on_two_ranks_packed(name, ranks, kw):
+                                           ("TP2-SP", 2, dict(tp=2)), ("TP2xEP2-SP", 4, dict(tp=2, ep=2))])
+def test_replay_packed(name, ranks, kw):
     res = run_ranks(_tool().measure, ranks, 0.02, packing=True, timeout=300, **kw)
-    assert res[0] == res[1]
+    assert all(r == res[0] for r in res)
     _check(res[0])
     print(name, "packed:", json.dumps(res[0]))
 
@@ -130,3 +132,19 @@ def test_routes_layout_by_hand():
     assert padded.shape == (3, 2, 1, 2)
     assert padded[:, 0, 0].tolist() == [[5, 6], [-1, -1], [-1, -1]]
     assert padded[:, 1, 0].tolist() == [[1, 2], [3, 4], [-1, -1]]
+
+
+def test_checkpoint_routes_file_round_trip(tmp_path):
+    """An in-flight batch's routes in a checkpoint: one int16 safetensors file, samples without routes kept as
+    None, every tensor back equal (the dedicated-server resume test checks the run resumes exactly)."""
+    from grpo_mega.trainer.checkpoint import ROUTES_FILE, load_routes, save_routes
+
+    g = torch.Generator().manual_seed(0)
+    routed = [torch.randint(0, 8, (n, 3, 2), generator=g, dtype=torch.int16) for n in (5, 1, 7)]
+    routed.insert(1, None)
+    ref = save_routes(tmp_path, routed)
+    assert ref == {"file": ROUTES_FILE, "samples": 4}
+    assert (tmp_path / ROUTES_FILE).stat().st_size < 13 * 6 * 2 + 400  # 2 bytes an id, plus the header
+    back = load_routes(tmp_path, ref)
+    assert back[1] is None and all(torch.equal(a, b) and b.dtype == torch.int16
+                                   for a, b in zip(routed, back) if a is not None)

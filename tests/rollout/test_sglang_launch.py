@@ -1,0 +1,73 @@
+"""The SGLang server command lines grpo-mega builds: with algo.routing_replay=rollout they carry
+--enable-return-routed-experts (SGLang 0.5.23 returns meta_info["routed_experts"] only from a server started with
+it), from `sglang_command` (launch_sglang) and from slurm/train.sbatch's default server command, which composes the
+training's own config. The sbatch runs unchanged under bash with stand-in `scontrol` and `srun` that record the
+server step's command and end it; the trainer never starts (the servers never answer)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_mega.rollout.sglang_launch import sglang_command, training_flags
+
+REPO = Path(__file__).resolve().parents[2]
+FLAG = "--enable-return-routed-experts"
+
+SCONTROL = """#!/bin/bash
+case "$1 $2" in
+  "show job") echo "JobId=$SLURM_JOB_ID Command=$FAKE_SBATCH" ;;
+  "show hostnames") printf 'node1\\nnode2\\n' ;;
+  "show node") echo "NodeName=$4 NodeAddr=127.0.0.1" ;;
+esac
+"""
+# the server step: record its command (the last argument, run by `bash -c` on each rollout node) and fail
+SRUN = """#!/bin/bash
+printf '%s\\n' "${@: -1}" >> "$FAKE_RECORD"
+exit 1
+"""
+
+
+def test_sglang_command_asks_for_routed_experts_with_replay():
+    plain = sglang_command("/m", 30000, cpu=True)
+    replay = sglang_command("/m", 30000, cpu=True, routing_replay=True)
+    assert FLAG not in plain and replay.count(FLAG) == 1
+    assert [a for a in replay if a != FLAG] == plain
+    assert training_flags() == ["--skip-tokenizer-init", "--weight-version", "0"]
+
+
+def _sbatch_server_command(tmp_path: Path, overrides: list[str]) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    record = tmp_path / "server_cmd.txt"
+    record.unlink(missing_ok=True)
+    sbatch = REPO / "slurm" / "train.sbatch"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH": str(sbatch),
+           "FAKE_RECORD": str(record), "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "replay", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_SUBMIT_DIR": str(tmp_path), "GRPO_MEGA_NPROC_PER_NODE": "2",
+           "GRPO_MEGA_ROLLOUT_NODES": "1", "GRPO_MEGA_SERVER_MODEL": "/models/qwen3-30b-a3b",
+           "GRPO_MEGA_SERVER_WAIT": "1", "GRPO_MEGA_PYTHON": sys.executable, "GRPO_MEGA_LOG_ROOT": str(tmp_path / "logs"),
+           "MASTER_PORT": "29999", "PYTHONPATH": str(REPO)}
+    env.pop("GRPO_MEGA_SERVER_CMD", None)
+    proc = subprocess.run(["bash", str(sbatch), *overrides], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "rollout servers did not come up" in proc.stdout, proc.stdout + proc.stderr
+    (cmd,) = record.read_text().splitlines()
+    return cmd
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_train_sbatch_server_command_follows_routing_replay(tmp_path, replay):
+    overrides = ["model=tiny-qwen3-moe", "parallel.ep=2"] + (["algo.routing_replay=rollout"] if replay else [])
+    cmd = _sbatch_server_command(tmp_path, overrides)
+    assert cmd.startswith(f"{sys.executable} -m grpo_mega.rollout.sglang_launch --model-path /models/qwen3-30b-a3b "
+                          "--tp 2 --skip-tokenizer-init --weight-version 0"), cmd
+    assert (FLAG in cmd.split()) == replay, cmd
+    assert cmd.endswith("--host 0.0.0.0 --port $GRPO_MEGA_SERVER_PORT"), cmd
