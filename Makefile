@@ -1,5 +1,7 @@
 # make demo  - set up .venv and run the main job on the embedded default
 # make test  - set up .venv and .venv-sglang and run both test tiers (what CI runs)
+# make bench-trl - TRL in its own .venv-trl, then tools/bench_vs_trl.py (grpo-mega vs TRL's GRPOTrainer, same
+#              work) -> bench_results/vs_trl.json; BENCH_TRL_ARGS="--steps 4 --rounds 2" passes knobs
 # make test-quick - the quick tier (pytest -m quick, under 5 minutes on a CPU): math, configs, single-process
 #              checks and one 2-rank layout; tests/conftest.py lists what it holds
 #
@@ -36,7 +38,7 @@ SGLANG_PY   := $(SGLANG_VENV)/bin/python
 GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
 SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
 
-.PHONY: demo test test-quick test-main test-sglang setup smollm2 slurm-packages clean
+.PHONY: demo test test-quick test-main test-sglang setup smollm2 slurm-packages bench-trl clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +82,23 @@ slurm-packages:
 	@[ -f /etc/munge/munge.key ] || { $(SUDO) mungekey --create --keyfile /etc/munge/munge.key && \
 	  $(SUDO) chown munge:munge /etc/munge/munge.key && $(SUDO) chmod 600 /etc/munge/munge.key; }
 
+# TRL's own environment for tools/bench_vs_trl.py (TRL is no dependency of grpo-mega): the same torch as .venv,
+# the transformers version installed in .venv, and the newest TRL 1.x that works with it.
+TRL_VENV := .venv-trl
+TRL_PY   := $(TRL_VENV)/bin/python
+BENCH_TRL_ARGS ?=
+
+$(TRL_VENV)/.installed: Makefile | $(VENV)/.installed
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_PY) -m pip install --quiet --upgrade pip
+	$(TRL_PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(TRL_PY) -m pip install --quiet "trl>=1,<2" "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+	@$(TRL_PY) -c "import torch, transformers, trl; print('installed (bench-trl): torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	touch $@
+
+bench-trl: $(VENV)/.installed smollm2 $(TRL_VENV)/.installed
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) tools/bench_vs_trl.py $(BENCH_TRL_ARGS)
+
 demo: $(VENV)/.installed
 	$(PY) -m grpo_mega.train
 
@@ -108,4 +127,4 @@ test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_ENV) GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(SGLANG_PY) -m pytest -q -m sglang -p no:warnings
 
 clean:
-	rm -rf $(VENV) .venv-sglang .pytest_cache
+	rm -rf $(VENV) .venv-sglang $(TRL_VENV) .pytest_cache

@@ -107,3 +107,35 @@ def test_bench_response_only_writes_json(tmp_path):
     assert r["all_positions"]["logits_bytes_per_update"] == r["tokens_per_step"] * row == 32 * row
     assert r["response_only"]["logits_bytes_per_update"] == r["loss_positions"] * row == 16 * row
     assert r["all_positions"]["update_loss"] == r["response_only"]["update_loss"]
+
+
+def test_bench_vs_trl_grpo_mega_side_writes_json(tmp_path):
+    """tools/bench_vs_trl.py with the grpo-mega side alone (TRL lives in .venv-trl, made by `make bench-trl`, not
+    here), SmolLM2 at toy sizes: per-step phases from the trainer's own timing, summing to the step, steps 2..
+    in the medians, no ratio without the other side; the settings and versions recorded."""
+    from tests.models.hf_fixtures import smollm2_dir
+
+    out = tmp_path / "vs_trl.json"
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_vs_trl.py"), "--systems", "grpo_mega", "--steps", "2",
+           "--rounds", "1", "--prompts", "1", "--n", "2", "--max-new-tokens", "2", "--model", str(smollm2_dir()),
+           "--workdir", str(tmp_path / "runs"), "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True, env={**os.environ, "PYTHONPATH": REPO})
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]
+    assert run["system"] == "grpo_mega" and [s["step"] for s in run["steps"]] == [1, 2]
+    for s in run["steps"]:
+        assert set(s["phases"]) == {"generate", "reward", "old_logprobs", "update", "weight_sync", "other"}
+        assert s["phases"]["old_logprobs"] == 0.0  # exactly on-policy: no old-logprob pass
+        assert s["phases"]["update"] > 0 and s["phases"]["generate"] > 0 and abs(s["phases"]["other"]) < 0.5
+        assert 1 <= s["response_length_mean"] <= 2
+    assert data["grpo_mega"]["steps_counted"] == 1 and data["grpo_mega"]["step_s"] == run["steps"][1]["step_s"]
+    assert data["trl"] is None and data["step_ratio_grpo_mega_over_trl"] is None
+    assert data["settings"]["max_new_tokens"] == 2 and data["settings"]["kl_coef"] == 0.0
+    assert data["versions"]["grpo_mega"]["megatron-core"] == "0.16.1" and len(data["loadavg_start"]) == 3
+
+
+def test_bench_vs_trl_without_the_trl_environment_says_how_to_make_it(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_vs_trl.py"), "--trl-python", str(tmp_path / "none"),
+           "--out", str(tmp_path / "x.json")]
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "make bench-trl" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.proc import run_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +49,8 @@ def _bench(tmp_path, *args) -> dict:
 def test_bench_step_cpu_writes_the_ratio(tmp_path):
     """The tiny model, one timed step: the ratio, both timings, and the two paths' first losses, which must
     agree (same weights, batch and loss: they do the same work)."""
-    data = _bench(tmp_path, "--cpu", "--models", "tiny", "--steps", "1", "--warmup", "0", "--threads", "1")
+    data = _bench(tmp_path, "--cpu", "--models", "tiny", "--steps", "1", "--warmup", "0", "--threads", "1",
+                  "--profile-steps", "1")
     assert data["mode"] == "cpu" and data["threads"] == 1 and len(data["loadavg_start"]) == 3
     assert data["machine"]["megatron_core"] == "0.16.1"
     (r,) = data["results"]
@@ -55,6 +58,16 @@ def test_bench_step_cpu_writes_the_ratio(tmp_path):
     assert len(r["megatron_seconds"]) == len(r["plain_seconds"]) == 1
     assert r["ratio_megatron_over_plain"] == r["megatron_median_s"] / r["plain_median_s"] > 0
     assert r["first_step_loss_abs_diff"] <= 1e-5 * max(1.0, abs(r["first_step_loss"]["plain"]))
+    # megatron-core's pieces, each found in the profile (the wrapped methods ran: seconds > 0), the attention's
+    # forward and backward on megatron's side, SDPA's subtracted
+    b = r["megatron_core_breakdown"]
+    assert b["profiled_steps"] == 1 and b["gap_s"] == r["megatron_median_s"] - r["plain_median_s"]
+    pieces = b["pieces"]
+    assert all(pieces[k]["seconds_per_step"] > 0 for k in ("ddp_grad_reduce_scatter", "distopt_param_all_gather",
+               "distopt_main_to_model_params", "ddp_zero_grad_buffer", "unfused_attention_forward",
+               "unfused_attention_backward"))
+    assert pieces["plain_sdpa_forward_backward"]["seconds_per_step"] < 0
+    assert b["explained_s"] == pytest.approx(sum(v["seconds_per_step"] for v in pieces.values()))
 
 
 def test_bench_step_gpu_path_runs_on_cpu(tmp_path):

@@ -10,6 +10,11 @@ weights (copied through the bridge), the same batch, the same GRPO loss from grp
 torch.log_softmax logprobs, grad clipping and torch.optim.AdamW. fp32, random weights, one process, the
 same torch.set_num_threads for both; the median of --steps timed steps after --warmup. Both paths' first
 losses are recorded, and must agree (they start from the same weights), so the two sides do the same work.
+Then --profile-steps steps of each path under torch.profiler, with megatron-core's own pieces labelled
+(MEGATRON_PIECES: the DistributedOptimizer's collectives and copies, grad-buffer zeroing, the local spec's
+unfused attention against SDPA): each piece's seconds per step and share of the megatron step, and how much of
+the gap to the plain step they account for (`megatron_core_breakdown`). On a loaded machine (the load average
+is recorded) OpenMP threads wait on each other: the seconds of both paths are then inflated, unevenly.
 
 --gpu (on one CUDA device, TP1, bf16, random weights): the update's tokens/s and MFU (6 x parameters x
 tokens, the untied input embedding not counted, plus attention 12 x layers x hidden x seq^2 per sequence,
@@ -144,7 +149,97 @@ def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response:
     return float(loss)
 
 
-def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int) -> dict:
+# What megatron-core does in an update that the plain step does not, each labelled for torch.profiler by wrapping
+# the megatron-core method that does it: label -> (module, class, method, what it is).
+MEGATRON_PIECES = {
+    "ddp_grad_reduce_scatter": (
+        "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup", "start_grad_sync",
+        "DDP's gradient reduce-scatter over the data-parallel group (for the DistributedOptimizer); with one DP "
+        "rank gloo still copies the whole grad buffer"),
+    "distopt_param_all_gather": (
+        "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup", "start_param_sync",
+        "DistributedOptimizer's all-gather of the updated parameters; with one DP rank gloo still copies the whole "
+        "param buffer"),
+    "distopt_main_to_model_params": (
+        "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_copy_main_params_to_model_params",
+        "DistributedOptimizer's copy of each main-parameter shard into the model parameter (fp32: the same memory, "
+        "a self-copy of every parameter)"),
+    "distopt_model_to_main_grads": (
+        "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_copy_model_grads_to_main_grads",
+        "DistributedOptimizer's hand-over of grad-buffer shards to the main parameters"),
+    "ddp_zero_grad_buffer": (
+        "megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel", "zero_grad_buffer",
+        "zeroing the contiguous fp32 grad buffer before the backward accumulates into it (the plain step sets "
+        "grads to None)"),
+    "unfused_attention_forward": (
+        "megatron.core.transformer.dot_product_attention", "DotProductAttention", "forward",
+        "the local spec's (no Transformer Engine) unfused attention forward: baddbmm, mask + softmax, bmm, "
+        "[b, heads, s, s] copies; the plain model runs torch's SDPA"),
+}
+# Backward nodes of the unfused attention (megatron) and of SDPA (plain), from autograd's evaluate_function events.
+MEGATRON_ATTENTION_BACKWARD = ("BaddbmmBackward0", "BmmBackward0", "SoftmaxBackward0")
+PLAIN_ATTENTION = ("aten::scaled_dot_product_attention",
+                   "autograd::engine::evaluate_function: ScaledDotProductFlashAttentionForCpuBackward0")
+
+
+def _labelled(label, fn):
+    import functools
+
+    import torch
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        with torch.profiler.record_function(label):
+            return fn(*a, **kw)
+    return wrapper
+
+
+def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dict:
+    """torch.profiler over `steps` steps of each path, megatron-core's pieces (MEGATRON_PIECES) labelled: each
+    piece's inclusive seconds per step, its share of the (profiled) megatron step, and how much of the
+    measured gap (megatron - plain median, unprofiled) they account for; the attention as the unfused
+    attention's forward + backward minus SDPA's."""
+    import importlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    saved = []
+    for label, (mod, cls, meth, _) in MEGATRON_PIECES.items():
+        owner = getattr(importlib.import_module(mod), cls)
+        saved.append((owner, meth, owner.__dict__[meth]))
+        setattr(owner, meth, _labelled(label, owner.__dict__[meth]))
+    try:
+        totals, wall = {}, {}
+        for side, fn in (("megatron", mega_step), ("plain", plain_step_fn)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                wall[side] = (time.perf_counter() - t0) / steps
+            totals[side] = {e.key: e.cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+    finally:
+        for owner, meth, fn in saved:
+            setattr(owner, meth, fn)
+    m, p = totals["megatron"], totals["plain"]
+    pieces = {label: dict(seconds_per_step=m.get(label, 0.0), what=what)
+              for label, (_, _, _, what) in MEGATRON_PIECES.items()}
+    attn_bwd = sum(m.get(f"autograd::engine::evaluate_function: {n}", 0.0) for n in MEGATRON_ATTENTION_BACKWARD)
+    pieces["unfused_attention_backward"] = dict(
+        seconds_per_step=attn_bwd, what="its backward (" + ", ".join(MEGATRON_ATTENTION_BACKWARD) + ")")
+    plain_attention = sum(p.get(k, 0.0) for k in PLAIN_ATTENTION)
+    pieces["plain_sdpa_forward_backward"] = dict(
+        seconds_per_step=-plain_attention, what="minus the plain step's SDPA forward + backward (what the "
+        "attention costs there)")
+    for v in pieces.values():
+        v["share_of_megatron_step"] = v["seconds_per_step"] / wall["megatron"]
+    explained = sum(v["seconds_per_step"] for v in pieces.values())
+    return dict(profiled_steps=steps, profiled_step_s=wall, pieces=pieces, explained_s=explained, gap_s=gap_s,
+                explained_over_gap=explained / gap_s if gap_s > 0 else None)
+
+
+def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
+                profile_steps: int = 0) -> dict:
     import torch
 
     from grpo_mega.conf import ParallelConfig, load_model_config
@@ -174,13 +269,19 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
             plain_s.append(dp)
     tokens = int((rb.prompt_lens + rb.response_lens).sum())
     med_m, med_p = statistics.median(mega_s), statistics.median(plain_s)
+    breakdown = None
+    if profile_steps:
+        breakdown = profile_breakdown(
+            lambda: actor.update(rb, 1.0),
+            lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len),
+            profile_steps, med_m - med_p)
     return dict(
         model=name, params=sum(p.numel() for p in actor.built.gpt.parameters()), responses=rb.size,
         tokens_per_step=tokens, megatron_seconds=mega_s, plain_seconds=plain_s, megatron_median_s=med_m,
         plain_median_s=med_p, ratio_megatron_over_plain=med_m / med_p,
         megatron_tokens_per_s=tokens / med_m, plain_tokens_per_s=tokens / med_p,
         first_step_loss=first, first_step_loss_abs_diff=abs(first["megatron"] - first["plain"]),
-        plain_attention=model.config._attn_implementation,
+        plain_attention=model.config._attn_implementation, megatron_core_breakdown=breakdown,
     )
 
 
@@ -347,6 +448,8 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=4, help="--gpu: responses per micro-batch")
     ap.add_argument("--gen-tokens", type=int, default=128, help="--gpu: tokens the engine generates per sample")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="--gpu: params dtype")
+    ap.add_argument("--profile-steps", type=int, default=2,
+                    help="--cpu: steps of each path under torch.profiler, megatron-core's share by piece (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
@@ -379,10 +482,15 @@ def main() -> int:
         init_distributed(tp=1, pp=1, seed=1234)
         for name in models:
             if args.cpu:
-                r = compare_cpu(name, args.steps, args.warmup, **shape)
+                r = compare_cpu(name, args.steps, args.warmup, profile_steps=args.profile_steps, **shape)
                 print(f"{name}: megatron {r['megatron_median_s']:.3f} s, plain {r['plain_median_s']:.3f} s, "
                       f"ratio {r['ratio_megatron_over_plain']:.2f} (first losses "
                       f"{r['first_step_loss']['megatron']:.6f} / {r['first_step_loss']['plain']:.6f})", flush=True)
+                if r["megatron_core_breakdown"]:
+                    b = r["megatron_core_breakdown"]
+                    for label, v in b["pieces"].items():
+                        print(f"  {label:32s} {v['seconds_per_step']:+.3f} s/step ({v['share_of_megatron_step']:+.1%})")
+                    print(f"  explained {b['explained_s']:.3f} s of the {b['gap_s']:.3f} s gap", flush=True)
             else:
                 r = gpu_report(name, args.steps, args.warmup, micro=args.micro_batch, gen_tokens=args.gen_tokens,
                                dtype=args.dtype if args.gpu else "fp32", **shape)

@@ -179,3 +179,40 @@ def test_a_nan_in_the_loss_is_skipped_and_leaves_the_weights(tp, pp, dtype):
         assert first["skipped"] == 1.0 and first["skip_reason"] == "non_finite" and skipped == 1
         assert same  # the NaN step changed nothing
         assert second["skipped"] == 0.0 and moved and finite  # and training goes on
+
+
+def _bad_gradient_step(value):
+    """One mini-batch whose loss is finite but one gradient element is `value` (a tensor hook on one weight,
+    run before megatron's grad-buffer accumulation), then a clean one."""
+    from grpo_mega.trainer.actor import Actor
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=7)
+        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
+        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
+                      OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
+        batch = L.rollout(seed=3)
+        batch.old_logp = actor.logprobs(batch, 1.0)
+        weight = next(p for n, p in actor.built.gpt.named_parameters() if n.endswith("linear_fc1.weight"))
+
+        def poison(grad):
+            grad = grad.clone()
+            grad.view(-1)[0] = value
+            return grad
+
+        hook = weight.register_hook(poison)
+        before = {k: v.clone() for k, v in actor.built.gpt.state_dict().items() if torch.is_tensor(v)}
+        first = actor._update_mini_batch(batch.rows(0, 4), 1.0)
+        same = all(torch.equal(v, actor.built.gpt.state_dict()[k]) for k, v in before.items())
+        hook.remove()
+        second = actor._update_mini_batch(batch.rows(4, 8), 1.0)
+        destroy_distributed()
+        return first, same, second
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(value):
+    """The grad-buffer check (a sum per buffer) sees one bad element among the buffer's ~200k."""
+    [(first, same, second)] = run_ranks(_bad_gradient_step, 1, value, timeout=120)
+    assert torch.isfinite(torch.tensor(first["loss"])) and first["skip_reason"] == "non_finite" and same
+    assert second["skipped"] == 0.0
