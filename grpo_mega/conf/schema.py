@@ -673,10 +673,6 @@ class RolloutConfig:
     def __post_init__(self):
         if isinstance(self.multi_turn, dict):  # a checkpoint's saved config
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
-        if self.multi_turn.enable and self.placement == "colocated" and self.engine != "embedded":
-            raise ValueError(f"rollout.multi_turn.enable=true runs on the embedded engine or dedicated servers (got "
-                             f"rollout.engine={self.engine!r}, rollout.placement={self.placement!r}); set "
-                             "rollout.engine=embedded, or rollout.placement=dedicated rollout.servers=[...]")
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"rollout.engine={self.engine!r} must be 'embedded' or 'sglang'")
         if not isinstance(self.n, int) or self.n < 2:

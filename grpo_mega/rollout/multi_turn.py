@@ -91,8 +91,8 @@ def join_stats(parts: Sequence[Optional[dict]]) -> dict:
 
 
 class MultiTurnEngine(RolloutEngine):
-    """`inner` (an engine whose generate takes per-row seeds: the embedded engine, or the dedicated servers'
-    client) driven turn by turn.
+    """`inner` (an engine whose generate takes per-row seeds: the embedded engine, in-process SGLang, or the
+    dedicated servers' client) driven turn by turn.
     Weights, checksums and health are the inner engine's. A tool result longer than `max_tool_response_chars`
     is cut to it and marked; one longer than the trajectory's remaining token budget is cut there and the
     trajectory ends "length" (reward.overlong); both are counted in `tool_truncated`.
@@ -106,7 +106,7 @@ class MultiTurnEngine(RolloutEngine):
                  row_tools_kwargs: Optional[Callable[[Sequence[int]], Optional[dict]]] = None):
         if "row_seeds" not in inspect.signature(inner.generate).parameters:
             raise ValueError(f"rollout.multi_turn needs an engine that samples with per-row seeds (the embedded "
-                             f"engine); {type(inner).__name__} does not")
+                             f"engine, SGLang, the servers' client); {type(inner).__name__} does not")
         if max_turns < 1:
             raise ValueError(f"rollout.multi_turn.max_turns={max_turns} must be >= 1")
         if max_tool_response_chars < 1:

@@ -178,13 +178,20 @@ class SGLangEngine(RolloutEngine):
     # ---- generation -------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0) -> Generation:
+                 stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0,
+                 row_seeds: Optional[list[int]] = None) -> Generation:
+        """As RolloutEngine.generate; with `row_seeds` (n=1, one per prompt; what grpo_mega.rollout.multi_turn
+        passes) prompt i's sampling_seed is row_seeds[i] mod 2**31."""
+        if row_seeds is not None and (n != 1 or len(row_seeds) != len(prompts)):
+            raise ValueError(f"row_seeds needs n=1 and one seed per prompt; got n={n}, {len(row_seeds)} seeds for "
+                             f"{len(prompts)} prompts")
         input_ids, params = [], []
         for p, prompt in enumerate(prompts):
             for j in range(n):
+                row_seed = row_seeds[p] if row_seeds is not None else sample_seed(seed, prompt_offset + p, j)
                 input_ids.append(list(prompt))
                 params.append(dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                   stop_token_ids=list(stop_token_ids), sampling_seed=sample_seed(seed, prompt_offset + p, j) % (2**31),
+                                   stop_token_ids=list(stop_token_ids), sampling_seed=row_seed % (2**31),
                                    skip_special_tokens=False, no_stop_trim=True))
         out = self._call("generate", self.engine.generate, input_ids=input_ids, sampling_params=params,
                          return_logprob=True)

@@ -120,8 +120,8 @@ def test_multi_turn_config():
     assert cfg.rollout.multi_turn.enable is False  # off by default: the single-turn path is untouched
     with pytest.raises(ValueError, match="rollout.multi_turn.max_turns=0 must be >= 1"):
         schema.MultiTurnConfig(max_turns=0)
-    with pytest.raises(ValueError, match="runs on the embedded engine or dedicated servers"):
-        schema.RolloutConfig(engine="sglang", multi_turn=schema.MultiTurnConfig(enable=True))
+    # in-process SGLang continues samples from their ids too (tests/rollout/test_sglang_multi_turn.py)
+    assert schema.RolloutConfig(engine="sglang", multi_turn=schema.MultiTurnConfig(enable=True)).multi_turn.enable
     assert schema.RolloutConfig(placement="dedicated", servers=["http://h:1"], off_policy_steps=1,
                                 multi_turn=schema.MultiTurnConfig(enable=True)).multi_turn.enable
     restored = schema.TrainConfig(**{**cfg.to_dict(), "rollout": {**cfg.to_dict()["rollout"],
