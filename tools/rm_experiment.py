@@ -3,7 +3,7 @@ the initial policy's samples, kept frozen or trained further on the policy's own
 without), against the rule reward as the upper bound; every run judged by the rule verifier on the 100
 validation prompts (greedy). Writes JSON and a PNG of the four curves.
 
-    python tools/rm_experiment.py [--quick] [--steps 60] [--out bench_results/rewards_iterative_rl.json]
+    python tools/rm_experiment.py [--quick] [--steps 60] [--out PATH.json]
 
 The task (a confidence marker): prompts "<bos>xy>" for the 100 digit pairs; the answer is (y + 1) mod 10. A
 response is a digit, then "+" (sure) or "=" (guessing); the verifier reads only the digit (1 right, 0 not).
@@ -259,11 +259,14 @@ def main() -> None:
     p.add_argument("--rm-lr", type=float, default=3e-3)
     p.add_argument("--runs", default=",".join(RUNS), help="which of " + ",".join(RUNS))
     p.add_argument("--work", default="/tmp/grpo_mega_rm_experiment")
-    p.add_argument("--out", default=str(REPO / "bench_results" / "rewards_iterative_rl.json"))
+    p.add_argument("--out", default="", help="default bench_results/rewards_iterative_rl.json; with --quick "
+                   "WORK/quick.json (a smoke run never replaces the measurement)")
     p.add_argument("extra", nargs="*", help="more overrides for every run, e.g. optim.lr=2e-3")
     a = p.parse_args()
     if a.quick:
         a.steps = 20
+    default_out = Path(a.work) / "quick.json" if a.quick else REPO / "bench_results" / "rewards_iterative_rl.json"
+    a.out = a.out or str(default_out)
     import torch
 
     torch.set_num_threads(1)
