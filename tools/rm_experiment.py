@@ -254,7 +254,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="20 steps (a smoke run)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-interval", type=int, default=5)
-    p.add_argument("--interval", type=int, default=4, help="reward.rm_train.interval of the continual runs")
+    p.add_argument("--interval", type=int, default=2, help="reward.rm_train.interval of the continual runs")
     p.add_argument("--rm-steps", type=int, default=100)
     p.add_argument("--rm-lr", type=float, default=3e-3)
     p.add_argument("--runs", default=",".join(RUNS), help="which of " + ",".join(RUNS))
