@@ -127,3 +127,33 @@ def test_resume_with_reward_model_training_repeats_the_uninterrupted_run(tmp_pat
         for key in ("reward", "val_reward", "loss", "grad_norm", "kl", "rm/accuracy_before", "rm/accuracy_after",
                     "rm/loss", "rm/replay_size", "rm/label_mean"):
             assert resumed[s][key] == pytest.approx(full[s][key], rel=1e-6, abs=1e-6), (s, key)
+
+
+@pytest.mark.parametrize("replay", [0.1, 0.0])
+def test_an_update_trains_on_the_new_samples_plus_exactly_the_replay_share(tmp_path, replay):
+    """What the model is fed during the second update: every new sample, and replay_count(...) distinct samples
+    of the first update's data (none with replay 0), nothing else; and the weights move."""
+    torch.set_num_threads(1)
+    cfg = RMTrainConfig(interval=1, steps=4, labels="task", lr=3e-3, batch_size=32, heldout_fraction=0.0,
+                        buffer_size=500, replay_fraction=replay, seed=2)
+    t = RMTrainer(cfg, _rm(tmp_path / "rm"))
+    ids = [[3 + i % 10, 3 + (i // 10) % 10, 3 + i // 100] for i in range(300)]  # 300 distinct inputs
+    old, new = ids[:200], ids[200:290]
+    t.add(old, [float(i % 2) for i in range(200)])
+    t.update()
+    assert len(t.buffer) == 200
+    t.add(new, [float(i % 3 == 0) for i in range(90)])
+    fed = []
+    forward = t.rm.forward_ids
+    t.rm.forward_ids = lambda batch: (fed.extend(tuple(x) for x in batch), forward(batch))[1]
+    before = [p.detach().clone() for p in t.rm.model.parameters()]
+    t.update()
+    seen = set(fed)
+    want_replay = replay_count(90, 200, replay)
+    assert want_replay == (10 if replay else 0)
+    assert {tuple(x) for x in new} <= seen  # 4 steps x 32 >= 100: every sample of the mix is fed
+    assert len(seen & {tuple(x) for x in old}) == want_replay
+    assert seen <= {tuple(x) for x in old + new}
+    assert len(fed) == cfg.steps * cfg.batch_size
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.rm.model.parameters()))
+    assert len(t.buffer) == 290  # the new samples joined the buffer after the update
