@@ -81,7 +81,7 @@ def test_a_dedicated_server_gives_the_embedded_engines_trajectories(server):
 
 
 def _args(out, url, *extra):
-    return [f"hydra.run.dir={out}", "task=tens_tool", "run.steps=4", "eval.interval=2", "rollout.placement=dedicated",
+    return [f"hydra.run.dir={out}", "task=tens_tool", "run.steps=4", "eval.interval=0", "rollout.placement=dedicated",
             f"rollout.servers=[{url}]", "rollout.off_policy_steps=1", "rollout.server_timeout_s=60",
             "rollout.multi_turn.enable=true", "rollout.multi_turn.parser=bare",
             "rollout.multi_turn.call_stop=['<tool_call>']", "rollout.multi_turn.max_turns=3",
@@ -93,7 +93,7 @@ def _rows(out):
     return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
 
 
-@pytest.mark.slow  # three 4-step runs: 141 s on 2 cores shared by ~25 runnable processes; not yet timed alone
+@pytest.mark.slow  # three 4-step runs without evaluation (the in-flight batch is what a resume must restore)
 def test_off_policy_multi_turn_killed_mid_generation_resumes_exactly(server, tmp_path):
     log = tmp_path / "tool_calls.txt"
     env = {**ENV, TOOL_LOG: str(log)}
@@ -130,7 +130,7 @@ def test_off_policy_multi_turn_killed_mid_generation_resumes_exactly(server, tmp
     again = _rows(resumed / "run")
     assert sorted(again) == [3, 4]
     for k in (3, 4):
-        for key in ("reward", "val_reward", "loss", "grad_norm", "entropy", "pg_loss", "is_weight_mean",
+        for key in ("reward", "loss", "grad_norm", "entropy", "pg_loss", "is_weight_mean",
                     "logprob_mismatch", "weight_version", "multi_turn/tool_calls", "multi_turn/turns",
                     "multi_turn/model_tokens", "multi_turn/tool_tokens"):
             assert again[k][key] == pytest.approx(rows[k][key], rel=TOL, abs=TOL), (k, key)

@@ -26,7 +26,7 @@ def _row(a: int, b: int) -> dict:
     return {"prompt": msgs, "reward_model": {"ground_truth": str(a * b)}, "data_source": "arith_tool"}
 
 
-@pytest.mark.slow  # 396 s on 2 cores shared by ~25 runnable processes; not yet timed alone
+@pytest.mark.slow  # one step: the plumbing is all in it (two steps took 396 s on 2 overloaded cores)
 def test_smollm2_calls_the_calculator_and_trains(tmp_path):
     from tests.models.hf_fixtures import smollm2_dir
 
@@ -37,15 +37,15 @@ def test_smollm2_calls_the_calculator_and_trains(tmp_path):
                      "reward.name=math", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
                      "rollout.multi_turn.max_turns=2", "batch.train_batch_size=2", "rollout.n=4",
                      "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=8", "batch.max_response_length=48",
-                     "batch.max_prompt_length=320", "optim.lr=1e-6", "run.steps=2", "eval.interval=0"],
+                     "batch.max_prompt_length=320", "optim.lr=1e-6", "run.steps=1", "eval.interval=0"],
                     timeout=900, cwd=ROOT, scratch=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert len(rows) == 2
+    assert len(rows) == 1
     for r in rows:
         assert r["multi_turn/tool_calls"] > 0 and r["multi_turn/tool_tokens"] > 0  # calls parsed, results appended
         assert r["multi_turn/turns"] > 1 and r["timing/tools"] > 0  # run, and the model went on after them
         assert r["logprob_mismatch"] < 1e-4  # engine (transformers) and trainer (Megatron) on the model's tokens
-    assert any(r["grad_norm"] > 0 for r in rows)  # trained
+    assert rows[0]["grad_norm"] > 0  # trained (its 8 samples are not all rewarded alike)
     print({k: [r[k] for r in rows] for k in ("reward", "multi_turn/tool_calls", "multi_turn/tool_errors",
                                               "multi_turn/turns", "grad_norm")})
