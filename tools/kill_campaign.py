@@ -2,7 +2,13 @@
 server, a checkpoint every step) is SIGKILLed at random moments and resumed with `checkpoint.resume=auto`;
 every resumed run must reproduce the uninterrupted run's per-step metrics to 1e-6. Writes JSON.
 
-    python tools/kill_campaign.py [--moments 5] [--steps 6] [--seed 0] [--out bench_results/kill_campaign.json]
+    python tools/kill_campaign.py [--moments 5] [--steps 6] [--seed 0] [--out bench_results/kill_campaign.json] \
+        [OVERRIDE ...]
+
+Overrides go to every run (the uninterrupted one, the killed ones and their resumes), e.g.
+`algo.dynamic_sampling=refill algo.max_gen_rounds=3` (bench_results/kill_campaign_refill.json): then the
+dynamic-sampling metrics (extra rounds, groups generated and trained) are compared too, so a resume that
+lost the data cursor or redid a round differently fails.
 
 The server sits behind a small forwarding proxy in this process, which sees which requests are in flight, so
 that the moments include the ones that matter: the first kill lands while a /generate is in flight (the
@@ -32,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("reward", "val_reward", "loss", "pg_loss", "grad_norm", "entropy", "kl", "is_weight_mean", "logprob_mismatch",
         "weight_version")
+REFILL_KEYS = ("dynamic_sampling/extra_rounds", "dynamic_sampling/generated_groups",
+               "dynamic_sampling/informative_groups", "dynamic_sampling/groups_dropped")
 TOL = 1e-6
 WATCHED = {"generate": "/generate", "sync": "/update_weights_from_distributed"}
 
@@ -105,18 +113,19 @@ def _stop(proc: subprocess.Popen) -> None:
     stop(proc)
 
 
-def _cmd(out: Path, ckpt: Path, url: str, steps: int) -> list[str]:
+def _cmd(out: Path, ckpt: Path, url: str, steps: int, extra: tuple = ()) -> list[str]:
     return [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"run.steps={steps}", "eval.interval=2",
             f"checkpoint.dir={ckpt}", "checkpoint.interval=1", "rollout.placement=dedicated", f"rollout.servers=[{url}]",
             "rollout.off_policy_steps=1", "rollout.server_timeout_s=120",
-            "rollout.sync_bucket_mb=0.05"]  # many small buckets: a sync lasts long enough to be struck in
+            "rollout.sync_bucket_mb=0.05",  # many small buckets: a sync lasts long enough to be struck in
+            *extra]
 
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
 
 
-def _run(out: Path, ckpt: Path, url: str, steps: int) -> dict[int, dict]:
-    done = subprocess.run(_cmd(out, ckpt, url, steps), capture_output=True, text=True, cwd=REPO, env=ENV, timeout=900)
+def _run(out: Path, ckpt: Path, url: str, steps: int, extra: tuple = ()) -> dict[int, dict]:
+    done = subprocess.run(_cmd(out, ckpt, url, steps, extra), capture_output=True, text=True, cwd=REPO, env=ENV, timeout=900)
     if done.returncode:
         raise SystemExit(f"a run failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
     return {r["step"]: r for r in (json.loads(line) for line in open(out / "metrics.jsonl"))}
@@ -130,11 +139,11 @@ def _rows_done(out: Path) -> int:
 
 
 def _strike(proxy: WatchingProxy, out: Path, ckpt: Path, steps: int, kind: str, step: int, rng: random.Random,
-            timeout: float = 600.0) -> dict:
+            extra: tuple = (), timeout: float = 600.0) -> dict:
     """Start the run; SIGKILL it while step `step` is under way (rows < step) and, for 'generate'/'sync', while
     such a request is in flight. Returns what was hit."""
     out.mkdir(parents=True)
-    proc = subprocess.Popen(_cmd(out, ckpt, proxy.url, steps), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(out, ckpt, proxy.url, steps, extra), stdout=subprocess.DEVNULL,
                             stderr=open(out / "stderr.txt", "w"), cwd=REPO, env=ENV, start_new_session=True)
     t0, delay = time.monotonic(), rng.uniform(0.0, 0.5)
     try:
@@ -161,31 +170,32 @@ def _strike(proxy: WatchingProxy, out: Path, ckpt: Path, steps: int, kind: str, 
         _stop(proc)
 
 
-def campaign(moments: int, steps: int, seed: int, work: Path) -> dict:
+def campaign(moments: int, steps: int, seed: int, work: Path, extra: tuple = ()) -> dict:
     rng = random.Random(seed)
     server, target = _start_server()
     proxy = WatchingProxy(target)
     results = []
     try:
-        full = _run(work / "full", work / "full_ckpt", proxy.url, steps)
+        full = _run(work / "full", work / "full_ckpt", proxy.url, steps, extra)
+        keys = KEYS + tuple(k for k in REFILL_KEYS if k in full[1])
         kinds = (["generate", "sync"] + ["random"] * moments)[:moments]
         for i, kind in enumerate(kinds):
             ckpt, step = work / f"m{i}_ckpt", rng.randint(2, steps - 1)
-            hit = _strike(proxy, work / f"m{i}_killed", ckpt, steps, kind, step, rng)
+            hit = _strike(proxy, work / f"m{i}_killed", ckpt, steps, kind, step, rng, extra)
             if not hit["hit"]:
                 results.append(dict(**hit, ok=False))
                 continue
             from_step = max((int(p.name.split("_")[1]) for p in ckpt.glob("step_*") if (p / "manifest.json").is_file()),
                             default=0)
-            resumed = _run(work / f"m{i}_resumed", ckpt, proxy.url, steps)
+            resumed = _run(work / f"m{i}_resumed", ckpt, proxy.url, steps, extra)
             compared = sorted(resumed)
-            worst = max((abs(float(resumed[k][key]) - float(full[k][key])) for k in compared for key in KEYS), default=0.0)
+            worst = max((abs(float(resumed[k][key]) - float(full[k][key])) for k in compared for key in keys), default=0.0)
             ok = compared == list(range(from_step + 1, steps + 1)) and worst <= TOL
             results.append(dict(**hit, resumed_from_step=from_step, steps_compared=compared, max_abs_diff=worst, ok=ok))
     finally:
         proxy.httpd.shutdown()
         _stop(server)
-    return dict(steps=steps, seed=seed, tolerance=TOL, keys=list(KEYS), moments=results,
+    return dict(steps=steps, seed=seed, overrides=list(extra), tolerance=TOL, keys=list(keys), moments=results,
                 ok=bool(results) and all(r["ok"] for r in results))
 
 
@@ -195,13 +205,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "bench_results" / "kill_campaign.json"))
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. algo.dynamic_sampling=refill")
     args = ap.parse_args(argv)
     if args.moments < 2 or args.steps < 3:
         raise SystemExit(f"--moments={args.moments} --steps={args.steps}: at least 2 moments (one mid-generation, one "
                          "mid-sync) and 3 steps (a kill strikes in a step >= 2, before the last)")
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kill_campaign_") as tmp:
-        result = campaign(args.moments, args.steps, args.seed, Path(tmp))
+        result = campaign(args.moments, args.steps, args.seed, Path(tmp), tuple(args.overrides))
     result["loadavg"] = [load, os.getloadavg()]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
