@@ -223,11 +223,13 @@ def layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: i
 
 def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
                                  recompute: str, mlp: bool = True) -> float:
-    """What one layer of megatron-core's local spec (no Transformer Engine: torch RMSNorm, unfused attention,
-    unfused SwiGLU) keeps for its backward, per micro-batch, on one TP rank, with bf16 weights. Read off the
-    tensors autograd saves (tools/bench_activations.py; tests/test_plan.py holds it to the byte for a Qwen2 and a
-    Qwen3 layer). It keeps more than the TE layer above (1.6x for Qwen2.5-0.5B at s=256; on an H100 without TE the
-    update's activations were 2.0x the TE-based plan, bench_results/gpu_nvidia_h100_80gb_hbm3.json).
+    """What one layer of megatron-core's local spec (no Transformer Engine: torch RMSNorm, attention through
+    torch's scaled_dot_product_attention (grpo_mega.models.local_attention), unfused SwiGLU) keeps for its
+    backward, per micro-batch, on one TP rank, with bf16 weights. Read off the tensors autograd saves
+    (tools/bench_activations.py; tests/test_plan.py holds it to the byte for a Qwen2 and a Qwen3 layer). It
+    keeps more than the TE layer above (its norms keep fp32 copies; on an H100 without TE, with megatron's
+    unfused attention then, the update's activations were 2.0x the TE-based plan,
+    bench_results/gpu_nvidia_h100_80gb_hbm3.json).
 
     Per token (h, q, k, f, a as above; g query groups, d head_dim, s the sequence):
       kept whole on every TP rank unless sequence-parallel:
@@ -236,13 +238,12 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
       per micro-batch, not per token: 8d x s   RoPE's cos and sin for Q and for K (bf16, [s, 1, 1, d] each)
       split over TP:
         8q + 8k + 4(a + g)  with qk_layernorm, the q/k norms as above (fp32 input, output, 1/rms per head)
-        no recompute:  2q + 2q + 2q    Q, and K and V repeated to every head (GQA) for the batched matmuls
-                       4as + 2as       the softmax's fp32 output and its bf16 copy (the probabilities)
-        selective:     2q + 2k + 2(q + 2k)   Q and K after RoPE, V as a view of the whole QKV output (and, per
-                       layer, the 4 bytes of the checkpoint's saved RNG state)
+        2q + 2k + 2(q + 2k) Q and K after RoPE, V as a view of the whole QKV output
+        no recompute:  4a   SDPA's fp32 log-sum-exp per head (no [a, s, s] scores: selective recompute
+                            saves only this, and adds the checkpoint's 4-byte RNG state per layer)
         2q                  the output projection's input
         4f + 3 x 2f         fc1's output, SwiGLU's saved halves and product (fc2's input)
-    The [s, s] causal mask is built once per forward and shared by every layer: not counted here."""
+    """
     tokens = seq * micro_batch
     h, f, a, g, d = (model.hidden_size, model.ffn_hidden_size, model.num_attention_heads, model.num_query_groups,
                      model.kv_channels)
@@ -252,10 +253,9 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
     split = 2 * q + ((4 * f + 6 * f) if mlp else 0)
     if model.qk_layernorm:
         split += 8 * q + 8 * k + 4 * (a + g)
+    split += 2 * q + 2 * k + 2 * (q + 2 * k)
     if recompute == "none":
-        split += 6 * q + 6 * a * seq
-    else:
-        split += 2 * q + 2 * k + 2 * (q + 2 * k)
+        split += 4 * a
     return tokens * (replicated / sp + split / tp) + 8 * d * seq + (4 if recompute == "selective" else 0)
 
 
@@ -329,10 +329,11 @@ class PlanInput:
     margin: float = 0.10
     """Fraction of the GPU kept free: CUDA context, NCCL buffers, allocator fragmentation."""
     flash_attention: bool = True
-    """TE's fused attention on the GPU (no [a, s, s] scores kept); false for the local spec's unfused one."""
+    """Attention that keeps no [a, s, s] scores: TE's fused attention, and the local spec's SDPA; false for an
+    unfused one (megatron's DotProductAttention)."""
     layer_spec: str = "transformer_engine"
     """The layers the actor is built with: 'transformer_engine' (GPUs with TE) or megatron-core's 'local' spec
-    (no TE: torch norms, unfused attention and SwiGLU), whose activations are `local_layer_activation_bytes`."""
+    (no TE: torch norms, SDPA attention, unfused SwiGLU), whose activations are `local_layer_activation_bytes`."""
     logprob_chunk_size: Optional[int] = None
 
     def __post_init__(self):

@@ -77,7 +77,7 @@ def main() -> int:
         got = [run_ranks(_saved_bytes, 1, dataclasses.replace(base, num_layers=n), args.seq, args.micro_batch, recompute,
                          timeout=600)[0] for n in (args.layers, 2 * args.layers)]
         measured = (got[1] - got[0]) / args.layers
-        planned = planning.layer_activation_bytes(base, args.seq, args.micro_batch, 1, False, recompute, flash_attention=te,
+        planned = planning.layer_activation_bytes(base, args.seq, args.micro_batch, 1, False, recompute, flash_attention=True,
                                                   layer_spec="transformer_engine" if te else "local")
         rows.append(dict(recompute=recompute, measured_bytes_per_layer=measured, planned_bytes_per_layer=planned,
                          measured_over_planned=measured / planned))

@@ -403,7 +403,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     te = have_transformer_engine()  # the layer spec builder.build_gpt picked
     plan = planning.plan(planning.PlanInput(
         model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
-        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=te,
+        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=True,
         layer_spec="transformer_engine" if te else "local",
         logprob_chunk_size=c["batch"].logprob_chunk_size,
     ))

@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--margin", type=float, default=0.10, help="fraction of the GPU kept free (default 0.10)")
     ap.add_argument("--unfused-attention", action="store_true", help="attention keeps [a, s, s] scores")
     ap.add_argument("--local-spec", action="store_true",
-                    help="megatron-core's local layers (no Transformer Engine): torch norms, unfused attention and SwiGLU")
+                    help="megatron-core's local layers (no Transformer Engine): torch norms, SDPA attention, unfused SwiGLU")
     ap.add_argument("--logprob-chunk", type=int, help="tokens per chunk of the vocab-parallel loss op")
     ap.add_argument("--suggest", type=int, default=5, help="layouts to suggest when this one does not fit")
     ap.add_argument("--verify", action="store_true", help="compare parameter bytes with the meta-device build")
@@ -294,7 +294,7 @@ def main() -> int:
             params_dtype="fp32" if args.precision == "fp32" else "bf16", fp8=args.precision == "fp8",
             distributed_optimizer=args.distributed_optimizer, reference=args.ref,
             engine_gib=engine_gib(args.engine_mem, args.gpu_gib), gpu_gib=args.gpu_gib, margin=args.margin,
-            flash_attention=not (args.unfused_attention or args.local_spec),
+            flash_attention=not args.unfused_attention,
             layer_spec="local" if args.local_spec else "transformer_engine", logprob_chunk_size=args.logprob_chunk,
         )
         if args.dp and args.dp != inp.dp:

@@ -161,10 +161,14 @@ def layer_spec(config):
 def _local_layer(config, num_experts):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    from grpo_mega.models.local_attention import SDPACoreAttention
+
     layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                            qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = LocalRMSNorm
     layer.submodules.pre_mlp_layernorm = LocalRMSNorm
+    # SDPA, and packed rows attended per sequence (megatron's DotProductAttention needs a dense S x S mask)
+    layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if config.qk_layernorm:
         # Per-head norms over kv_channels, after linear_qkv. Their weight gradient is a partial sum over this
         # rank's heads; finalize_model_grads all-reduces it over TP by name (q_layernorm/k_layernorm).
@@ -371,22 +375,3 @@ def set_output_positions(gpt: torch.nn.Module, positions: "tuple[torch.Tensor, t
 
         layer.forward = forward
     layer._positions = positions
-
-
-def check_packed_attention(gpt: torch.nn.Module) -> None:
-    """Refuse packed rows where the attention mask would be ignored.
-
-    In megatron-core 0.16.1 (`fusions/fused_softmax.py`), a softmax whose mask type is `causal` runs the
-    fused upper-triangular kernel when `masked_softmax_fusion` is on and the input is bf16/fp16, and that
-    kernel ignores the mask it is given: packed sequences would silently attend to their row-mates. The
-    local spec is built with the fusion off (`transformer_config`); this keeps it that way."""
-    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-    from megatron.core.transformer.enums import AttnMaskType
-
-    for name, m in gpt.named_modules():
-        if isinstance(m, FusedScaleMaskSoftmax) and m.scaled_masked_softmax_fusion and m.attn_mask_type == AttnMaskType.causal:
-            raise ValueError(
-                f"{name}: the fused causal softmax ignores the block-diagonal attention mask that batch.packing "
-                "needs (megatron-core's fused upper-triangular kernel); build with masked_softmax_fusion=False, "
-                "use Transformer Engine (THD), or set batch.packing=false"
-            )

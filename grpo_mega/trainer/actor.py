@@ -102,7 +102,6 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     in micro_batch_size rows, each trimmed to its share's longest. With `chunk`, the DP shares are those of
     each run of `chunk` rows (the update's mini-batches) joined: each rank runs the rows it will train. Every
     micro-batch carries `rows`, the indices of its sequences in `rollout`."""
-    from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.trainer.batch import packed_micro_batches, plan_packing
 
     ps = _ps()
@@ -112,7 +111,7 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     if batch.packing:
         plan = plan_packing(seq_lens, dp, batch.token_budget, pad, same_length=parallel.pp > 1, chunk=chunk,
                             same_over_ranks=_same_over_ranks(parallel))
-        micro = packed_micro_batches(rollout, plan, rank, with_mask=not have_transformer_engine())
+        micro = packed_micro_batches(rollout, plan, rank)
         stats = dict(micro_batches=plan.micro_batches, computed_tokens=plan.computed, useful_tokens=plan.useful,
                      dp_token_imbalance=plan.dp_token_imbalance(seq_lens))
         return micro, max(plan.lengths[rank]), stats
@@ -131,13 +130,6 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     stats = dict(micro_batches=len(micro), computed_tokens=computed, useful_tokens=sum(seq_lens),
                  dp_token_imbalance=max(per_rank) / mean if mean else 1.0)
     return micro, length, stats
-
-
-def _check_packing(gpt, batch: BatchConfig) -> None:
-    from grpo_mega.models.builder import check_packed_attention, have_transformer_engine
-
-    if batch.packing and not have_transformer_engine():
-        check_packed_attention(gpt)
 
 
 def run_schedule(module, micro: list[dict], length: int, forward_step, forward_only: bool, lockstep: int = 1) -> list:
@@ -196,8 +188,9 @@ def _with_positions(mb: dict, batch: BatchConfig) -> dict:
 def _forward(model, mb: dict) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last stage (hidden states elsewhere); with mb["out_positions"] (K of
     them, see `_with_positions`) logits [1, K, V/tp] at those positions alone. A packed row ([1, S])
-    reaches the model as THD with cu_seqlens under Transformer Engine, else with its block-diagonal causal
-    mask and RoPE positions restarting per sequence (megatron-core's local spec). With mb["routes"] the MoE
+    reaches the model as THD with cu_seqlens under Transformer Engine; on megatron-core's local spec its
+    cu_seqlens go where the attention mask would (SDPACoreAttention attends within each sequence) and RoPE
+    positions restart per sequence. With mb["routes"] the MoE
     layers route to the rollout engine's experts (grpo_mega.models.routing_replay)."""
     from grpo_mega.models.builder import set_output_positions
     from grpo_mega.models.routing_replay import set_routes
@@ -214,14 +207,15 @@ def _forward(model, mb: dict) -> torch.Tensor:
 
 def _forward_rows(model, gpt, mb: dict) -> torch.Tensor:
     """`_forward`'s model call, padded rows or a packed one."""
-    from grpo_mega.models.builder import set_rope_positions
+    from grpo_mega.models.builder import have_transformer_engine, set_rope_positions
+    from grpo_mega.models.local_attention import packed_row_mask
 
     if "cu_seqlens" not in mb:
         set_rope_positions(gpt, None)
         return model(mb["tokens"], mb["position_ids"], None)
-    if "attention_mask" in mb:
+    if not have_transformer_engine():
         set_rope_positions(gpt, mb["position_ids"][0])
-        return model(mb["tokens"], mb["position_ids"], mb["attention_mask"])
+        return model(mb["tokens"], mb["position_ids"], packed_row_mask(mb["cu_seqlens"], len(mb["rows"])))
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = mb["cu_seqlens"]
@@ -333,7 +327,6 @@ class Reference:
             from grpo_mega.models import routing_replay
 
             routing_replay.install(self.built.gpt, model_cfg.moe_layers())
-        _check_packing(self.built.gpt, batch)
         self.offload = offload and torch.cuda.is_available()
         if self.offload:
             move_module(self.built.gpt, "cpu")
@@ -392,7 +385,6 @@ class Actor:
             from grpo_mega.models import routing_replay
 
             routing_replay.install(self.built.gpt, model_cfg.moe_layers())
-        _check_packing(self.built.gpt, batch)
         bf16 = precision.params_dtype == "bf16"
         self.params_dtype = torch.bfloat16 if bf16 else torch.float32
         self.optimizer = get_megatron_optimizer(

@@ -258,26 +258,13 @@ def plan_packing(seq_lens: Sequence[int], dp: int, budget: int, pad_multiple: in
     return PackPlan(rows=rows, lengths=lengths, useful=sum(seq_lens), computed=sum(sum(ls) for ls in lengths))
 
 
-def block_causal_mask(seq_lens: Sequence[int], length: int) -> torch.Tensor:
-    """[1, 1, S, S] bool, True where attention is NOT allowed (megatron's convention): each sequence of a
-    packed row attends causally to itself only; the padding at the row's end attends causally to itself."""
-    seg = torch.full((length,), len(seq_lens), dtype=torch.long)
-    pos = 0
-    for j, n in enumerate(seq_lens):
-        seg[pos:pos + n] = j
-        pos += n
-    same = seg.unsqueeze(0) == seg.unsqueeze(1)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    return ~(same & causal).view(1, 1, length, length)
-
-
-def packed_micro_batch(batch: RolloutBatch, indices: Sequence[int], length: int, with_mask: bool = True) -> dict:
+def packed_micro_batch(batch: RolloutBatch, indices: Sequence[int], length: int) -> dict:
     """One packed row: the sequences `indices` of `batch` back to back, then padding to `length`.
 
     Model inputs, [1, S]: tokens, position_ids (restarting at 0 per sequence), labels (the next token of the
-    same sequence; 0 at each sequence's last position), and, with `with_mask`, attention_mask
-    [1, 1, S, S] (block-diagonal causal, for megatron-core's local layer spec). For Transformer Engine:
-    cu_seqlens [k + 2] int32 (the padding is a segment of its own) and max_seqlen.
+    same sequence; 0 at each sequence's last position), cu_seqlens [k + 2] int32 (the padding is a segment
+    of its own; Transformer Engine's THD and the local spec's SDPACoreAttention cut the row there) and
+    max_seqlen.
     Loss inputs stay in the padded [n, L'] layout of `micro_batches` (L' the longest of the n sequences), so
     the loss code is the same for both: mask, advantages, old/ref/engine logprobs; `unpack_index` [n, L']
     (flat packed position of each padded position, 0 where `unpack_valid` is False) maps per-token
@@ -319,8 +306,6 @@ def packed_micro_batch(batch: RolloutBatch, indices: Sequence[int], length: int,
         unpack_index=unpack_index, unpack_valid=unpack_valid, rows=idx,
         mask=fit(sub.loss_mask()) & unpack_valid,
     )
-    if with_mask:
-        mb["attention_mask"] = block_causal_mask(lens.tolist(), length)
     if batch.advantages is not None:
         mb["advantages"] = sub.advantages.float()
     for key in ("old_logp", "ref_logp", "engine_logp"):
@@ -343,9 +328,9 @@ def batch_routes(batch: RolloutBatch, indices: list[int], width: int, packed: bo
     return routes_layout(batch.routed, indices, seq_lens, width, packed, some.shape[1], some.shape[2])
 
 
-def packed_micro_batches(batch: RolloutBatch, plan: PackPlan, dp_rank: int, with_mask: bool = True) -> list[dict]:
+def packed_micro_batches(batch: RolloutBatch, plan: PackPlan, dp_rank: int) -> list[dict]:
     """This DP rank's micro-batches of `plan`, one packed row each."""
-    return [packed_micro_batch(batch, rows, length, with_mask)
+    return [packed_micro_batch(batch, rows, length)
             for rows, length in zip(plan.rows[dp_rank], plan.lengths[dp_rank])]
 
 

@@ -1,0 +1,120 @@
+"""SDPACoreAttention (the local spec's core attention) against megatron-core's own DotProductAttention: padded
+causal rows, and a packed row against megatron's attention under a dense block-causal mask built here by hand;
+outputs and the gradients of query, key and value, with grouped-query attention.
+
+Tolerances, as max |difference| over max |megatron's| per tensor: fp32 1e-6 (measured ~1e-7); bf16 1e-2 (bf16 has
+8 significant bits, 4e-3 relative per rounding; the two round the scores and the softmax at different points).
+"""
+
+import pytest
+import torch
+
+from grpo_mega.parallel import cpu_compat
+from grpo_mega.parallel.forked import run_ranks
+from grpo_mega.parallel.state import destroy_distributed, init_distributed
+
+
+def block_causal_mask(seq_lens, length):
+    """[1, 1, S, S] bool, True where attention is NOT allowed (megatron's convention): each sequence attends
+    causally to itself only; the padding at the row's end attends causally to itself."""
+    seg = torch.full((length,), len(seq_lens), dtype=torch.long)
+    pos = 0
+    for j, n in enumerate(seq_lens):
+        seg[pos:pos + n] = j
+        pos += n
+    same = seg.unsqueeze(0) == seg.unsqueeze(1)
+    return ~(same & torch.ones(length, length, dtype=torch.bool).tril()).view(1, 1, length, length)
+
+
+def test_block_causal_mask_by_hand():
+    allowed = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],  # the padding: itself only
+    ]
+    assert torch.equal(~block_causal_mask([2, 3], 6)[0, 0], torch.tensor(allowed, dtype=torch.bool))
+
+
+def _compare(dtype_name):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from grpo_mega.models.local_attention import SDPACoreAttention, packed_row_mask
+
+    dtype = getattr(torch, dtype_name)
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1)
+        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                kv_channels=8, attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False,
+                                params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True)
+        ours = SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self")
+        theirs = DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        # (name, [s, b], seq_lens of a packed row or None)
+        for name, (s, b), lens in (("padded", (19, 3), None), ("packed", (24, 1), [7, 1, 9])):
+            q = torch.randn(s, b, 4, 8, generator=g).to(dtype)
+            k, v = (torch.randn(s, b, 2, 8, generator=g).to(dtype) for _ in range(2))
+            grad_out = torch.randn(s, b, 32, generator=g).to(dtype)
+            if lens is None:
+                mask_ours = mask_theirs = None
+            else:
+                cu = torch.tensor([0, 7, 8, 17, 24], dtype=torch.int32)  # as packed_micro_batch: padding 17..24
+                mask_ours, mask_theirs = packed_row_mask(cu, len(lens)), block_causal_mask(lens, s)
+            res = []
+            for module, mask in ((ours, mask_ours), (theirs, mask_theirs)):
+                qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+                o = module(qq, kk, vv, mask)
+                if lens is not None:  # the padding's output is 0 here, megatron's attends to itself: not compared
+                    used = sum(lens)
+                    if module is ours:
+                        out[name + "_padding_max"] = o[used:].abs().max().item()
+                    o, g_out = o[:used], grad_out[:used]
+                else:
+                    g_out = grad_out
+                o.backward(g_out)
+                res.append([o.detach().float(), qq.grad.float(), kk.grad.float(), vv.grad.float()])
+            out[name] = [(a - b_).abs().max().item() / b_.abs().max().item() for a, b_ in zip(*res)]
+        destroy_distributed()
+        return out
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
+def test_sdpa_core_attention_equals_megatrons_dot_product_attention(dtype, tol):
+    (out,) = run_ranks(_compare, 1, dtype, timeout=120)
+    for name in ("padded", "packed"):
+        assert max(out[name]) <= tol, (name, out[name])  # output, dq, dk, dv: max |diff| / max |megatron's|
+    assert out["packed_padding_max"] == 0.0
+
+
+def _refusals():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from grpo_mega.models.local_attention import SDPACoreAttention
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1)
+        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, kv_channels=8,
+                                attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+        attn = SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self")
+        q = torch.zeros(6, 1, 4, 8)
+        msgs = []
+        for mask in (torch.zeros(1, 1, 6, 6, dtype=torch.bool), torch.tensor([0, 4, 7], dtype=torch.int32)):
+            try:
+                attn(q, q, q, mask)
+                msgs.append(None)
+            except ValueError as e:
+                msgs.append(str(e))
+        destroy_distributed()
+        return msgs
+
+
+def test_a_dense_mask_or_offsets_that_do_not_cut_the_row_are_refused():
+    (msgs,) = run_ranks(_refusals, 1, timeout=120)
+    assert "cu_seqlens" in msgs[0] and "(1, 1, 6, 6)" in msgs[0]
+    assert "[0, 4, 7] do not cut a packed row of 6" in msgs[1]
