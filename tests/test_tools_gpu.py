@@ -64,10 +64,15 @@ def test_bench_step_cpu_writes_the_ratio(tmp_path):
     assert b["profiled_steps"] == 1 and b["gap_s"] == r["megatron_median_s"] - r["plain_median_s"]
     pieces = b["pieces"]
     assert all(pieces[k]["seconds_per_step"] > 0 for k in ("ddp_grad_reduce_scatter", "distopt_param_all_gather",
-               "distopt_main_to_model_params", "ddp_zero_grad_buffer", "unfused_attention_forward",
-               "unfused_attention_backward"))
+               "distopt_main_to_model_params", "ddp_zero_grad_buffer", "megatron_attention_forward",
+               "megatron_attention_backward"))
     assert pieces["plain_sdpa_forward_backward"]["seconds_per_step"] < 0
     assert b["explained_s"] == pytest.approx(sum(v["seconds_per_step"] for v in pieces.values()))
+    # the ops whose self time differs most, largest first, each with both sides' seconds and calls
+    gaps = [abs(g["difference_s"]) for g in b["op_gap"]]
+    assert len(gaps) == 12 and gaps == sorted(gaps, reverse=True)
+    assert all(g["op"].startswith("aten::") and g["difference_s"] == pytest.approx(g["megatron_s"] - g["plain_s"])
+               for g in b["op_gap"])
 
 
 def test_bench_step_gpu_path_runs_on_cpu(tmp_path):

@@ -11,10 +11,11 @@ from tests.proc import run_tree
 
 # The first 10 steps of the default run (seed 1234, torch 2.13.0 CPU): mean train reward per step and the
 # mini-batch-averaged loss. Rewards are multiples of 1/256 and must match exactly; losses to 1e-5
-# relative (bit-identical here, the margin is for BLAS differences across CPUs). Regenerated 2026-11-26 when
+# relative or 1e-9 absolute (the last is a near-cancelling sum of order 5e-5; bit-identical here, the margin is
+# for BLAS and fused-kernel differences across CPUs). Regenerated 2026-11-26 when
 # the embedded engine moved to one batched inverse-CDF draw per step (same distribution, another stream), and
 # again when the local spec's attention became SDPA per sequence (rewards unchanged; losses moved <= 2e-4
-# relative, the last one, near 0, most).
+# relative, the last one, near 0, most); torch's fused CPU AdamW then moved the last one by 5.8e-10.
 GOLDEN_REWARD = [0.035156, 0.046875, 0.039062, 0.042969, 0.046875, 0.0625, 0.074219, 0.023438, 0.035156, 0.042969]
 GOLDEN_LOSS = [-0.010195617331191897, -0.016983214300125837, -0.0035616153036244214, -0.010236341273412108,
                -0.005205771420150995, -0.0007638474926352501, -0.003821019332453268, -0.004777723923325539,
@@ -42,7 +43,7 @@ def test_golden_curve_first_10_steps(tmp_path):
     proc, rows = _run(tmp_path, "run.steps=10", "eval.interval=5", "checkpoint.dir=" + str(tmp_path / "ckpt"),
                       "checkpoint.interval=5", env=env)
     assert [round(r["reward"], 6) for r in rows] == GOLDEN_REWARD
-    assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS, rel=1e-5)
+    assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSS, rel=1e-5, abs=1e-9)
     for name in ("reward", "val_reward", "kl", "entropy", "response_length"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
     assert "validation reward (greedy): 0.00 at step 0" in proc.stdout and "plots:" in proc.stdout

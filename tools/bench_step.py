@@ -7,13 +7,13 @@
 mini-batch: the pipeline schedule, vocab-parallel GRPO loss, DDP grad buffer, DistributedOptimizer) against
 a plain-PyTorch step doing the same work: the transformers model of the same architecture holding the same
 weights (copied through the bridge), the same batch, the same GRPO loss from grpo_mega.algo on
-torch.log_softmax logprobs, grad clipping and torch.optim.AdamW. fp32, random weights, one process, the
+torch.log_softmax logprobs, grad clipping and torch.optim.AdamW (fused, on both sides). fp32, random weights, one process, the
 same torch.set_num_threads for both; the median of --steps timed steps after --warmup. Both paths' first
 losses are recorded, and must agree (they start from the same weights), so the two sides do the same work.
 Then --profile-steps steps of each path under torch.profiler, with megatron-core's own pieces labelled
-(MEGATRON_PIECES: the DistributedOptimizer's collectives and copies, grad-buffer zeroing, the local spec's
-unfused attention against SDPA): each piece's seconds per step and share of the megatron step, and how much of
-the gap to the plain step they account for (`megatron_core_breakdown`). On a loaded machine (the load average
+(MEGATRON_PIECES: the DistributedOptimizer's collectives and copies, grad-buffer zeroing, the attention): each
+piece's seconds per step and share of the megatron step, how much of the gap to the plain step they account for,
+and the aten ops whose self time differs most between the two (`megatron_core_breakdown`). On a loaded machine (the load average
 is recorded) OpenMP threads wait on each other: the seconds of both paths are then inflated, unevenly.
 
 --gpu (on one CUDA device, TP1, bf16, random weights): the update's tokens/s and MFU (6 x parameters x
@@ -154,12 +154,11 @@ def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response:
 MEGATRON_PIECES = {
     "ddp_grad_reduce_scatter": (
         "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup", "start_grad_sync",
-        "DDP's gradient reduce-scatter over the data-parallel group (for the DistributedOptimizer); with one DP "
-        "rank gloo still copies the whole grad buffer"),
+        "DDP's gradient reduce-scatter over the data-parallel group (for the DistributedOptimizer); over one DP "
+        "rank the identity, skipped (grpo_mega.parallel.cpu_compat; gloo copied the whole grad buffer)"),
     "distopt_param_all_gather": (
         "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup", "start_param_sync",
-        "DistributedOptimizer's all-gather of the updated parameters; with one DP rank gloo still copies the whole "
-        "param buffer"),
+        "DistributedOptimizer's all-gather of the updated parameters; over one DP rank skipped as above"),
     "distopt_main_to_model_params": (
         "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_copy_main_params_to_model_params",
         "DistributedOptimizer's copy of each main-parameter shard into the model parameter (fp32: the same memory, "
@@ -171,15 +170,14 @@ MEGATRON_PIECES = {
         "megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel", "zero_grad_buffer",
         "zeroing the contiguous fp32 grad buffer before the backward accumulates into it (the plain step sets "
         "grads to None)"),
-    "unfused_attention_forward": (
-        "megatron.core.transformer.dot_product_attention", "DotProductAttention", "forward",
-        "the local spec's (no Transformer Engine) unfused attention forward: baddbmm, mask + softmax, bmm, "
-        "[b, heads, s, s] copies; the plain model runs torch's SDPA"),
+    "megatron_attention_forward": (
+        "grpo_mega.models.local_attention", "SDPACoreAttention", "forward",
+        "the local spec's core attention forward (SDPA, grpo_mega.models.local_attention); the plain model runs "
+        "SDPA too (subtracted below)"),
 }
-# Backward nodes of the unfused attention (megatron) and of SDPA (plain), from autograd's evaluate_function events.
-MEGATRON_ATTENTION_BACKWARD = ("BaddbmmBackward0", "BmmBackward0", "SoftmaxBackward0")
-PLAIN_ATTENTION = ("aten::scaled_dot_product_attention",
-                   "autograd::engine::evaluate_function: ScaledDotProductFlashAttentionForCpuBackward0")
+# SDPA's forward and backward events (the megatron side's backward; the plain side's both).
+SDPA_BACKWARD = "autograd::engine::evaluate_function: ScaledDotProductFlashAttentionForCpuBackward0"
+PLAIN_ATTENTION = ("aten::scaled_dot_product_attention", SDPA_BACKWARD)
 
 
 def _labelled(label, fn):
@@ -197,8 +195,9 @@ def _labelled(label, fn):
 def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dict:
     """torch.profiler over `steps` steps of each path, megatron-core's pieces (MEGATRON_PIECES) labelled: each
     piece's inclusive seconds per step, its share of the (profiled) megatron step, and how much of the
-    measured gap (megatron - plain median, unprofiled) they account for; the attention as the unfused
-    attention's forward + backward minus SDPA's."""
+    measured gap (megatron - plain median, unprofiled) they account for; the attention as the megatron side's
+    attention forward + backward minus the plain side's. Then `op_gap`: the aten ops whose self time per step
+    differs most between the two (megatron - plain), which names where the rest goes."""
     import importlib
 
     import torch
@@ -210,23 +209,25 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
         saved.append((owner, meth, owner.__dict__[meth]))
         setattr(owner, meth, _labelled(label, owner.__dict__[meth]))
     try:
-        totals, wall = {}, {}
+        totals, wall, selfs = {}, {}, {}
         for side, fn in (("megatron", mega_step), ("plain", plain_step_fn)):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     fn()
                 wall[side] = (time.perf_counter() - t0) / steps
-            totals[side] = {e.key: e.cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+            averages = prof.key_averages()
+            totals[side] = {e.key: e.cpu_time_total / 1e6 / steps for e in averages}
+            selfs[side] = {e.key: (e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in averages
+                           if e.key.startswith("aten::")}
     finally:
         for owner, meth, fn in saved:
             setattr(owner, meth, fn)
     m, p = totals["megatron"], totals["plain"]
     pieces = {label: dict(seconds_per_step=m.get(label, 0.0), what=what)
               for label, (_, _, _, what) in MEGATRON_PIECES.items()}
-    attn_bwd = sum(m.get(f"autograd::engine::evaluate_function: {n}", 0.0) for n in MEGATRON_ATTENTION_BACKWARD)
-    pieces["unfused_attention_backward"] = dict(
-        seconds_per_step=attn_bwd, what="its backward (" + ", ".join(MEGATRON_ATTENTION_BACKWARD) + ")")
+    pieces["megatron_attention_backward"] = dict(
+        seconds_per_step=m.get(SDPA_BACKWARD, 0.0), what="its backward (SDPA's, with the gather's index_add)")
     plain_attention = sum(p.get(k, 0.0) for k in PLAIN_ATTENTION)
     pieces["plain_sdpa_forward_backward"] = dict(
         seconds_per_step=-plain_attention, what="minus the plain step's SDPA forward + backward (what the "
@@ -234,8 +235,14 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
     for v in pieces.values():
         v["share_of_megatron_step"] = v["seconds_per_step"] / wall["megatron"]
     explained = sum(v["seconds_per_step"] for v in pieces.values())
+    ops = set(selfs["megatron"]) | set(selfs["plain"])
+    diff = {op: (selfs["megatron"].get(op, (0.0, 0))[0] - selfs["plain"].get(op, (0.0, 0))[0]) for op in ops}
+    op_gap = [dict(op=op, megatron_s=selfs["megatron"].get(op, (0.0, 0))[0], plain_s=selfs["plain"].get(op, (0.0, 0))[0],
+                   difference_s=diff[op], megatron_calls=selfs["megatron"].get(op, (0.0, 0))[1],
+                   plain_calls=selfs["plain"].get(op, (0.0, 0))[1])
+              for op in sorted(ops, key=lambda o: -abs(diff[o]))[:12]]
     return dict(profiled_steps=steps, profiled_step_s=wall, pieces=pieces, explained_s=explained, gap_s=gap_s,
-                explained_over_gap=explained / gap_s if gap_s > 0 else None)
+                explained_over_gap=explained / gap_s if gap_s > 0 else None, op_gap=op_gap)
 
 
 def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
@@ -250,8 +257,9 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
     actor = Actor(cfg, ParallelConfig(), **c)
     rb = _with_logprob_inputs(actor, synthetic_rollout(cfg.vocab_size, groups, n, prompt_len, response_len), 1.0)
     model = hf_model_like(actor, cfg)
+    # fused: what transformers' Trainer (so TRL) uses on torch >= 2.8, and what the Actor sets on the CPU
     opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr, betas=(c["optim"].adam_beta1, c["optim"].adam_beta2),
-                            eps=c["optim"].adam_eps, weight_decay=0.0)
+                            eps=c["optim"].adam_eps, weight_decay=0.0, fused=True)
 
     def timed(fn):
         t0 = time.perf_counter()

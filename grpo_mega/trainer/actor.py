@@ -132,6 +132,21 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     return micro, length, stats
 
 
+def fuse_cpu_adam(optimizer) -> None:
+    """Without Transformer Engine or Apex megatron-core falls back to torch.optim.AdamW, which on CPU tensors
+    runs its per-parameter loop (a dozen elementwise kernels per parameter per step: 5.5 of the 34 s of a
+    SmolLM2-135M update here). torch's fused AdamW does the same update in one pass per parameter, and is
+    what transformers' Trainer (hence TRL) uses on torch >= 2.8: set it on every torch Adam under megatron's
+    optimizer whose parameters are on the CPU (on GPUs TE's FusedAdam is used, or torch's foreach default)."""
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
+            continue
+        for group in inner.param_groups:
+            if all(p.device.type == "cpu" for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+
+
 def run_schedule(module, micro: list[dict], length: int, forward_step, forward_only: bool, lockstep: int = 1) -> list:
     """`micro` through Megatron's schedule for this layout (1F1B with PP); returns the loss dicts of the
     last stage (empty elsewhere). With `lockstep` models run on each micro-batch (the actor and the
@@ -397,6 +412,7 @@ class Actor:
             ),
             [self.built.module],
         )
+        fuse_cpu_adam(self.optimizer)
         decay = optim.lr_decay_steps or 1
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
