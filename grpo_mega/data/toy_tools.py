@@ -114,13 +114,13 @@ LOOKUP_TABLE = {f"{k:03d}": random.Random(2026 + k).choice(LETTERS) for k in ran
 """task=lookup_tool's secret: a letter for each 3-digit key, drawn at random (nothing in a key predicts it)."""
 
 
-ERROR_SYMBOLS = [chr(c) for c in range(ord("k"), ord("z") + 1)] + ["E", ":", " "]
-"""Spelling a tool's error turn ("Error: no connection") in the lookup tokenizer, after the answer letters."""
+ERROR_SYMBOLS = [chr(c) for c in range(ord("k"), ord("z") + 1)] + ["E", ":", " ", "."]
+"""Spelling a tool's error turn ("Error: no connection.") in the lookup tokenizer, after the answer letters."""
 
 
 def make_lookup_tokenizer():
     """The tool tokenizer (TENS_TEMPLATE) with the answer letters a-j, then the rest of the lowercase letters,
-    'E', ':' and ' ' (for the tool's error messages), beside the digits."""
+    'E', ':', ' ' and '.' (for the tool's error messages), beside the digits."""
     return make_tool_tokenizer(TENS_TEMPLATE, extra_symbols=tuple(LETTERS + ERROR_SYMBOLS))
 
 
@@ -142,11 +142,11 @@ class KeyLookup(Tool):
 
 class UnavailableLookup(KeyLookup):
     """The `lookup` tool when it is down: every call raises, so the tool's turn is the error message
-    `<tool>Error: no connection` (20 tokens, counted in multi_turn/tool_errors). The control run of
+    `<tool>Error: no connection.` (21 tokens, counted in multi_turn/tool_errors). The control run of
     tools/tool_task.py: the same command as the run with the tool, this tool in its place."""
 
     def call(self, args: dict, key: str | None = None, **_) -> str:
-        raise ToolError("no connection")
+        raise ToolError("no connection.")
 
 
 class LookupTask(ProductTask):
@@ -156,22 +156,21 @@ class LookupTask(ProductTask):
     tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the tool's turn `<tool>x` and
     the next turn answers: `<tool_call>` | `<tool>x` | `x<eos>`.
 
-    Reward (nothing for calling): 1.0 when the response has a tool turn (`<tool>` right after `<tool_call>`: a
-    `<tool>` the model writes itself is not one) and ends with the answer and <eos>,
-    the answer a token the model wrote after the tool's turn (not the tool's own result: `<tool>x<eos>` is 0);
-    else 0. An answer without a tool turn scores 0, so guessing instead of calling never pays more than
-    calling; with the tool unavailable (UnavailableLookup: its turn is an error message ending in 'n', not
-    an answer letter) the answer after it is a guess, chance 1 in 10.
+    Reward (nothing for calling): 1.0 when the model's turn after the last tool turn is exactly the answer and
+    <eos> (the answer at a fixed place: right after the tool's result); else 0, and 0 without a tool turn, so
+    guessing instead of calling never pays more than calling. With the tool unavailable (UnavailableLookup: its
+    turn is an error message) the answer after it is a guess: chance, 1 in 10.
 
-    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): 0.5 for a
-    tool turn, 0.75 when the model's turn after it ends with <eos>, 1.0 with a letter before that <eos>,
-    whichever letter: it teaches the format (call, then
+    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): 1.0 when
+    the model's turn after a tool turn is a letter and <eos>, whichever letter; 0.5 when it is longer and ends
+    with <eos>; else 0 (a call only, or calling again): it teaches the format (call, then
     answer with a letter), not which letter, so the measured runs start at chance."""
 
     def __init__(self, tokenizer, seed: int = 0, shaping: bool = False):
         super().__init__(tokenizer, seed)
         self.tool_open, self.shaping = tokenizer.convert_tokens_to_ids("<tool>"), shaping
         self.tool_call = tokenizer.convert_tokens_to_ids("<tool_call>")
+        self.error_start, self.period = tokenizer.convert_tokens_to_ids(["E", "."])
         self.letters = set(tokenizer.convert_tokens_to_ids(LETTERS))
         keys = list(range(1000))
         random.Random(7).shuffle(keys)
@@ -193,16 +192,24 @@ class LookupTask(ProductTask):
         text = self.tok.decode(list(prompt_ids), skip_special_tokens=True)
         return {"lookup": {"create_kwargs": {"key": text.split("=")[0]}}}
 
-    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+    def final_turn(self, response_ids: list[int]) -> list[int] | None:
+        """The model's turn after the last tool turn, or None without one. A tool turn is `<tool>` right after
+        `<tool>`'s call-stop `<tool_call>` (which always ends the model's turn; a `<tool>` the model writes itself
+        is none), then the result: one letter, or an error message `Error: ...` through its first '.'."""
         ids = list(response_ids)
-        # a tool turn: `<tool>` right after the call-stop `<tool_call>` (which always ends the model's turn), so
-        # a `<tool>` the model writes itself is no tool turn
         turns = [i for i in range(1, len(ids)) if ids[i] == self.tool_open and ids[i - 1] == self.tool_call]
-        if not turns:
+        if not turns or turns[-1] + 1 >= len(ids):
+            return None
+        start = turns[-1] + 1  # the result's first token
+        if ids[start] == self.error_start:
+            return ids[ids.index(self.period, start) + 1:] if self.period in ids[start:] else None
+        return ids[start + 1:]
+
+    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+        turn = self.final_turn(response_ids)
+        if turn is None:
             return 0.0  # no tool turn: nothing the model says counts
-        after = turns[-1] + 1  # the first token of the last tool turn's result
-        # the answer: the last token before a final <eos>, written after the tool's result (its first token)
-        answered = len(ids) - 2 > after and ids[-1] == self.tok.eos_token_id
+        eos = self.tok.eos_token_id
         if self.shaping:
-            return 0.5 + 0.25 * answered + 0.25 * (answered and ids[-2] in self.letters)
-        return 1.0 if answered and self.tok.convert_ids_to_tokens(ids[-2]) == example.answer else 0.0
+            return 1.0 if len(turn) == 2 and turn[0] in self.letters and turn[1] == eos else 0.5 * (turn[-1:] == [eos])
+        return 1.0 if turn == self.tok.convert_tokens_to_ids([example.answer]) + [eos] else 0.0

@@ -49,7 +49,7 @@ def test_calling_and_copying_solves_it_guessing_or_an_unavailable_tool_does_not(
     assert len(set(LOOKUP_TABLE.values())) == 10
     chance = sum(e.answer == "c" for e in val) / 64
     assert 0 < chance < 0.3
-    error_turn = tok.convert_tokens_to_ids(["<tool>"] + list("Error: no connection"))
+    error_turn = tok.convert_tokens_to_ids(["<tool>"] + list("Error: no connection."))
     assert tok.pad_token_id not in error_turn  # spelled in the vocabulary (an unknown character would be <pad>)
     scores = {}
     for name, tool, use_tool in (("tool", "KeyLookup", True), ("unavailable", "UnavailableLookup", True),
@@ -59,7 +59,7 @@ def test_calling_and_copying_solves_it_guessing_or_an_unavailable_tool_does_not(
                              max_turns=2, call_stop_ids=[tok.convert_tokens_to_ids("<tool_call>")],
                              row_tools_kwargs=task.tools_kwargs)
         try:
-            gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 24, [tok.eos_token_id], seed=0)
+            gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 28, [tok.eos_token_id], seed=0)
         finally:
             mt.shutdown()
         scores[name] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
@@ -82,18 +82,20 @@ def test_reward_reads_the_answer_after_the_last_tool_result():
     other = next(c for c in "abcdefghij" if c != ex.answer)
     assert task.reward(ex, ids([ex.answer, "<eos>"])) == 0.0  # a right guess without a tool turn: 0
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 1.0  # the last
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, other, "<eos>"])) == 0.0  # before <eos>
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 0.0  # exactly
     assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 0.0
+    assert task.reward(ex, ids([other, "<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0  # the last turn
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "<eos>"])) == 0.0  # the tool's letter, not the model's
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer])) == 0.0  # no <eos>: cut by the budget
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer])) == 0.0  # no answer after the result
+    assert task.reward(ex, ids(["<tool_call>", "<tool>"])) == 0.0  # the result cut by the budget
     assert task.reward(ex, ids(["<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0  # a `<tool>` the model wrote
     assert task.reward(ex, ids([other, "<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0
     assert task.reward(ex, []) == 0.0
-    error = ids(["<tool_call>", "<tool>"]) + tok("Error: no connection", add_special_tokens=False)["input_ids"]
+    error = ids(["<tool_call>", "<tool>"] + list("Error: no connection."))
     assert task.reward(ex, error + ids([ex.answer, "<eos>"])) == 1.0  # a right guess after an error turn
-    assert task.reward(ex, error + ids(["<eos>"])) == 0.0
+    assert task.reward(ex, error + ids([other, "<eos>"])) == 0.0
+    assert task.reward(ex, error[:-1] + ids([ex.answer, "<eos>"])) == 0.0  # the error cut before its end
 
 
 def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_and_the_format():
@@ -111,8 +113,9 @@ def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_and_the_for
     other = next(c for c in "abcdefghij" if c != ex.answer)
     assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 1.0
     assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", "<eos>"])) == 0.75  # <eos>, no letter
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other])) == 0.5  # a call only
+    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", "<eos>"])) == 0.5  # <eos>, no letter
+    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other])) == 0.0  # a call only
+    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, "<tool_call>"])) == 0.0  # calls again
     assert warm.reward(ex, ids([ex.answer, "<eos>"])) == 0.0
     assert warm.reward(ex, ids(["<tool>", ex.answer, other, "<eos>"])) == 0.0  # no call: a `<tool>` it wrote
 
