@@ -31,10 +31,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-TOOL = ["rollout.multi_turn.enable=true", "rollout.multi_turn.parser=bare", "rollout.multi_turn.call_stop=['<tool_call>']",
-        "rollout.multi_turn.max_turns=2", "rollout.multi_turn.tools=['grpo_mega.data.toy_tools:KeyLookup']"]
-COMMON = ["task=lookup_tool", "batch.max_response_length=12", "optim.lr=2e-3"]
-WARM = ["model=tiny", "task=lookup_call", "batch.max_response_length=6", "optim.lr=2e-3", *TOOL]
+MT = ["rollout.multi_turn.enable=true", "rollout.multi_turn.parser=bare", "rollout.multi_turn.call_stop=['<tool_call>']"]
+TOOLS = {"with_tool": "grpo_mega.data.toy_tools:KeyLookup", "tool_unavailable": "grpo_mega.data.toy_tools:UnavailableLookup"}
+COMMON = ["task=lookup_tool", "batch.max_response_length=28", *MT, "rollout.multi_turn.max_turns=2"]
+WARM = ["task=lookup_call", "batch.max_response_length=28", *MT, "rollout.multi_turn.max_turns=1",
+        f"rollout.multi_turn.tools=['{TOOLS['with_tool']}']"]
+"""The warm-up runs one turn: the model's turn ends at its call, no tool runs, nothing after a result is trained."""
+TIED_TINY = "model_configs/tiny.yaml with tie_word_embeddings: true"
 
 
 def start(argv: list[str]):
@@ -63,37 +66,49 @@ def curves(run: Path, interval: int, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--warm-steps", type=int, default=30)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warm-steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--tied", type=int, default=1, help="1: the tiny model with tied embeddings (0: model=tiny)")
+    p.add_argument("--runs", default="with_tool,tool_unavailable")
     p.add_argument("--work", default="/tmp/grpo_mega_tool_task")
     p.add_argument("--out", default=str(REPO / "bench_results" / "tool_task.json"))
-    p.add_argument("extra", nargs="*", help="more overrides for both measured runs, e.g. optim.lr=2e-3")
+    p.add_argument("extra", nargs="*", help="more overrides for both measured runs, e.g. rollout.n=16")
     a = p.parse_args()
     work = Path(a.work)
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     t0, load_before = time.time(), os.getloadavg()
+    model = "tiny"
+    if a.tied:  # the tiny model, its input and output embeddings one matrix
+        import yaml
 
-    # 1. the warm-up (shaping: a reward for calling, whatever the answer); exported with its tokenizer
-    warm = WARM + [f"hydra.run.dir={work / 'warm'}", f"run.steps={a.warm_steps}", f"eval.interval={a.interval}",
-                   f"checkpoint.dir={work / 'warm_ckpt'}", "checkpoint.export_hf=true"]
+        cfg = yaml.safe_load((REPO / "model_configs" / "tiny.yaml").read_text())
+        model = str(work / "tiny-tied.yaml")
+        Path(model).write_text(yaml.safe_dump({**cfg, "tie_word_embeddings": True}))
+
+    # 1. the warm-up (shaping: 1.0 for a call, one turn); exported with its tokenizer
+    warm = WARM + [f"model={model}", f"optim.lr={a.lr}", f"hydra.run.dir={work / 'warm'}", f"run.steps={a.warm_steps}",
+                   f"eval.interval={a.interval}", f"checkpoint.dir={work / 'warm_ckpt'}", "checkpoint.export_hf=true"]
     finish(*start(warm))
     hf = work / "warm_hf"
     shutil.copytree(work / "warm_ckpt" / f"step_{a.warm_steps:08d}" / "hf", hf)
     from grpo_mega.data.toy_tools import make_lookup_tokenizer
 
     make_lookup_tokenizer().save_pretrained(str(hf))
+    t_warm = time.time() - t0
 
-    # 2. the measured runs, both at once (the same machine load for both)
+    # 2. the measured runs, both at once (the same machine load for both): the same command, the tool differs
     result = {"loadavg_before": load_before, "warm_steps": a.warm_steps, "steps": a.steps, "interval": a.interval,
-              "extra": a.extra, "commands": {"warm_up": "python -m grpo_mega.train " + " ".join(warm)},
-              "warm_up": curves(work / "warm", a.interval, a.warm_steps)}
+              "lr": a.lr, "model": TIED_TINY if a.tied else "tiny", "extra": a.extra,
+              "commands": {"warm_up": "python -m grpo_mega.train " + " ".join(warm)},
+              "warm_up": curves(work / "warm", a.interval, a.warm_steps), "warm_up_seconds": round(t_warm, 1)}
     runs = {}
-    for name, on in (("with_tool", True), ("without_tool", False)):
+    for name in a.runs.split(","):
         argv = [f"hydra.run.dir={work / name}", f"model={hf}", f"run.steps={a.steps}", f"eval.interval={a.interval}",
-                *COMMON, *(TOOL if on else []), *a.extra]
+                f"optim.lr={a.lr}", *COMMON, f"rollout.multi_turn.tools=['{TOOLS[name]}']", *a.extra]
         runs[name] = start(argv)
         result["commands"][name] = "python -m grpo_mega.train " + " ".join(argv)
     for name, (cmd, proc) in runs.items():
@@ -109,11 +124,11 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in ("with_tool", "without_tool"):
+    for name in a.runs.split(","):
         xs, ys = zip(*result[name]["val_reward_by_step"])
         ax.plot(xs, ys, marker="o", label=name.replace("_", " "))
-    xs, ys = zip(*result["with_tool"]["tool_calls_by_step"])
-    ax.plot(xs, ys, color="grey", lw=0.8, label="tool calls per sample (with tool)")
+    xs, ys = zip(*result[a.runs.split(",")[0]]["tool_calls_by_step"])
+    ax.plot(xs, ys, color="grey", lw=0.8, label=f"tool calls per sample ({a.runs.split(',')[0]})")
     ax.axhline(0.1, color="grey", ls=":", label="chance (1 in 10)")
     ax.set(xlabel="step", ylabel="validation reward (greedy)", title="task=lookup_tool, tiny model, CPU",
            ylim=(0, 1.05))

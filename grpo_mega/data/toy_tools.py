@@ -115,7 +115,7 @@ LOOKUP_TABLE = {f"{k:03d}": random.Random(2026 + k).choice(LETTERS) for k in ran
 
 
 ERROR_SYMBOLS = [chr(c) for c in range(ord("k"), ord("z") + 1)] + ["E", ":", " ", "."]
-"""Spelling a tool's error turn ("Error: no connection.") in the lookup tokenizer, after the answer letters."""
+"""Spelling a tool's error turn ("Error: down.") in the lookup tokenizer, after the answer letters."""
 
 
 def make_lookup_tokenizer():
@@ -142,11 +142,11 @@ class KeyLookup(Tool):
 
 class UnavailableLookup(KeyLookup):
     """The `lookup` tool when it is down: every call raises, so the tool's turn is the error message
-    `<tool>Error: no connection.` (21 tokens, counted in multi_turn/tool_errors). The control run of
+    `<tool>Error: down.` (13 tokens, counted in multi_turn/tool_errors). The control run of
     tools/tool_task.py: the same command as the run with the tool, this tool in its place."""
 
     def call(self, args: dict, key: str | None = None, **_) -> str:
-        raise ToolError("no connection.")
+        raise ToolError("down.")
 
 
 class LookupTask(ProductTask):
@@ -206,10 +206,9 @@ class LookupTask(ProductTask):
         return ids[start + 1:]
 
     def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+        if self.shaping:  # the warm-up: a call, whatever follows
+            return 1.0 if self.tool_call in response_ids else 0.0
         turn = self.final_turn(response_ids)
         if turn is None:
             return 0.0  # no tool turn: nothing the model says counts
-        eos = self.tok.eos_token_id
-        if self.shaping:
-            return 1.0 if len(turn) == 2 and turn[0] in self.letters and turn[1] == eos else 0.5 * (turn[-1:] == [eos])
-        return 1.0 if turn == self.tok.convert_tokens_to_ids([example.answer]) + [eos] else 0.0
+        return 1.0 if turn[:1] == self.tok.convert_tokens_to_ids([example.answer]) else 0.0

@@ -2,7 +2,7 @@
 knows it; a policy that calls (one token, parser=bare: the run's only tool, the key from the row's
 tools_kwargs) and copies the result solves it; an answer without a tool turn scores 0; with the tool
 unavailable (UnavailableLookup: an error turn) the answer after it is a guess, chance; validation keys are
-never trained on; task=lookup_call (the warm-up's shaping) rewards calling and the format, not the letter."""
+never trained on; task=lookup_call (the warm-up's shaping) rewards a call."""
 
 import pytest
 
@@ -49,7 +49,7 @@ def test_calling_and_copying_solves_it_guessing_or_an_unavailable_tool_does_not(
     assert len(set(LOOKUP_TABLE.values())) == 10
     chance = sum(e.answer == "c" for e in val) / 64
     assert 0 < chance < 0.3
-    error_turn = tok.convert_tokens_to_ids(["<tool>"] + list("Error: no connection."))
+    error_turn = tok.convert_tokens_to_ids(["<tool>"] + list("Error: down."))
     assert tok.pad_token_id not in error_turn  # spelled in the vocabulary (an unknown character would be <pad>)
     scores = {}
     for name, tool, use_tool in (("tool", "KeyLookup", True), ("unavailable", "UnavailableLookup", True),
@@ -82,23 +82,23 @@ def test_reward_reads_the_answer_after_the_last_tool_result():
     other = next(c for c in "abcdefghij" if c != ex.answer)
     assert task.reward(ex, ids([ex.answer, "<eos>"])) == 0.0  # a right guess without a tool turn: 0
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 0.0  # exactly
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, other, other])) == 1.0  # its first token
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 0.0
     assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 0.0
     assert task.reward(ex, ids([other, "<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0  # the last turn
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "<eos>"])) == 0.0  # the tool's letter, not the model's
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer])) == 0.0  # no <eos>: cut by the budget
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer])) == 0.0  # no answer after the result
     assert task.reward(ex, ids(["<tool_call>", "<tool>"])) == 0.0  # the result cut by the budget
     assert task.reward(ex, ids(["<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0  # a `<tool>` the model wrote
     assert task.reward(ex, ids([other, "<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0
     assert task.reward(ex, []) == 0.0
-    error = ids(["<tool_call>", "<tool>"] + list("Error: no connection."))
+    error = ids(["<tool_call>", "<tool>"] + list("Error: down."))
     assert task.reward(ex, error + ids([ex.answer, "<eos>"])) == 1.0  # a right guess after an error turn
-    assert task.reward(ex, error + ids([other, "<eos>"])) == 0.0
+    assert task.reward(ex, error + ids([other, ex.answer])) == 0.0
     assert task.reward(ex, error[:-1] + ids([ex.answer, "<eos>"])) == 0.0  # the error cut before its end
 
 
-def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_and_the_format():
+def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_a_call():
     tok = make_lookup_tokenizer()
     ex = LookupTask(tok).example(42)
     assert tok.convert_ids_to_tokens(ex.prompt_ids) == ["<bos>", "0", "4", "2", "="]
@@ -106,18 +106,14 @@ def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_and_the_for
     assert KeyLookup().call({}, key="042") == LOOKUP_TABLE["042"] == ex.answer
     with pytest.raises(ToolError, match="no key '42'"):
         KeyLookup().call({}, key="42")
-    with pytest.raises(ToolError, match="no connection"):
+    with pytest.raises(ToolError, match="down"):
         UnavailableLookup().call({}, key="042")
-    warm = LookupTask(tok, shaping=True)  # task=lookup_call: calling and the format, whichever letter
+    warm = LookupTask(tok, shaping=True)  # task=lookup_call: a call (the warm-up runs one turn: no tool result)
     ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
-    other = next(c for c in "abcdefghij" if c != ex.answer)
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 1.0
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", "<eos>"])) == 0.5  # <eos>, no letter
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other])) == 0.0  # a call only
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, "<tool_call>"])) == 0.0  # calls again
+    assert warm.reward(ex, ids(["<tool_call>"])) == 1.0
+    assert warm.reward(ex, ids(["5", "<tool_call>"])) == 1.0
     assert warm.reward(ex, ids([ex.answer, "<eos>"])) == 0.0
-    assert warm.reward(ex, ids(["<tool>", ex.answer, other, "<eos>"])) == 0.0  # no call: a `<tool>` it wrote
+    assert warm.reward(ex, ids(["<tool>", ex.answer, "<eos>"])) == 0.0
 
 
 def test_bare_parser_needs_exactly_one_tool():
