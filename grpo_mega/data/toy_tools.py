@@ -211,4 +211,5 @@ class LookupTask(ProductTask):
         turn = self.final_turn(response_ids)
         if turn is None:
             return 0.0  # no tool turn: nothing the model says counts
-        return 1.0 if turn[:1] == self.tok.convert_tokens_to_ids([example.answer]) else 0.0
+        letters = [t for t in turn if t in self.letters]  # the answer: the first of a-j the model writes
+        return 1.0 if letters[:1] == self.tok.convert_tokens_to_ids([example.answer]) else 0.0

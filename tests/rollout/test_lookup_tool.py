@@ -82,7 +82,9 @@ def test_reward_reads_the_answer_after_the_last_tool_result():
     other = next(c for c in "abcdefghij" if c != ex.answer)
     assert task.reward(ex, ids([ex.answer, "<eos>"])) == 0.0  # a right guess without a tool turn: 0
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, other, other])) == 1.0  # its first token
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, other, other])) == 1.0  # its first letter
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", "=", ex.answer, other])) == 1.0
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", other, ex.answer])) == 0.0
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 0.0
     assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 0.0
     assert task.reward(ex, ids([other, "<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0  # the last turn
