@@ -156,15 +156,15 @@ class LookupTask(ProductTask):
     tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the tool's turn `<tool>x` and
     the next turn answers: `<tool_call>` | `<tool>x` | `x<eos>`.
 
-    Reward (nothing for calling): 1.0 when the model's turn after the last tool turn is exactly the answer and
-    <eos> (the answer at a fixed place: right after the tool's result); else 0, and 0 without a tool turn, so
-    guessing instead of calling never pays more than calling. With the tool unavailable (UnavailableLookup: its
-    turn is an error message) the answer after it is a guess: chance, 1 in 10.
+    Reward (nothing for calling): 1.0 when the first letter a-j the model writes in its turn after the last
+    tool turn is the answer; else 0, and 0 without a tool turn (`<tool>` right after the call-stop
+    `<tool_call>`; a `<tool>` the model writes itself is none), so guessing instead of calling never pays more
+    than calling. With the tool unavailable (UnavailableLookup: its turn is an error message) the answer after
+    it is a guess: chance, 1 in 10.
 
-    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): 1.0 when
-    the model's turn after a tool turn is a letter and <eos>, whichever letter; 0.5 when it is longer and ends
-    with <eos>; else 0 (a call only, or calling again): it teaches the format (call, then
-    answer with a letter), not which letter, so the measured runs start at chance."""
+    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): 1.0 for a
+    call. The warm-up runs one turn (rollout.multi_turn.max_turns=1: the turn ends at the call and no tool
+    runs), so nothing after a tool result is trained and the measured runs start knowing no answer."""
 
     def __init__(self, tokenizer, seed: int = 0, shaping: bool = False):
         super().__init__(tokenizer, seed)
@@ -194,7 +194,7 @@ class LookupTask(ProductTask):
 
     def final_turn(self, response_ids: list[int]) -> list[int] | None:
         """The model's turn after the last tool turn, or None without one. A tool turn is `<tool>` right after
-        `<tool>`'s call-stop `<tool_call>` (which always ends the model's turn; a `<tool>` the model writes itself
+        the call-stop `<tool_call>` (which always ends the model's turn; a `<tool>` the model writes itself
         is none), then the result: one letter, or an error message `Error: ...` through its first '.'."""
         ids = list(response_ids)
         turns = [i for i in range(1, len(ids)) if ids[i] == self.tool_open and ids[i - 1] == self.tool_call]
