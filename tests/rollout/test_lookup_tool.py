@@ -126,3 +126,34 @@ def test_bare_parser_needs_exactly_one_tool():
             MultiTurnEngine(CallThenCopy(tok, True), tok, pool, "bare")
     finally:
         pool.close()
+
+
+def test_tool_task_start_leans_to_copying(tmp_path):
+    """tools/tool_task.py's start (tied embeddings x4 at init): after `<tool>x` the likeliest token is x, a
+    prior the warm-up must not erase; at x1 (no scaling) p(x) is below 0.1."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tool_task", root / "tools" / "tool_task.py")
+    tool_task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool_task)
+    tok = make_lookup_tokenizer()
+    task = LookupTask(tok)
+    p_copy = {}
+    for scale in (1.0, 4.0):
+        tool_task.init_model(root / "model_configs" / "tiny.yaml", str(tmp_path / str(scale)), scale)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / str(scale))).eval()
+        assert model.config.tie_word_embeddings
+        with torch.no_grad():
+            probs = [torch.softmax(model(torch.tensor([e.prompt_ids + tok.convert_tokens_to_ids(
+                ["<tool_call>", "<tool>", e.answer])])).logits[0, -1], -1) for e in task.validation()[:16]]
+        p_copy[scale] = sum(p[tok.convert_tokens_to_ids(e.answer)].item()
+                            for p, e in zip(probs, task.validation()[:16])) / 16
+        if scale == 4.0:
+            assert all(int(p.argmax()) == tok.convert_tokens_to_ids(e.answer)
+                       for p, e in zip(probs, task.validation()[:16]))
+    assert p_copy[4.0] > 0.5 > 0.1 > p_copy[1.0]
