@@ -114,9 +114,14 @@ LOOKUP_TABLE = {f"{k:03d}": random.Random(2026 + k).choice(LETTERS) for k in ran
 """task=lookup_tool's secret: a letter for each 3-digit key, drawn at random (nothing in a key predicts it)."""
 
 
+ERROR_SYMBOLS = [chr(c) for c in range(ord("k"), ord("z") + 1)] + ["E", ":", " ", "."]
+"""Spelling a tool's error turn ("Error: down.") in the lookup tokenizer, after the answer letters."""
+
+
 def make_lookup_tokenizer():
-    """The tool tokenizer (TENS_TEMPLATE) with the 26 lowercase letters beside the digits."""
-    return make_tool_tokenizer(TENS_TEMPLATE, extra_symbols=LETTERS)
+    """The tool tokenizer (TENS_TEMPLATE) with the answer letters a-j, then the rest of the lowercase letters,
+    'E', ':', ' ' and '.' (for the tool's error messages), beside the digits."""
+    return make_tool_tokenizer(TENS_TEMPLATE, extra_symbols=tuple(LETTERS + ERROR_SYMBOLS))
 
 
 class KeyLookup(Tool):
@@ -135,21 +140,38 @@ class KeyLookup(Tool):
         return LOOKUP_TABLE[key]
 
 
+class UnavailableLookup(KeyLookup):
+    """The `lookup` tool when it is down: every call raises, so the tool's turn is the error message
+    `<tool>Error: down.` (13 tokens, counted in multi_turn/tool_errors). The control run of
+    tools/tool_task.py: the same command as the run with the tool, this tool in its place."""
+
+    def call(self, args: dict, key: str | None = None, **_) -> str:
+        raise ToolError("down.")
+
+
 class LookupTask(ProductTask):
     """task=lookup_tool, the toy tool task: "<bos>372=" -> the letter (a-j) stored under key 372, drawn at
-    random per key (LOOKUP_TABLE), so without the tool a policy scores chance (1 in 10), and the 64 validation
-    keys are never trained on (nothing to memorise). With rollout.multi_turn (parser=bare,
-    call_stop=[<tool_call>], tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the
-    tool's turn `<tool>x` and the next turn answers with it. Reward (nothing for calling): 1.0 when the
-    answer, the first token of the last model turn (after the last tool result), is the letter; else 0.
+    random per key (LOOKUP_TABLE), so nothing but the tool can know it, and the 64 validation keys are never
+    trained on (nothing to memorise). With rollout.multi_turn (parser=bare, call_stop=[<tool_call>],
+    tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the tool's turn `<tool>x` and
+    the next turn answers: `<tool_call>` | `<tool>x` | `x<eos>`.
 
-    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): the reward
-    is 1.0 for calling the tool (a tool result in the response), whatever the answer; it gives the measured
-    runs a start that calls the tool but cannot yet read its result."""
+    Reward (nothing for calling): 1.0 when the first letter a-j the model writes in its turn after the last
+    tool turn is the answer; else 0, and 0 without a tool turn (`<tool>` right after the call-stop
+    `<tool_call>`; a `<tool>` the model writes itself is none), so guessing instead of calling never pays more
+    than calling. With the tool unavailable (UnavailableLookup: its turn is an error message) the answer after
+    it is a guess: chance, 1 in 10.
+
+    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): 1.0 for a
+    call. The warm-up runs one turn (rollout.multi_turn.max_turns=1: the turn ends at the call and no tool
+    runs), so nothing after a tool result is trained and the measured runs start knowing no answer."""
 
     def __init__(self, tokenizer, seed: int = 0, shaping: bool = False):
         super().__init__(tokenizer, seed)
         self.tool_open, self.shaping = tokenizer.convert_tokens_to_ids("<tool>"), shaping
+        self.tool_call = tokenizer.convert_tokens_to_ids("<tool_call>")
+        self.error_start, self.period = tokenizer.convert_tokens_to_ids(["E", "."])
+        self.letters = set(tokenizer.convert_tokens_to_ids(LETTERS))
         keys = list(range(1000))
         random.Random(7).shuffle(keys)
         self.val_keys, self.train_keys = keys[:64], keys[64:]
@@ -170,10 +192,24 @@ class LookupTask(ProductTask):
         text = self.tok.decode(list(prompt_ids), skip_special_tokens=True)
         return {"lookup": {"create_kwargs": {"key": text.split("=")[0]}}}
 
-    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+    def final_turn(self, response_ids: list[int]) -> list[int] | None:
+        """The model's turn after the last tool turn, or None without one. A tool turn is `<tool>` right after
+        the call-stop `<tool_call>` (which always ends the model's turn; a `<tool>` the model writes itself
+        is none), then the result: one letter, or an error message `Error: ...` through its first '.'."""
         ids = list(response_ids)
-        if self.shaping:
-            return 1.0 if self.tool_open in ids else 0.0
-        if self.tool_open in ids:  # `<tool>` and the result's one letter
-            ids = ids[len(ids) - ids[::-1].index(self.tool_open) + 1:]
-        return 1.0 if ids and self.tok.convert_ids_to_tokens(ids[0]) == example.answer else 0.0
+        turns = [i for i in range(1, len(ids)) if ids[i] == self.tool_open and ids[i - 1] == self.tool_call]
+        if not turns or turns[-1] + 1 >= len(ids):
+            return None
+        start = turns[-1] + 1  # the result's first token
+        if ids[start] == self.error_start:
+            return ids[ids.index(self.period, start) + 1:] if self.period in ids[start:] else None
+        return ids[start + 1:]
+
+    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+        if self.shaping:  # the warm-up: a call, whatever follows
+            return 1.0 if self.tool_call in response_ids else 0.0
+        turn = self.final_turn(response_ids)
+        if turn is None:
+            return 0.0  # no tool turn: nothing the model says counts
+        letters = [t for t in turn if t in self.letters]  # the answer: the first of a-j the model writes
+        return 1.0 if letters[:1] == self.tok.convert_tokens_to_ids([example.answer]) else 0.0

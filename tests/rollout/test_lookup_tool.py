@@ -1,11 +1,12 @@
 """task=lookup_tool (grpo_mega.data.toy_tools.LookupTask): the letter under a key is random, so only the tool
 knows it; a policy that calls (one token, parser=bare: the run's only tool, the key from the row's
-tools_kwargs) and copies the result solves it, a guessing one scores chance; validation keys are never
-trained on; task=lookup_call (the warm-up's shaping) rewards calling only."""
+tools_kwargs) and copies the result solves it; an answer without a tool turn scores 0; with the tool
+unavailable (UnavailableLookup: an error turn) the answer after it is a guess, chance; validation keys are
+never trained on; task=lookup_call (the warm-up's shaping) rewards a call."""
 
 import pytest
 
-from grpo_mega.data.toy_tools import LOOKUP_TABLE, KeyLookup, LookupTask, make_lookup_tokenizer
+from grpo_mega.data.toy_tools import LOOKUP_TABLE, KeyLookup, LookupTask, UnavailableLookup, make_lookup_tokenizer
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.tools import ToolError
@@ -13,7 +14,8 @@ from grpo_mega.tools.pool import ToolPool
 
 
 class CallThenCopy:
-    """Turn 1: `<tool_call>` (a call-stop token) or a fixed guess 'c'; after a tool result: its letter, <eos>."""
+    """Turn 1: `<tool_call>` (a call-stop token) or a fixed guess 'c'; after a tool result: its letter, <eos>;
+    after an error turn: the guess 'c', <eos>."""
 
     weight_version = 0
 
@@ -27,6 +29,8 @@ class CallThenCopy:
         for ctx in prompts:
             if ctx[-2] == self.open:
                 out.append([ctx[-1], self.tok.eos_token_id])
+            elif self.open in ctx:
+                out.append(self.tok.convert_tokens_to_ids(["c"]) + [self.tok.eos_token_id])
             else:
                 out.append([self.call] if self.use_tool else self.tok.convert_tokens_to_ids(["c"]) + [self.tok.eos_token_id])
         return Generation(out, [[-1.0] * len(o) for o in out], ["stop"] * len(out), 0)
@@ -35,7 +39,7 @@ class CallThenCopy:
         pass
 
 
-def test_calling_and_copying_solves_it_guessing_does_not():
+def test_calling_and_copying_solves_it_guessing_or_an_unavailable_tool_does_not():
     tok = make_lookup_tokenizer()
     task = LookupTask(tok)
     val = task.validation()
@@ -43,22 +47,31 @@ def test_calling_and_copying_solves_it_guessing_does_not():
     val_keys = {tok.decode(e.prompt_ids, skip_special_tokens=True) for e in val}
     assert len(val) == 64 and len(val_keys) == 64 and not train_keys & val_keys  # never trained on
     assert len(set(LOOKUP_TABLE.values())) == 10
+    chance = sum(e.answer == "c" for e in val) / 64
+    assert 0 < chance < 0.3
+    error_turn = tok.convert_tokens_to_ids(["<tool>"] + list("Error: down."))
+    assert tok.pad_token_id not in error_turn  # spelled in the vocabulary (an unknown character would be <pad>)
     scores = {}
-    for use_tool in (True, False):
+    for name, tool, use_tool in (("tool", "KeyLookup", True), ("unavailable", "UnavailableLookup", True),
+                                 ("no call", "KeyLookup", False)):
         mt = MultiTurnEngine(CallThenCopy(tok, use_tool), tok,
-                             ToolPool(["grpo_mega.data.toy_tools:KeyLookup"], start_method="fork"), "bare",
+                             ToolPool([f"grpo_mega.data.toy_tools:{tool}"], start_method="fork"), "bare",
                              max_turns=2, call_stop_ids=[tok.convert_tokens_to_ids("<tool_call>")],
                              row_tools_kwargs=task.tools_kwargs)
         try:
-            gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 6, [tok.eos_token_id], seed=0)
+            gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 28, [tok.eos_token_id], seed=0)
         finally:
             mt.shutdown()
-        scores[use_tool] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
-        if use_tool:
-            assert gen.extra["multi_turn"]["tool_calls"] == [1] * 64 and gen.extra["multi_turn"]["tool_errors"] == [0] * 64
+        scores[name] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
+        stats = gen.extra["multi_turn"]
+        if name == "tool":
+            assert stats["tool_calls"] == [1] * 64 and stats["tool_errors"] == [0] * 64
             assert gen.model_mask[0] == [1, 0, 0, 1, 1]  # <tool_call> | <tool> x | x <eos>
-    assert scores[True] == 1.0
-    assert scores[False] == pytest.approx(sum(e.answer == "c" for e in val) / 64) and scores[False] < 0.3
+        if name == "unavailable":  # the same calls; each tool turn is the error message
+            assert stats["tool_calls"] == [1] * 64 and stats["tool_errors"] == [1] * 64
+            assert gen.token_ids[0] == tok.convert_tokens_to_ids(["<tool_call>"]) + error_turn + \
+                tok.convert_tokens_to_ids(["c", "<eos>"])
+    assert scores == {"tool": 1.0, "unavailable": pytest.approx(chance), "no call": 0.0}
 
 
 def test_reward_reads_the_answer_after_the_last_tool_result():
@@ -67,14 +80,27 @@ def test_reward_reads_the_answer_after_the_last_tool_result():
     ex = task.example(372)
     ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
     other = next(c for c in "abcdefghij" if c != ex.answer)
-    assert task.reward(ex, ids([ex.answer, "<eos>"])) == 1.0  # a right guess
+    assert task.reward(ex, ids([ex.answer, "<eos>"])) == 0.0  # a right guess without a tool turn: 0
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other])) == 0.0  # the last turn counts
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, other, other])) == 1.0  # its first letter
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", "=", ex.answer, other])) == 1.0
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", other, ex.answer])) == 0.0
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 0.0
+    assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 0.0
+    assert task.reward(ex, ids([other, "<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0  # the last turn
+    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "<eos>"])) == 0.0  # the tool's letter, not the model's
     assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer])) == 0.0  # no answer after the result
+    assert task.reward(ex, ids(["<tool_call>", "<tool>"])) == 0.0  # the result cut by the budget
+    assert task.reward(ex, ids(["<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0  # a `<tool>` the model wrote
+    assert task.reward(ex, ids([other, "<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0
     assert task.reward(ex, []) == 0.0
+    error = ids(["<tool_call>", "<tool>"] + list("Error: down."))
+    assert task.reward(ex, error + ids([ex.answer, "<eos>"])) == 1.0  # a right guess after an error turn
+    assert task.reward(ex, error + ids([other, ex.answer])) == 0.0
+    assert task.reward(ex, error[:-1] + ids([ex.answer, "<eos>"])) == 0.0  # the error cut before its end
 
 
-def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_only():
+def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_a_call():
     tok = make_lookup_tokenizer()
     ex = LookupTask(tok).example(42)
     assert tok.convert_ids_to_tokens(ex.prompt_ids) == ["<bos>", "0", "4", "2", "="]
@@ -82,11 +108,14 @@ def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_calls_only():
     assert KeyLookup().call({}, key="042") == LOOKUP_TABLE["042"] == ex.answer
     with pytest.raises(ToolError, match="no key '42'"):
         KeyLookup().call({}, key="42")
-    warm = LookupTask(tok, shaping=True)  # task=lookup_call: calling is what it rewards, the answer is not
+    with pytest.raises(ToolError, match="down"):
+        UnavailableLookup().call({}, key="042")
+    warm = LookupTask(tok, shaping=True)  # task=lookup_call: a call (the warm-up runs one turn: no tool result)
     ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
-    other = next(c for c in "abcdefghij" if c != ex.answer)
-    assert warm.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other])) == 1.0
+    assert warm.reward(ex, ids(["<tool_call>"])) == 1.0
+    assert warm.reward(ex, ids(["5", "<tool_call>"])) == 1.0
     assert warm.reward(ex, ids([ex.answer, "<eos>"])) == 0.0
+    assert warm.reward(ex, ids(["<tool>", ex.answer, "<eos>"])) == 0.0
 
 
 def test_bare_parser_needs_exactly_one_tool():
@@ -97,3 +126,34 @@ def test_bare_parser_needs_exactly_one_tool():
             MultiTurnEngine(CallThenCopy(tok, True), tok, pool, "bare")
     finally:
         pool.close()
+
+
+def test_tool_task_start_leans_to_copying(tmp_path):
+    """tools/tool_task.py's start (tied embeddings x4 at init): after `<tool>x` the likeliest token is x, a
+    prior the warm-up must not erase; at x1 (no scaling) p(x) is below 0.1."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tool_task", root / "tools" / "tool_task.py")
+    tool_task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool_task)
+    tok = make_lookup_tokenizer()
+    task = LookupTask(tok)
+    p_copy = {}
+    for scale in (1.0, 4.0):
+        tool_task.init_model(root / "model_configs" / "tiny.yaml", str(tmp_path / str(scale)), scale)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / str(scale))).eval()
+        assert model.config.tie_word_embeddings
+        with torch.no_grad():
+            probs = [torch.softmax(model(torch.tensor([e.prompt_ids + tok.convert_tokens_to_ids(
+                ["<tool_call>", "<tool>", e.answer])])).logits[0, -1], -1) for e in task.validation()[:16]]
+        p_copy[scale] = sum(p[tok.convert_tokens_to_ids(e.answer)].item()
+                            for p, e in zip(probs, task.validation()[:16])) / 16
+        if scale == 4.0:
+            assert all(int(p.argmax()) == tok.convert_tokens_to_ids(e.answer)
+                       for p, e in zip(probs, task.validation()[:16]))
+    assert p_copy[4.0] > 0.5 > 0.1 > p_copy[1.0]
