@@ -98,10 +98,10 @@ def _check_logits(hf_dir, tp, pp):
     ranks = run_ranks(_megatron_logits, tp * pp, str(hf_dir), tp, pp, tokens, timeout=300)
     last = sorted((r for r in ranks if r[0].pp_rank == pp - 1), key=lambda r: r[0].tp_rank)
     logits = torch.cat([r[1] for r in last], dim=-1)[..., : cfg.vocab_size]
-    # transformers' eager attention: its sdpa path differs from its own eager one by 9.8e-5 max-abs on
-    # SmolLM2 (logits up to 33), which would leave no room under the 1e-4 tolerance. Megatron TP1 equals
-    # eager exactly; TP3 differs by 8.3e-5 (the reductions split three ways).
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    # transformers' attention through SDPA, as the local spec's (grpo_mega.models.local_attention): its eager
+    # path differs from its own sdpa one by 9.8e-5 max-abs on SmolLM2 (logits up to 33), which would leave no
+    # room under the 1e-4 tolerance. Megatron TP1 equals it exactly; TP3 differs by 7.3e-5 (reductions split 3 ways).
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         want = hf_model(tokens).logits
     err = (logits - want).abs().max().item()
