@@ -132,14 +132,19 @@ def layout(rollout: RolloutBatch, parallel: ParallelConfig, batch: BatchConfig,
     return micro, length, stats
 
 
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers under megatron's `optimizer`: one, or with expert parallelism two (megatron chains
+    an optimizer for the dense parameters and one for the experts)."""
+    return [part.optimizer for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
+
+
 def fuse_cpu_adam(optimizer) -> None:
     """Without Transformer Engine or Apex megatron-core falls back to torch.optim.AdamW, which on CPU tensors
     runs its per-parameter loop (a dozen elementwise kernels per parameter per step: 5.5 of the 34 s of a
     SmolLM2-135M update here). torch's fused AdamW does the same update in one pass per parameter, and is
     what transformers' Trainer (hence TRL) uses on torch >= 2.8: set it on every torch Adam under megatron's
     optimizer whose parameters are on the CPU (on GPUs TE's FusedAdam is used, or torch's foreach default)."""
-    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(part, "optimizer", None)
+    for inner in torch_optimizers(optimizer):
         if not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
             continue
         for group in inner.param_groups:

@@ -82,10 +82,10 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
 
 
 def _torch_optimizers(actor) -> list:
-    """The torch optimizers under megatron's: one, or with expert parallelism two (megatron chains an
-    optimizer for the dense parameters and one for the experts)."""
-    opt = actor.optimizer
-    return [part.optimizer for part in getattr(opt, "chained_optimizers", None) or [opt]]
+    """The torch optimizers under the actor's megatron optimizer (actor.torch_optimizers)."""
+    from grpo_mega.trainer.actor import torch_optimizers
+
+    return torch_optimizers(actor.optimizer)
 
 
 def prime_optimizer(actor) -> None:

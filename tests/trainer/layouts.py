@@ -76,6 +76,17 @@ def configs(mode: str, mbs: int, optim: str = "adam", batch_kw: dict | None = No
 PACKING_LENGTHS = ((MAX_PROMPT, [MAX_RESPONSE, 2, 3, 1]), (4, [2, 5, 1, 3]))
 
 
+def tiny_actor(train: int = 2, mini: int = 2, micro: int = 2, optim: OptimConfig | None = None,
+               algo_cfg: AlgoConfig | None = None) -> Actor:
+    """The tiny model's Actor in fp32 on one process (init_distributed(tp=1, pp=1) first), responses of up to 10
+    tokens, `train` rows per step in mini-batches of `mini`, micro-batches of `micro` (the one-process tests);
+    OptimConfig(lr=1e-3) and AlgoConfig(kl_coef=0.0) unless given."""
+    batch_cfg = BatchConfig(train_batch_size=train, ppo_mini_batch_size=mini, micro_batch_size=micro,
+                            max_response_length=10)
+    return Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
+                 optim or OptimConfig(lr=1e-3), algo_cfg or AlgoConfig(kl_coef=0.0), batch_cfg)
+
+
 def rollout(seed: int = 0, vocab: int | None = None, lengths: str = "random") -> RolloutBatch:
     """8 responses (2 prompts x 4) with random tokens and rewards; random lengths, PACKING_LENGTHS, or all full."""
     g = torch.Generator().manual_seed(seed)

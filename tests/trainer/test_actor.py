@@ -105,13 +105,10 @@ def test_fp8_where_it_cannot_run_says_so():
 
 
 def _full_kl_without_reference():
-    from grpo_mega.trainer.actor import Actor
-
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10)
-        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"), OptimConfig(),
-                      AlgoConfig(kl_estimator="full", kl_coef=0.1), batch_cfg)  # builds: no refusal any more
+        # builds: no refusal any more
+        actor = L.tiny_actor(optim=OptimConfig(), algo_cfg=AlgoConfig(kl_estimator="full", kl_coef=0.1))
         batch = L.rollout(seed=3)
         batch.old_logp = actor.logprobs(batch, 1.0)
         try:
@@ -129,14 +126,10 @@ def test_full_kl_in_the_loss_asks_for_the_reference():
 
 
 def _lr_schedule():
-    from grpo_mega.trainer.actor import Actor
-
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=4, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
-        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
-                      OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=4, lr_decay_style="linear"),
-                      AlgoConfig(kl_coef=0.0), batch_cfg)
+        actor = L.tiny_actor(train=4, mini=1, optim=OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+                                                                  lr_decay_steps=4, lr_decay_style="linear"))
         batch = L.rollout(seed=3)
         batch.old_logp = actor.logprobs(batch, 1.0)
         lrs = [m["lr"] for m in actor.update(batch, 1.0)]  # 4 mini-batches = 4 optimizer steps
@@ -184,13 +177,9 @@ def test_a_nan_in_the_loss_is_skipped_and_leaves_the_weights(tp, pp, dtype):
 def _bad_gradient_step(value):
     """One mini-batch whose loss is finite but one gradient element is `value` (a tensor hook on one weight,
     run before megatron's grad-buffer accumulation), then a clean one."""
-    from grpo_mega.trainer.actor import Actor
-
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=1, micro_batch_size=2, max_response_length=10)
-        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
-                      OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
+        actor = L.tiny_actor(mini=1)
         batch = L.rollout(seed=3)
         batch.old_logp = actor.logprobs(batch, 1.0)
         weight = next(p for n, p in actor.built.gpt.named_parameters() if n.endswith("linear_fc1.weight"))

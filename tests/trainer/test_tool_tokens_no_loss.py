@@ -3,7 +3,6 @@ positions leaves the update's loss and gradient norm unchanged; perturbing them 
 
 import pytest
 
-from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
@@ -11,13 +10,9 @@ from tests.trainer import layouts as L
 
 
 def _update(perturb: str):
-    from grpo_mega.trainer.actor import Actor
-
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=7)
-        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=8, max_response_length=10)
-        actor = Actor(load_model_config("tiny"), ParallelConfig(), PrecisionConfig(params_dtype="fp32"),
-                      OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
+        actor = L.tiny_actor(micro=8)
         batch = L.rollout(seed=3)
         mask = batch.response_mask()
         batch.model_mask = mask.clone().fill_(True)
