@@ -159,6 +159,17 @@ def check_tensors(reader: SafetensorsReader, cfg: ModelConfig, hf_dir: str) -> N
         raise ValueError(f"{hf_dir}: holds experts its config does not have (num_experts={cfg.num_experts}): {extra[:3]}")
 
 
+def zero_pad_row(hf_dir: str) -> Optional[int]:
+    """config.json's pad_token_id when that row of the input embedding is all zeros, else None. transformers
+    builds `nn.Embedding(..., padding_idx=pad_token_id)`: a model it initialised has that row zeroed, and its
+    backward never trains it; megatron's embedding trains every row (reads one row of the file)."""
+    pad = read_hf_config(hf_dir)[0].get("pad_token_id")
+    if not isinstance(pad, int) or pad < 0:
+        return None
+    row = SafetensorsReader(hf_dir).open("model.embed_tokens.weight")[pad:pad + 1]
+    return pad if row.numel() and not row.any() else None
+
+
 def load_hf_into_gpt(gpt: torch.nn.Module, hf_dir: str, cfg: ModelConfig, tp_rank: int, tp: int,
                      reader: Optional[SafetensorsReader] = None) -> None:
     """Fill this rank's stage/shard of a GPTModel from an HF directory, reading only its own slices."""

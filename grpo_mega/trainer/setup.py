@@ -224,6 +224,15 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
     from grpo_mega.trainer.task import build_task
 
     task = build_task(cfg, tok)
+    if hf_dir is not None and torch.distributed.get_rank() == 0:
+        from grpo_mega.models.hf_io import zero_pad_row
+
+        pad = zero_pad_row(hf_dir)
+        if pad is not None:
+            print(f"note: {hf_dir}: the embedding row of pad_token_id={pad} is all zeros (transformers' init; its "
+                  f"nn.Embedding padding_idx never trains that row, grpo-mega does). Where token {pad} is in the input, "
+                  f"its gradient passes RMSNorm at a zero input, 1/sqrt(rms_norm_eps) times the others': grad_norm "
+                  f"is mostly that row's until it has moved", flush=True)
     if cfg.rollout.off_policy_steps and torch.distributed.get_rank() == 0:
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)

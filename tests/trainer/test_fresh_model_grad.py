@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+from grpo_mega.models.hf_io import zero_pad_row
 from grpo_mega.parallel.forked import run_ranks
 from tests.models.hf_fixtures import fresh_hf
 from tests.trainer import layouts as L
@@ -233,7 +234,9 @@ def _model(tmp_path_factory, family: str, pad_token_id=None):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Per family: a fresh model without a pad token (no zeroed row), its reference gradient."""
-    return {family: _model(tmp_path_factory, family) for family in ("qwen3", "qwen3_moe")}
+    out = {family: _model(tmp_path_factory, family) for family in ("qwen3", "qwen3_moe")}
+    assert all(zero_pad_row(str(d)) is None for d, _ in out.values())
+    return out
 
 
 @pytest.mark.parametrize("family,name", list(LAYOUTS), ids=[f"{f}-{n.replace(' ', '')}" for f, n in LAYOUTS])
@@ -254,6 +257,7 @@ def test_issue_42_the_gap_is_the_pad_row(tmp_path_factory, tmp_path, family):
     hf_dir, ref = _model(tmp_path_factory, family, pad_token_id=PAD)
     emb = load_file(str(hf_dir / "model.safetensors"))["model.embed_tokens.weight"]
     assert not emb[PAD].any() and emb[PAD + 1].any()  # transformers' init zeroed the pad row alone
+    assert zero_pad_row(str(hf_dir)) == PAD  # what the run's start-up note names
     metrics, grad, slack, padding = trainer_gradient(hf_dir, 1, 1, False, str(tmp_path / "w1"))
     check(f"{family}, pad_token_id={PAD}", metrics, grad, slack, padding, ref)
     hf_own, _ = reference_gradient(hf_dir, str(tmp_path / "own"))
