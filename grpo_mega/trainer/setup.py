@@ -59,7 +59,7 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             from grpo_mega.rollout.client import ServerClient
 
             engine = ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
-                                  moe_layers=model.moe_layers() if cfg.algo.routing_replay == "rollout" else None)
+                                  moe_layers=model.moe_layers() if cfg.algo.records_routes else None)
         else:
             import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
             import grpo_mega.rollout.sglang_engine  # noqa: F401
@@ -69,7 +69,7 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
                               dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
                               mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
-                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.routing_replay == "rollout")
+                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.records_routes)
             engine = ENGINES.get(rollout.engine).for_run(spec)
         if not mt.enable:
             return engine
@@ -113,7 +113,8 @@ class Run:
             self.actor.optimizer.reload_model_params()
         self.reference = None
         if cfg.algo.kl_coef != 0:
-            self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload)
+            self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload,
+                                       replay=cfg.algo.routing_replay == "rollout")
             self.reference.load_from(self.actor)
         self.first_step, self.store, state = 1, None, None
         if cfg.checkpoint.dir:
