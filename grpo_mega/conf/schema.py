@@ -442,7 +442,9 @@ class AlgoConfig:
     """Upper bound on rho (> low); null: 2.0 (icepop: 5.0)."""
     routing_replay: str = "none"
     """MoE models: 'rollout' (R3) routes each token in the trainer's passes to the top-k experts the rollout engine
-    chose for it (prompt and response; grpo_mega.models.routing_replay), 'none': the trainer routes on its own."""
+    chose for it (prompt and response; grpo_mega.models.routing_replay); 'measure': the engine's choices are
+    recorded and only compared (moe/routing_agreement logged), the trainer routes on its own: whether replay is
+    needed; 'none': the trainer routes on its own, nothing recorded."""
 
     def __post_init__(self):
         from grpo_mega.algo.kl import KL_ESTIMATORS
@@ -472,14 +474,19 @@ class AlgoConfig:
         self.dynamic_sampling = resolve_mode(self.dynamic_sampling)
         if self.max_gen_rounds < 1:
             raise ValueError(f"algo.max_gen_rounds={self.max_gen_rounds} must be >= 1 (the step's first round counts)")
-        if self.routing_replay not in ("none", "rollout"):
-            raise ValueError(f"algo.routing_replay={self.routing_replay!r} must be 'none' or 'rollout'")
+        if self.routing_replay not in ("none", "measure", "rollout"):
+            raise ValueError(f"algo.routing_replay={self.routing_replay!r} must be 'none', 'measure' or 'rollout'")
         if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
             raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
                              f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
         if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
             raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
                              f"must be >= 0")
+
+    @property
+    def records_routes(self) -> bool:
+        """The engine returns the experts it chose (routing_replay 'rollout' replays them, 'measure' compares)."""
+        return self.routing_replay != "none"
 
     def correction(self):
         """The rollout correction (level, mode, low, high) these fields resolve to, or None when off
@@ -976,23 +983,26 @@ class TrainConfig:
         return dp
 
     def check_routing_replay(self, model: ModelConfig) -> None:
-        """algo.routing_replay=rollout against the model and the engines: a ValueError naming what refuses it."""
+        """algo.routing_replay=rollout or measure against the model and the engines: a ValueError naming what
+        refuses it (both need the engine's routes; measure counts in every router call, as replay routes)."""
         if self.algo.routing_replay == "none":
             return
+        mode = self.algo.routing_replay
         if not model.is_moe:
-            raise ValueError(f"algo.routing_replay={self.algo.routing_replay} needs an MoE model; model {model.name} is "
+            raise ValueError(f"algo.routing_replay={mode} needs an MoE model; model {model.name} is "
                              f"dense (family {model.family!r}, no num_experts): set algo.routing_replay=none")
         if self.rollout.engine != "embedded" and self.rollout.placement == "colocated":
-            raise ValueError(f"algo.routing_replay=rollout with the colocated rollout.engine={self.rollout.engine}: its "
+            raise ValueError(f"algo.routing_replay={mode} with the colocated rollout.engine={self.rollout.engine}: its "
                              "routed experts are not read yet (SGLang 0.5.23 returns them to dedicated servers' clients, "
                              "rollout.placement=dedicated, started with --enable-return-routed-experts); use "
                              "rollout.engine=embedded or rollout.placement=dedicated")
         if self.rollout.multi_turn.enable:
-            raise ValueError("algo.routing_replay=rollout with rollout.multi_turn.enable=true: tool turns are not "
+            raise ValueError(f"algo.routing_replay={mode} with rollout.multi_turn.enable=true: tool turns are not "
                              "recorded yet; set algo.routing_replay=none")
         if self.parallel.recompute == "full":
-            raise ValueError("algo.routing_replay=rollout with parallel.recompute=full: a recomputed layer would route "
-                             "again with another micro-batch's experts; use parallel.recompute=selective or none")
+            raise ValueError(f"algo.routing_replay={mode} with parallel.recompute=full: a recomputed layer would route "
+                             "again with another micro-batch's experts (and be counted again); use "
+                             "parallel.recompute=selective or none")
 
     @classmethod
     def from_hydra(cls, cfg) -> "TrainConfig":

@@ -38,6 +38,8 @@ def hf_dtype(hf: dict) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(name), torch.float32)
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -159,6 +161,17 @@ def check_tensors(reader: SafetensorsReader, cfg: ModelConfig, hf_dir: str) -> N
         raise ValueError(f"{hf_dir}: holds experts its config does not have (num_experts={cfg.num_experts}): {extra[:3]}")
 
 
+def zero_pad_row(hf_dir: str) -> Optional[int]:
+    """config.json's pad_token_id when that row of the input embedding is all zeros, else None. transformers
+    builds `nn.Embedding(..., padding_idx=pad_token_id)`: a model it initialised has that row zeroed, and its
+    backward never trains it; megatron's embedding trains every row (reads one row of the file)."""
+    pad = read_hf_config(hf_dir)[0].get("pad_token_id")
+    if not isinstance(pad, int) or pad < 0:
+        return None
+    row = SafetensorsReader(hf_dir).open("model.embed_tokens.weight")[pad:pad + 1]
+    return pad if row.numel() and not row.any() else None
+
+
 def load_hf_into_gpt(gpt: torch.nn.Module, hf_dir: str, cfg: ModelConfig, tp_rank: int, tp: int,
                      reader: Optional[SafetensorsReader] = None) -> None:
     """Fill this rank's stage/shard of a GPTModel from an HF directory, reading only its own slices."""
@@ -204,9 +217,12 @@ class HFWriter:
         self._pending_bytes = 0
         self._shards: list[tuple[str, list[str]]] = []
         self.total_bytes = 0
+        self.float_dtypes: set[torch.dtype] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
+        if tensor.is_floating_point():
+            self.float_dtypes.add(tensor.dtype)
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
         self._pending[name] = tensor.contiguous()
@@ -222,6 +238,15 @@ class HFWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def close(self, config: dict, tokenizer_from: Optional[str] = None) -> Path:
+        """Writes the index, config.json (its `dtype` and `torch_dtype` those of the tensors written, whatever
+        `config` says: transformers 5 loads in `dtype`, 4.x in `torch_dtype`) and the tokenizer files, and
+        renames the directory into place."""
+        if len(self.float_dtypes) > 1:
+            raise ValueError(f"{self.out_dir}: tensors of several dtypes were written "
+                             f"({sorted(map(str, self.float_dtypes))}); an HF config.json names one")
+        if self.float_dtypes:
+            name = _DTYPE_NAMES[next(iter(self.float_dtypes))]
+            config = {**config, "dtype": name, "torch_dtype": name}
         if self._pending:
             self._flush()
         n = len(self._shards)

@@ -1,6 +1,7 @@
 """Rollout routing replay (R3) in the trainer: each MoE layer routes a token to the experts the rollout engine
 chose for it, where the engine returned a choice (`algo.routing_replay=rollout`, docs/design.md "Routing
-replay"); and the routing agreement metric (the trainer's own top-k against the engine's).
+replay"); and the routing agreement metric (the trainer's own top-k against the engine's), which
+`algo.routing_replay=measure` takes without replaying (`Replay.replay` False).
 
 Megatron-core 0.16.1 asks `TopKRouter.router_replay` for every top-k (`moe_utils.
 topk_routing_with_score_function(..., router_replay=)` calls its `get_replay_topk(scores, topk, num_groups,

@@ -238,7 +238,8 @@ class ServerClient(RolloutEngine):
 
         raw = meta.get("routed_experts")
         if raw is None:
-            raise ServerError(f"rollout server {url} returned no routed_experts (algo.routing_replay=rollout): start "
+            raise ServerError(f"rollout server {url} returned no routed_experts (algo.routing_replay=rollout or "
+                              "measure): start "
                               "SGLang with --enable-return-routed-experts")
         flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
         layers = len(self.moe_layers)

@@ -4,8 +4,8 @@ For machines without SGLang (CI, laptops, the demo). Batched sampling with a KV 
 one seeded generator per sample (so a sample does not depend on what else is in the batch) drawing that
 sample's uniforms, inverse-CDF sampling of the whole batch at once, logprobs of softmax(logits / temperature)
 at the sampled token. tools/bench_decode.py holds it against transformers' `generate`. For routing replay
-(algo.routing_replay=rollout) it records the top-k experts transformers' MoE routers pick for every token it feeds
-the model (forward hooks; Generation.routed_experts).
+(algo.routing_replay=rollout or measure) it records the top-k experts transformers' MoE routers pick for every
+token it feeds the model (forward hooks; Generation.routed_experts).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class EmbeddedEngine(RolloutEngine):
             engine.enable_routing_record()
         return engine
 
-    # ---- routing (algo.routing_replay=rollout) --------------------------------------------------------
+    # ---- routing (algo.routing_replay=rollout or measure) --------------------------------------------------------
 
     def enable_routing_record(self) -> None:
         if not self.routers:

@@ -67,7 +67,7 @@ class Generation:
     (its stop tokens included), 0 for tool results and chat-template glue; logprobs are 0.0 at the 0s.
     None: every token is the model's."""
     routed_experts: Optional[list] = None
-    """Rollout routing replay (algo.routing_replay=rollout): per sample, int16 [P + R - 1, M, k], the top-k
+    """Rollout routing replay (algo.routing_replay=rollout or measure): per sample, int16 [P + R - 1, M, k], the top-k
     experts the engine's router chose for each token it fed its model (the P prompt tokens, then the response's
     first R - 1: the last one is never fed) in each of the model's M MoE layers, position-aligned with the
     sequence; None: not recorded (a rank's placeholder rows are None too)."""
@@ -138,7 +138,7 @@ class EngineSpec:
     timeout_s: float = 900.0
     """The longest one call into the engine may take (rollout.engine_timeout_s)."""
     record_routing: bool = False
-    """Return each token's routed experts (Generation.routed_experts; algo.routing_replay=rollout)."""
+    """Return each token's routed experts (Generation.routed_experts; algo.routing_replay=rollout or measure)."""
 
 
 ENGINES: Registry[type] = Registry("rollout engine")

@@ -9,8 +9,8 @@ visible command line never holds it.
 
 `python -m grpo_mega.rollout.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a
 training run composed from those overrides needs of its servers (`training_flags`: token ids only, weight
-version 0, and `--enable-return-routed-experts` when algo.routing_replay=rollout); slurm/train.sbatch builds its
-default server command with it."""
+version 0, and `--enable-return-routed-experts` when algo.routing_replay=rollout or measure); slurm/train.sbatch
+builds its default server command with it."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def training_flags_for(overrides: list[str]) -> list[str]:
     with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
         cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
     GlobalHydra.instance().clear()
-    return training_flags(TrainConfig.from_hydra(cfg).algo.routing_replay == "rollout")
+    return training_flags(TrainConfig.from_hydra(cfg).algo.records_routes)
 
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",

@@ -340,13 +340,14 @@ class Reference:
     in host memory between uses and visit the GPU only for those."""
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, batch: BatchConfig,
-                 offload: bool = False):
+                 offload: bool = False, replay: bool = True):
         self.model_cfg, self.parallel, self.batch = model_cfg, parallel, batch
         self.built = build_reference(model_cfg, parallel, precision)
-        if model_cfg.is_moe:
+        if model_cfg.is_moe:  # `replay`: routes given with the rollout are followed (False: only compared)
             from grpo_mega.models import routing_replay
 
             routing_replay.install(self.built.gpt, model_cfg.moe_layers())
+            routing_replay.set_replay(self.built.gpt, replay)
         self.offload = offload and torch.cuda.is_available()
         if self.offload:
             move_module(self.built.gpt, "cpu")
@@ -405,6 +406,8 @@ class Actor:
             from grpo_mega.models import routing_replay
 
             routing_replay.install(self.built.gpt, model_cfg.moe_layers())
+            # algo.routing_replay=measure: the engine's routes are compared with the routers' own, not followed
+            routing_replay.set_replay(self.built.gpt, algo_cfg.routing_replay != "measure")
         bf16 = precision.params_dtype == "bf16"
         self.params_dtype = torch.bfloat16 if bf16 else torch.float32
         self.optimizer = get_megatron_optimizer(
@@ -450,8 +453,9 @@ class Actor:
         `logprobs` (the loop asks after the pass on the weights the engine sampled with: the old-logprob pass, or
         the exactly on-policy update), with the engine's routes: of the (token, MoE layer) pairs the engine
         routed, the share where the trainer's own top-k of its router logits is the engine's set
-        (grpo_mega.models.routing_replay; counted whether or not the routes are replayed: under replay a layer's
-        inputs are those the replayed layers before it made). {} for a dense model or without routes."""
+        (grpo_mega.models.routing_replay; counted whether or not the routes are replayed, algo.routing_replay=
+        rollout or measure: under replay a layer's inputs are those the replayed layers before it made). {} for a
+        dense model or without routes."""
         if not self.model_cfg.is_moe:
             return {}
         from grpo_mega.models.routing_replay import world_agreement

@@ -59,7 +59,7 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             from grpo_mega.rollout.client import ServerClient
 
             engine = ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
-                                  moe_layers=model.moe_layers() if cfg.algo.routing_replay == "rollout" else None)
+                                  moe_layers=model.moe_layers() if cfg.algo.records_routes else None)
         else:
             import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
             import grpo_mega.rollout.sglang_engine  # noqa: F401
@@ -69,7 +69,7 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
                               dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
                               mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
-                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.routing_replay == "rollout")
+                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.records_routes)
             engine = ENGINES.get(rollout.engine).for_run(spec)
         if not mt.enable:
             return engine
@@ -113,7 +113,8 @@ class Run:
             self.actor.optimizer.reload_model_params()
         self.reference = None
         if cfg.algo.kl_coef != 0:
-            self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload)
+            self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload,
+                                       replay=cfg.algo.routing_replay == "rollout")
             self.reference.load_from(self.actor)
         self.first_step, self.store, state = 1, None, None
         if cfg.checkpoint.dir:
@@ -224,6 +225,15 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
     from grpo_mega.trainer.task import build_task
 
     task = build_task(cfg, tok)
+    if hf_dir is not None and torch.distributed.get_rank() == 0:
+        from grpo_mega.models.hf_io import zero_pad_row
+
+        pad = zero_pad_row(hf_dir)
+        if pad is not None:
+            print(f"note: {hf_dir}: the embedding row of pad_token_id={pad} is all zeros (transformers' init; its "
+                  f"nn.Embedding padding_idx never trains that row, grpo-mega does). Where token {pad} is in the input, "
+                  f"its gradient passes RMSNorm at a zero input, 1/sqrt(rms_norm_eps) times the others': grad_norm "
+                  f"is mostly that row's until it has moved", flush=True)
     if cfg.rollout.off_policy_steps and torch.distributed.get_rank() == 0:
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)

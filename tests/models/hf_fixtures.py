@@ -26,7 +26,7 @@ def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, s
         "qwen2": lambda: (Qwen2Config(**kw), Qwen2ForCausalLM),
         "qwen3": lambda: (Qwen3Config(head_dim=32, **kw), Qwen3ForCausalLM),
         # 8 experts, top-2, renormalised top-k (as Qwen3-30B-A3B), layer 2 dense: both MLP kinds
-        "qwen3_moe": lambda: (Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        "qwen3_moe": lambda: (Qwen3MoeConfig(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers), **kw), Qwen3MoeForCausalLM),
     }[family]()
     torch.manual_seed(seed)
@@ -43,3 +43,27 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "config.json").is_file():
         raise RuntimeError(f"SmolLM2-135M-Instruct is not prepared at {SMOLLM2_DIR}: run `make smollm2` (make test does)")
     return SMOLLM2_DIR
+
+
+def fresh_hf(path: Path, family: str, seed: int = 0, pad_token_id: int | None = None) -> Path:
+    """A random model as a new user makes one with transformers and saves it, untouched after its init (fp32):
+    the shape of issue 42's (hidden 96, 6 heads, 2 KV heads, head_dim 24 != 96 / 6, untied, initializer_range
+    0.08), 2 layers and a 1000-token vocabulary (padded to 1024 in megatron); Qwen3-MoE with 4 experts, top-2,
+    every layer sparse, no load-balancing loss. With `pad_token_id` (issue 42's model: 2, SmolLM2's <|im_end|>,
+    also the EOS) transformers' init zeroes that embedding row (nn.Embedding padding_idx)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kw = dict(vocab_size=1000, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, initializer_range=0.08, bos_token_id=1, eos_token_id=2,
+              pad_token_id=pad_token_id)
+    if family == "qwen3":
+        cfg, cls = Qwen3Config(**kw), Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        cfg, cls = Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  router_aux_loss_coef=0.0, **kw), Qwen3MoeForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    cls(cfg).float().save_pretrained(path, safe_serialization=True)
+    return path

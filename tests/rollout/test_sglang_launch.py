@@ -1,4 +1,4 @@
-"""The SGLang server command lines grpo-mega builds: with algo.routing_replay=rollout they carry
+"""The SGLang server command lines grpo-mega builds: with algo.routing_replay=rollout or measure they carry
 --enable-return-routed-experts (SGLang 0.5.23 returns meta_info["routed_experts"] only from a server started with
 it), from `sglang_command` (launch_sglang) and from slurm/train.sbatch's default server command, which composes the
 training's own config. The sbatch runs unchanged under bash with stand-in `scontrol` and `srun` that record the
@@ -63,9 +63,11 @@ def _sbatch_server_command(tmp_path: Path, overrides: list[str]) -> str:
     return cmd
 
 
-@pytest.mark.parametrize("replay", [True, False])
-def test_train_sbatch_server_command_follows_routing_replay(tmp_path, replay):
-    overrides = ["model=tiny-qwen3-moe", "parallel.ep=2"] + (["algo.routing_replay=rollout"] if replay else [])
+@pytest.mark.parametrize("mode", ["rollout", "measure", "none"])
+def test_train_sbatch_server_command_follows_routing_replay(tmp_path, mode):
+    """The servers return their routes when the run replays them or measures agreement with them."""
+    replay = mode != "none"
+    overrides = ["model=tiny-qwen3-moe", "parallel.ep=2"] + ([f"algo.routing_replay={mode}"] if replay else [])
     cmd = _sbatch_server_command(tmp_path, overrides)
     assert cmd.startswith(f"{sys.executable} -m grpo_mega.rollout.sglang_launch --model-path /models/qwen3-30b-a3b "
                           "--tp 2 --skip-tokenizer-init --weight-version 0"), cmd

@@ -208,15 +208,16 @@ def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
         return w0, logp, inputs, out
 
 
-def load_many(dirs, tied=False, variant="tiny"):
-    """Load checkpoints written at any layout into one single-process TP1PP1 model; return their states."""
+def load_many(dirs, tied=False, variant="tiny", cfg=None):
+    """Load checkpoints written at any layout into one single-process TP1PP1 model; return their states.
+    The model is `model_cfg(tied, variant)`, or `cfg` (a ModelConfig, e.g. an HF directory's) when given."""
     from megatron.core import dist_checkpointing
 
     from grpo_mega.models.builder import build_gpt
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=1234)
-        gpt, _ = build_gpt(model_cfg(tied, variant), ParallelConfig(), PrecisionConfig(params_dtype="fp32"))
+        gpt, _ = build_gpt(cfg or model_cfg(tied, variant), ParallelConfig(), PrecisionConfig(params_dtype="fp32"))
         out = {}
         for d in dirs:
             gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), d))

@@ -139,3 +139,51 @@ def test_offline_export_refuses_a_checkpoint_that_fails_its_manifest(tmp_path):
     (unsealed / "model").mkdir(parents=True)
     with pytest.raises(ValueError, match="interrupted while being written"):
         model_dir(str(unsealed))
+
+
+def _export_at(src: str, out: str, dtype: torch.dtype) -> None:
+    """The checkpoint's HF export (trainer.checkpoint.export_hf, as Run.save calls it) of an fp32 actor loaded
+    from `src`, written in `dtype` (the trained precision: the actor's params_dtype)."""
+    from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
+    from grpo_mega.trainer.checkpoint import export_hf
+    from tests.trainer import layouts as L
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1)
+        _, _, cfg = read_hf_config(src)
+        actor = L.tiny_actor(train=1, mini=1, micro=1)
+        actor = type(actor)(cfg, ParallelConfig(), PrecisionConfig(params_dtype="fp32"), actor.optim, actor.algo,
+                            actor.batch)
+        load_hf_into_gpt(actor.built.gpt, src, cfg, 0, 1)
+        with torch.no_grad():  # as if trained in fp32: values a bf16 source cannot hold
+            for p in actor.built.gpt.parameters():
+                p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+        export_hf(Path(out), actor, cfg, dtype, src)
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("src_dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_export_config_names_the_dtype_written(tmp_path, src_dtype, out_dtype):
+    """config.json of an export carries the dtype of the tensors it holds, under `dtype` (transformers 5) and
+    `torch_dtype` (4.x), whatever the source's said: transformers loads the export in that dtype with the
+    written values (bf16 weights from an fp32 source were loaded as fp32; fp32 weights from a bf16 source were
+    rounded to bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.hf_fixtures import tiny_hf
+
+    src = tiny_hf(tmp_path / "src", "qwen3", dtype=src_dtype)
+    assert json.loads((src / "config.json").read_text())["dtype"] == str(src_dtype).removeprefix("torch.")
+    out = tmp_path / "hf"
+    run_ranks(_export_at, 1, str(src), str(out), out_dtype, timeout=300)
+    name = str(out_dtype).removeprefix("torch.")
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == name
+    written = load_file(out / "model.safetensors")
+    assert {t.dtype for t in written.values()} == {out_dtype}
+    model = AutoModelForCausalLM.from_pretrained(out)  # no dtype given: the config's
+    assert model.dtype == out_dtype
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in written.items())
+    if out_dtype == torch.float32:  # the trained values themselves, not rounded to the source's bf16
+        assert any(not torch.equal(v, v.bfloat16().float()) for v in state.values())

@@ -117,6 +117,88 @@ def test_training_with_replay_at_ep2(tmp_path, recompute):
     print("EP2 replay:", [(r["moe/routing_agreement"], r["logprob_mismatch"]) for r in rows])
 
 
+def _measure_against_replay():
+    """tiny-qwen3-moe (no load-balancing loss) at one process, one set of weights, a batch whose routes are random
+    expert sets (not the routers' own): its logprobs without routes, and with them under each actor mode and
+    reference setting; the agreement each actor reports; the update's (exactly on-policy) grad norm and agreement."""
+    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
+    from grpo_mega.models.builder import copy_weights
+    from grpo_mega.parallel import cpu_compat
+    from grpo_mega.parallel.state import destroy_distributed, init_distributed
+    from grpo_mega.trainer.actor import Actor, Reference
+    from tests.trainer import layouts as L
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=5)
+        cfg = L.model_cfg(variant="tiny-qwen3-moe")
+        fp32 = PrecisionConfig(params_dtype="fp32")
+        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=4, max_response_length=10)
+        plain = L.rollout(vocab=cfg.vocab_size)
+        g = torch.Generator().manual_seed(1)
+        moe, k = sum(cfg.moe_layers()), cfg.moe_router_topk
+
+        def random_sets(n):  # [n, M, k]: k distinct experts per token and layer
+            return torch.stack([torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in range(moe)])
+                                for _ in range(n)]).to(torch.int16)
+
+        routed = [random_sets(n - 1) for n in (plain.prompt_lens + plain.response_lens).tolist()]
+        with_routes = L.rollout(vocab=cfg.vocab_size)
+        with_routes.routed = routed
+        first = Actor(cfg, ParallelConfig(), fp32, OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
+        out = {"no routes": first.logprobs(plain, 1.0)}
+        for mode in ("measure", "rollout"):
+            actor = Actor(cfg, ParallelConfig(), fp32, OptimConfig(lr=1e-3),
+                          AlgoConfig(kl_coef=0.0, routing_replay=mode), batch_cfg)
+            copy_weights(first.built.gpt, actor.built.gpt)
+            actor.optimizer.reload_model_params()
+            out[mode] = actor.logprobs(with_routes, 1.0)
+            out[f"{mode} agreement"] = actor.routing_agreement().get("moe/routing_agreement")
+            if mode == "measure":
+                b = L.rollout(vocab=cfg.vocab_size)
+                b.routed = routed
+                (m,) = actor.update(b, 1.0)
+                out["measure update grad_norm"] = m["grad_norm"]
+                out["measure update agreement"] = actor.routing_agreement()
+        for replay in (False, True):
+            ref = Reference(cfg, ParallelConfig(), fp32, batch_cfg, replay=replay)
+            ref.load_from(first)
+            out[f"reference replay={replay}"] = ref.logprobs(with_routes, 1.0)
+        destroy_distributed()
+        return out
+
+
+def test_measure_compares_routes_without_following_them():
+    """algo.routing_replay=measure: the engine's routes reach the routers and are counted (moe/routing_agreement),
+    never followed: the logprobs are bit for bit those without routes (the reference's too), where 'rollout'
+    changes them. Routes here are random expert sets, so the agreement is near chance (1 / C(8, 2) = 0.036)."""
+    (res,) = run_ranks(_measure_against_replay, 1, timeout=300)
+    base = res["no routes"]
+    assert torch.equal(res["measure"], base) and torch.equal(res["reference replay=False"], base)
+    assert not torch.equal(res["rollout"], base) and not torch.equal(res["reference replay=True"], base)
+    assert (res["rollout"] - res["no routes"]).abs().max() > 1e-3
+    assert 0.0 < res["measure agreement"] < 0.2, res["measure agreement"]
+    upd = res["measure update agreement"]["moe/routing_agreement"]  # the update's forward, same weights: same count
+    assert upd == res["measure agreement"] and res["measure update grad_norm"] > 0
+    print("measure: agreement", res["measure agreement"], "rollout:", res["rollout agreement"])
+
+
+def test_training_measures_agreement_without_replay(tmp_path):
+    """The Hydra entry point with algo.routing_replay=measure (one process, exactly on-policy): the embedded engine
+    records its routes and every step logs moe/routing_agreement (fp32 engine and trainer on the same weights:
+    1.0; `test_measure_compares_routes_without_following_them` shows the routes are not followed)."""
+    out = tmp_path / "run"
+    argv = [f"hydra.run.dir={out}", "model=tiny-qwen3-moe", "run.steps=2", "eval.interval=0",
+            "batch.train_batch_size=2", "batch.ppo_mini_batch_size=2", "rollout.n=4", "algo.routing_replay=measure"]
+    proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["moe/routing_agreement"] == pytest.approx(1.0, abs=0.02), r["moe/routing_agreement"]
+        assert r["grad_norm"] > 0
+    print("measure:", [(r["moe/routing_agreement"], r["logprob_mismatch"]) for r in rows])
+
+
 def test_routes_layout_by_hand():
     """Micro-batch routes [s, b, M, k]: a sequence of n tokens has the engine's experts at its first n - 1
     positions (the last token is never fed to the engine), -1 at its last token and at padding; packed rows put

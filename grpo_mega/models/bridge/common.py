@@ -343,6 +343,7 @@ class DecoderFamily:
             rms_norm_eps=cfg.norm_epsilon,
             tie_word_embeddings=cfg.tie_word_embeddings,
             hidden_act="silu",
+            dtype=dtype,  # transformers 5 reads `dtype`, 4.x `torch_dtype`: both, always equal
             torch_dtype=dtype,
         )
         # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta/rope_scaling.
