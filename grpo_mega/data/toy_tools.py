@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from grpo_mega.data.toy import SPECIALS, ToyExample
-from grpo_mega.tools import Tool, ToolError
+from grpo_mega.toolcalls import Tool, ToolError
 
 SYMBOLS = [str(d) for d in range(10)] + [">", "+", "=", "*"]
 MARKERS = ["<tool_call>", "</tool_call>", "<tool>", "</tool>"]

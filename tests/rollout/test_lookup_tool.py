@@ -9,8 +9,8 @@ import pytest
 from grpo_mega.data.toy_tools import LOOKUP_TABLE, KeyLookup, LookupTask, UnavailableLookup, make_lookup_tokenizer
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
-from grpo_mega.tools import ToolError
-from grpo_mega.tools.pool import ToolPool
+from grpo_mega.toolcalls import ToolError
+from grpo_mega.toolcalls.pool import ToolPool
 
 
 class CallThenCopy:

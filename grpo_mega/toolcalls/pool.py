@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from grpo_mega.tools.parsers import ToolCall
+from grpo_mega.toolcalls.parsers import ToolCall
 from grpo_mega.workers import Worker, close_all, die_with_parent, limit_memory, send_or_replace
 
 
@@ -26,7 +26,7 @@ class ToolResult:
 
 
 def _worker(conn, names: list[str], max_memory_mb: Optional[int] = None) -> None:
-    from grpo_mega.tools import ToolError, build_tools
+    from grpo_mega.toolcalls import ToolError, build_tools
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -64,7 +64,7 @@ class ToolPool:
 
     def __init__(self, names: Sequence[str], *, num_workers: int = 1, timeout_s: float = 10.0,
                  start_method: str = "forkserver", max_memory_mb: Optional[int] = None):
-        from grpo_mega.tools import build_tools
+        from grpo_mega.toolcalls import build_tools
 
         if num_workers < 1:
             raise ValueError(f"rollout.multi_turn.tool_workers={num_workers} must be >= 1")

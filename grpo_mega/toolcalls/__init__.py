@@ -1,7 +1,7 @@
 """Tools a policy may call during a multi-turn rollout (grpo_mega.rollout.multi_turn): the `Tool` interface,
 the registry of built-in tools (an unknown name raises, listing the valid ones), user tools by dotted path,
-and the built-in `calculator`. How a call is found in the model's text is grpo_mega.tools.parsers'; where and
-under which time limit a tool runs is grpo_mega.tools.pool's (worker processes, killed by PID on timeout).
+and the built-in `calculator`. How a call is found in the model's text is grpo_mega.toolcalls.parsers'; where and
+under which time limit a tool runs is grpo_mega.toolcalls.pool's (worker processes, killed by PID on timeout).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build_tool(name: str) -> Tool:
         raise ValueError(f"tool {name!r}: cannot import {attr!r} from {module!r} ({e})") from None
     tool = obj() if isinstance(obj, type) else obj
     if not isinstance(tool, Tool) or not tool.name:
-        raise ValueError(f"tool {name!r} must be a grpo_mega.tools.Tool (class or instance) with a name; "
+        raise ValueError(f"tool {name!r} must be a grpo_mega.toolcalls.Tool (class or instance) with a name; "
                          f"got {type(tool).__name__}")
     return tool
 

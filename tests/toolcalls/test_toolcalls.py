@@ -1,4 +1,4 @@
-"""grpo_mega.tools: the calculator (no eval), the registry, the Hermes parser, and the worker pool's handling
+"""grpo_mega.toolcalls: the calculator (no eval), the registry, the Hermes parser, and the worker pool's handling
 of raising, slow and malformed calls (each an error turn, the pool goes on)."""
 
 import os
@@ -7,9 +7,9 @@ import time
 import psutil
 import pytest
 
-from grpo_mega.tools import Tool, ToolError, build_tool, build_tools, evaluate_arithmetic
-from grpo_mega.tools.parsers import PARSERS, ToolCall
-from grpo_mega.tools.pool import ToolPool
+from grpo_mega.toolcalls import Tool, ToolError, build_tool, build_tools, evaluate_arithmetic
+from grpo_mega.toolcalls.parsers import PARSERS, ToolCall
+from grpo_mega.toolcalls.pool import ToolPool
 
 
 class Sleeper(Tool):
@@ -57,13 +57,13 @@ def test_calculator_arithmetic_without_eval():
 def test_registry_and_dotted_path():
     with pytest.raises(ValueError, match="unknown tool 'calc'; valid: calculator"):
         build_tool("calc")
-    tools = build_tools(["calculator", "tests.tools.test_tools:Sleeper"])
+    tools = build_tools(["calculator", "tests.toolcalls.test_toolcalls:Sleeper"])
     assert sorted(tools) == ["calculator", "sleeper"]
     assert tools["calculator"].schema()["function"]["parameters"]["required"] == ["expression"]
     with pytest.raises(ValueError, match="two tools"):
         build_tools(["calculator", "calculator"])
     with pytest.raises(ValueError, match="cannot import"):
-        build_tool("tests.tools.test_tools:Nope")
+        build_tool("tests.toolcalls.test_toolcalls:Nope")
 
 
 def test_hermes_parser():
@@ -82,7 +82,7 @@ def test_hermes_parser():
 
 
 def test_pool_errors_timeouts_and_kill(tmp_path):
-    pool = ToolPool(["calculator", "tests.tools.test_tools:Sleeper", "tests.tools.test_tools:Raiser"],
+    pool = ToolPool(["calculator", "tests.toolcalls.test_toolcalls:Sleeper", "tests.toolcalls.test_toolcalls:Raiser"],
                     num_workers=2, timeout_s=1.0, start_method="fork")
     try:
         child_file = tmp_path / "child.pid"
@@ -126,7 +126,7 @@ def test_an_idle_tool_worker_killed_from_outside_is_replaced():
 
 
 def test_a_tool_call_over_the_memory_limit_fails_alone():
-    pool = ToolPool(["tests.tools.test_tools:Hungry"], num_workers=1, timeout_s=20.0, start_method="fork",
+    pool = ToolPool(["tests.toolcalls.test_toolcalls:Hungry"], num_workers=1, timeout_s=20.0, start_method="fork",
                     max_memory_mb=256)
     try:
         res = pool.run([ToolCall("hungry", {"mb": 8}), ToolCall("hungry", {"mb": 4096}), ToolCall("hungry", {"mb": 16})])
