@@ -203,9 +203,9 @@ def test_conversion_memory_is_bounded(tmp_path):
     and under-report."""
     import re
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "convert_hf_to_mcore.py"
-    proc = subprocess.run([sys.executable, str(tool), "--hf-dir", str(smollm2_dir()), "--out", str(tmp_path / "ck")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.cli.convert_to_mcore", "--hf-dir", str(smollm2_dir()),
+                           "--out", str(tmp_path / "ck")], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = re.search(r"([\d.]+) MiB of parameters, peak memory above start ([\d.]+) MiB", proc.stdout)
     model, peak = float(m.group(1)), float(m.group(2))
