@@ -31,7 +31,9 @@ QUICK = [
     "tests/rewards/test_rewards.py",
     "tests/rewards/test_reward_model.py",
     "tests/rollout/test_scheduler.py",
-    "tests/cli/test_plan.py",
+    "tests/cli/",  # the plans and the commands' --help
+    "tests/bench/test_table.py",
+    "tests/test_design.py",
     "tests/test_bad_inputs.py::test_bad_configuration",  # refused before training (forked: ~1 s each)
     "tests/test_bad_inputs.py::test_hf_model_with_pickle",
     "tests/test_bad_inputs.py::test_the_corpus",
