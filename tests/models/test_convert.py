@@ -143,8 +143,7 @@ def test_impossible_layouts_write_nothing(tiny, tmp_path):
 
 
 _KILL_BEFORE_RENAME = """
-import os, sys
-sys.path.insert(0, {repo!r})
+import os
 import tests.conftest
 import grpo_mega.models.convert as c
 def dying_write_meta(*a, **k):
@@ -156,8 +155,9 @@ c.hf_to_mcore({src!r}, {out!r}, 2, 1)
 
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(tiny, tmp_path):
     out = tmp_path / "ckpt"
-    code = _KILL_BEFORE_RENAME.format(repo=str(Path(__file__).resolve().parents[2]), src=str(tiny["llama"]), out=str(out))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    code = _KILL_BEFORE_RENAME.format(src=str(tiny["llama"]), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 9, proc.stderr.decode()[-2000:]
     assert not out.exists()
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial-")]
