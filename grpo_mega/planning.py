@@ -1,4 +1,4 @@
-"""Memory per GPU of a training layout, before anything is allocated: the arithmetic behind tools/plan.py.
+"""Memory per GPU of a training layout, before anything is allocated: the arithmetic behind grpo-mega-plan.
 
 Owns: the exact parameter count of every pipeline stage's shard (the same modules builder.build_gpt makes),
 the bytes of the actor's weights, fp32 main weights, fp32 gradient buffer and Adam state under Megatron DDP
@@ -226,7 +226,7 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
     """What one layer of megatron-core's local spec (no Transformer Engine: torch RMSNorm, attention through
     torch's scaled_dot_product_attention (grpo_mega.models.local_attention), unfused SwiGLU) keeps for its
     backward, per micro-batch, on one TP rank, with bf16 weights. Read off the tensors autograd saves
-    (tools/bench_activations.py; tests/test_plan.py holds it to the byte for a Qwen2 and a Qwen3 layer). It
+    (bench/activations.py; tests/cli/test_plan.py holds it to the byte for a Qwen2 and a Qwen3 layer). It
     keeps more than the TE layer above (its norms keep fp32 copies; on an H100 without TE, with megatron's
     unfused attention then, the update's activations were 2.0x the TE-based plan,
     bench_results/gpu_nvidia_h100_80gb_hbm3.json).

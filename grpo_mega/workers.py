@@ -1,5 +1,5 @@
 """Worker processes behind a pipe, shared by the reward pool (rewards/scoring.py) and the tool pool
-(tools/pool.py): each worker builds its user code once and answers one request at a time.
+(toolcalls/pool.py): each worker builds its user code once and answers one request at a time.
 
 What both pools rely on: a worker dies with the process that started it (PR_SET_PDEATHSIG); `limit_memory`
 caps its address space so an allocation over `max_memory_mb` fails that request alone instead of waking the

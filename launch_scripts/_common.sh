@@ -2,7 +2,7 @@
 # qwen3-32b.sh, qwen3-30b-a3b.sh, qwen3-235b-a22b.sh), sourced by each after it has set its own layout: NODES, MODEL,
 # TP, PP, (EP,) MICRO_BATCH, ENGINE_TP and ENGINES. This file
 # sets the defaults they share and builds `overrides`, the Hydra overrides the script hands to
-# slurm/train.sbatch; the script itself then runs `exec sbatch ...` (tools/plan.py --from-launch-script looks
+# slurm/train.sbatch; the script itself then runs `exec sbatch ...` (grpo-mega-plan --from-launch-script looks
 # for that line in the script it is given). Not run on its own.
 DATA=${DATA:-$HOME/data/gsm8k/train.parquet}  # prompts in verl's schema, .parquet or .jsonl
 VAL_DATA=${VAL_DATA:-}                        # default: the training file

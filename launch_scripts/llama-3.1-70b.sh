@@ -2,7 +2,7 @@
 # GRPO on Llama-3.1-70B(-Instruct), 8 nodes x 8 H100 80GB: TP8 x PP4 x DP2, sequence parallel, bf16 with fp32
 # main weights, distributed optimizer, reference resident, SGLang colocated on the same GPUs.
 #   MODEL=/ckpts/Llama-3.1-70B-Instruct DATA=~/data/gsm8k/train.parquet launch_scripts/llama-3.1-70b.sh [OVERRIDE ...]
-# Per-GPU memory of exactly what this submits: python tools/plan.py --from-launch-script launch_scripts/llama-3.1-70b.sh
+# Per-GPU memory of exactly what this submits: grpo-mega-plan --from-launch-script launch_scripts/llama-3.1-70b.sh
 # Slurm partition/account/time: sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
 # SGLang: ENGINES engines (default one per node, engine tp=ENGINE_TP over its 8 GPUs) each keep ENGINE_MEM of every GPU (weights 16.4 GiB + KV cache per GPU at engine tp=8).
 set -euo pipefail

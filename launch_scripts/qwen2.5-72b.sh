@@ -2,7 +2,7 @@
 # GRPO on Qwen2.5-72B(-Instruct), 8 nodes x 8 H100 80GB: TP8 x PP4 x DP2, sequence parallel, bf16 with fp32
 # main weights, distributed optimizer, reference resident, SGLang colocated on the same GPUs.
 #   MODEL=/ckpts/Qwen2.5-72B-Instruct DATA=~/data/gsm8k/train.parquet launch_scripts/qwen2.5-72b.sh [OVERRIDE ...]
-# Per-GPU memory of exactly what this submits: python tools/plan.py --from-launch-script launch_scripts/qwen2.5-72b.sh
+# Per-GPU memory of exactly what this submits: grpo-mega-plan --from-launch-script launch_scripts/qwen2.5-72b.sh
 # Slurm partition/account/time: sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
 # SGLang: ENGINES engines (default one per node, engine tp=ENGINE_TP over its 8 GPUs) each keep ENGINE_MEM of every GPU (weights 16.9 GiB + KV cache per GPU at engine tp=8).
 set -euo pipefail

@@ -5,7 +5,7 @@
 # a colocated engine's share next to the trainer). No MoE run on a GPU yet.
 #   MODEL=/ckpts/Qwen3-235B-A22B DATA=~/data/gsm8k/train.parquet launch_scripts/qwen3-235b-a22b.sh [OVERRIDE ...]
 # MODEL must be an HF directory here (the servers load it). Per-GPU memory of the trainer:
-#   python tools/plan.py --from-launch-script launch_scripts/qwen3-235b-a22b.sh
+#   grpo-mega-plan --from-launch-script launch_scripts/qwen3-235b-a22b.sh
 # Slurm partition/account/time: sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

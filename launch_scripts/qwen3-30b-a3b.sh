@@ -3,7 +3,7 @@
 # each expert split over the TP pair, 16 experts per EP rank), sequence parallel, bf16 with fp32 main weights,
 # distributed optimizer, reference resident, SGLang colocated on the same GPUs. No MoE run on a GPU yet.
 #   MODEL=/ckpts/Qwen3-30B-A3B DATA=~/data/gsm8k/train.parquet launch_scripts/qwen3-30b-a3b.sh [OVERRIDE ...]
-# Per-GPU memory of exactly what this submits: python tools/plan.py --from-launch-script launch_scripts/qwen3-30b-a3b.sh
+# Per-GPU memory of exactly what this submits: grpo-mega-plan --from-launch-script launch_scripts/qwen3-30b-a3b.sh
 # Slurm partition/account/time: sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
 # SGLang: ENGINES engines (default one per node, engine tp=ENGINE_TP over its 8 GPUs) each keep ENGINE_MEM of every GPU (weights 7.1 GiB + KV cache per GPU at engine tp=8).
 set -euo pipefail

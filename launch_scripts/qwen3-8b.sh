@@ -2,7 +2,7 @@
 # GRPO on Qwen3-8B, one node of 8 H100 80GB: TP4 x DP2 (8 KV groups: tp <= 8), sequence parallel,
 # bf16 with fp32 main weights, distributed optimizer, reference resident, SGLang colocated on the same GPUs.
 #   MODEL=/ckpts/Qwen3-8B DATA=~/data/gsm8k/train.parquet launch_scripts/qwen3-8b.sh [OVERRIDE ...]
-# Per-GPU memory of exactly what this submits: python tools/plan.py --from-launch-script launch_scripts/qwen3-8b.sh
+# Per-GPU memory of exactly what this submits: grpo-mega-plan --from-launch-script launch_scripts/qwen3-8b.sh
 # Slurm partition/account/time: sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
 # SGLang: ENGINES engines (default one per GPU, engine tp=ENGINE_TP) each keep ENGINE_MEM of their GPU (weights 15.3 GiB + KV cache per GPU at engine tp=1).
 set -euo pipefail

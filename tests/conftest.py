@@ -31,14 +31,16 @@ QUICK = [
     "tests/rewards/test_rewards.py",
     "tests/rewards/test_reward_model.py",
     "tests/rollout/test_scheduler.py",
-    "tests/test_plan.py",
+    "tests/cli/",  # the plans and the commands' --help
+    "tests/bench/test_table.py",
+    "tests/test_design.py",
     "tests/test_bad_inputs.py::test_bad_configuration",  # refused before training (forked: ~1 s each)
     "tests/test_bad_inputs.py::test_hf_model_with_pickle",
     "tests/test_bad_inputs.py::test_the_corpus",
     "tests/trainer/test_actor.py",
     "tests/trainer/test_checkpoint_store.py",
     "tests/trainer/test_watchdog.py",
-    "tests/tools/test_tools.py",
+    "tests/toolcalls/test_toolcalls.py",
     "tests/trainer/test_packing.py::test_first_fit",
     "tests/trainer/test_packing.py::test_plan",
     "tests/trainer/test_packing.py::test_block_causal",

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---- the server (python tests/fork_server.py) ---------------------------------------------------------
+# ---- the server (python -m tests.fork_server, from the repository's root) ----------------------------------------
 
 
 def _child(req: dict, rank: int | None) -> None:
@@ -128,7 +128,6 @@ def _run(req: dict, reply) -> None:
 
 
 def serve() -> None:
-    sys.path.insert(0, str(ROOT))
     import warnings
 
     warnings.simplefilter("ignore")
@@ -154,8 +153,8 @@ def serve() -> None:
 class _Server:
     def __init__(self, log: Path):
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, cwd=ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fork_server"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT)
         self._buf = b""
         atexit.register(self.close)
         self.read(timeout=300)  # {"ready"}: the imports are done

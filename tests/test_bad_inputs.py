@@ -329,8 +329,8 @@ def test_a_checkpoint_directory_in_use_by_a_live_run_is_refused(saved, tmp_path)
 def test_export_tool_refuses_a_corrupt_checkpoint(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     _flip(_model_file(ckpt / "step_00000002"))
-    proc = run_tree([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(ckpt / "step_00000002"),
-                           "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    proc = run_tree([sys.executable, "-m", "grpo_mega.cli.convert_to_hf", "--ckpt", str(ckpt / "step_00000002"),
+                     "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     _refused(proc, r"error: .*step_00000002: model/.*fails its checksum")
     assert not (tmp_path / "hf").exists()
 

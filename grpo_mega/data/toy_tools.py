@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from grpo_mega.data.toy import SPECIALS, ToyExample
-from grpo_mega.tools import Tool, ToolError
+from grpo_mega.toolcalls import Tool, ToolError
 
 SYMBOLS = [str(d) for d in range(10)] + [">", "+", "=", "*"]
 MARKERS = ["<tool_call>", "</tool_call>", "<tool>", "</tool>"]
@@ -143,7 +143,7 @@ class KeyLookup(Tool):
 class UnavailableLookup(KeyLookup):
     """The `lookup` tool when it is down: every call raises, so the tool's turn is the error message
     `<tool>Error: down.` (13 tokens, counted in multi_turn/tool_errors). The control run of
-    tools/tool_task.py: the same command as the run with the tool, this tool in its place."""
+    experiments/tool_task.py: the same command as the run with the tool, this tool in its place."""
 
     def call(self, args: dict, key: str | None = None, **_) -> str:
         raise ToolError("down.")
@@ -162,7 +162,7 @@ class LookupTask(ProductTask):
     than calling. With the tool unavailable (UnavailableLookup: its turn is an error message) the answer after
     it is a guess: chance, 1 in 10.
 
-    `shaping=True` (task=lookup_call, the warm-up of tools/tool_task.py, NOT a measure of anything): 1.0 for a
+    `shaping=True` (task=lookup_call, the warm-up of experiments/tool_task.py, NOT a measure of anything): 1.0 for a
     call. The warm-up runs one turn (rollout.multi_turn.max_turns=1: the turn ends at the call and no tool
     runs), so nothing after a tool result is trained and the measured runs start knowing no answer."""
 

@@ -94,7 +94,7 @@ def set_routes(gpt: torch.nn.Module, routes: Optional[torch.Tensor], sequence_pa
 
 def set_replay(gpt: torch.nn.Module, replay: bool) -> None:
     """replay=False: the routers route on their own and only count agreement with the routes (the metric
-    measured without replay; tools/routing_replay.py)."""
+    measured without replay; experiments/routing_replay.py)."""
     for r in getattr(gpt, "_routing_replay", []):
         r.replay = replay
 

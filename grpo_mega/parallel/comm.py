@@ -26,16 +26,6 @@ def dp_all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def dp_all_gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate each DP rank's rows (dim 0, equal sizes) in DP-rank order."""
-    n = _ps().get_data_parallel_world_size()
-    if n == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=_ps().get_data_parallel_group())
-    return torch.cat(parts, dim=0)
-
-
 def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     """In place: every pipeline stage receives the last stage's tensor (same shape and dtype everywhere)."""
     ps = _ps()

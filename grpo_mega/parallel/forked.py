@@ -1,4 +1,4 @@
-"""Fork N gloo ranks from a warm process: the multi-rank test harness and the CPU smoke's launcher.
+"""Fork N gloo ranks from a warm process: the multi-rank test harness and the benchmarks' launcher.
 
 torch and megatron-core are imported once, in the parent (importing megatron.core costs 5-6 s); `run_ranks`
 forks `world_size` children that inherit those modules, join one gloo process group through a FileStore,

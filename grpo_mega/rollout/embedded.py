@@ -3,7 +3,7 @@
 For machines without SGLang (CI, laptops, the demo). Batched sampling with a KV cache, left-padded prompts,
 one seeded generator per sample (so a sample does not depend on what else is in the batch) drawing that
 sample's uniforms, inverse-CDF sampling of the whole batch at once, logprobs of softmax(logits / temperature)
-at the sampled token. tools/bench_decode.py holds it against transformers' `generate`. For routing replay
+at the sampled token. bench/decode.py holds it against transformers' `generate`. For routing replay
 (algo.routing_replay=rollout or measure) it records the top-k experts transformers' MoE routers pick for every
 token it feeds the model (forward hooks; Generation.routed_experts).
 """

@@ -1,6 +1,6 @@
 """Multi-turn rollouts with tool calls, token in and token out: `MultiTurnEngine` wraps a rollout engine so
 that each sample is generated turn by turn (the model's turn until a stop token or the budget; tool calls
-parsed from it, run in grpo_mega.tools.pool, their results appended as the chat template's ids for the NEW
+parsed from it, run in grpo_mega.toolcalls.pool, their results appended as the chat template's ids for the NEW
 segment only; again, up to `max_turns` model turns), while the trainer still sees one RolloutEngine.
 
 Token in, token out: a sample's context is always the prompt ids followed by exactly the ids the engine
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from grpo_mega.rollout.interface import Generation, RolloutEngine, sample_seed
-from grpo_mega.tools.parsers import PARSERS, ToolCall
-from grpo_mega.tools.pool import ToolPool, ToolResult
+from grpo_mega.toolcalls.parsers import PARSERS, ToolCall
+from grpo_mega.toolcalls.pool import ToolPool, ToolResult
 
 _MARK = "GRPOMEGAASSISTANTMARK"
 

@@ -74,7 +74,7 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
         if not mt.enable:
             return engine
         from grpo_mega.rollout.multi_turn import MultiTurnEngine
-        from grpo_mega.tools.pool import ToolPool
+        from grpo_mega.toolcalls.pool import ToolPool
 
         pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
                         max_memory_mb=mt.tool_max_memory_mb)

@@ -88,7 +88,7 @@ def build_task(cfg: TrainConfig, tok) -> Task:
 
     tools = None
     if cfg.rollout.multi_turn.enable:  # the tools' schemas for the chat template; rows checked against them
-        from grpo_mega.tools import build_tools
+        from grpo_mega.toolcalls import build_tools
 
         tools = {name: t.schema() for name, t in build_tools(cfg.rollout.multi_turn.tools).items()}
     train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length, tools)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grpo_mega.data.dataset import DataError, load_prompts, tools_kwargs_lookup
-from grpo_mega.tools import build_tools
+from grpo_mega.toolcalls import build_tools
 
 # Qwen2.5's way of showing tools: the schemas as JSON lines in the system turn.
 TOOLS_TEMPLATE = (
@@ -42,7 +42,7 @@ def write(tmp_path, rows):
     return p
 
 
-TOOLS = {n: t.schema() for n, t in build_tools(["calculator", "tests.tools.test_tools:Sleeper"]).items()}
+TOOLS = {n: t.schema() for n, t in build_tools(["calculator", "tests.toolcalls.test_toolcalls:Sleeper"]).items()}
 
 
 def test_plain_rows_get_every_tool_and_verl_rows_their_own(tmp_path, tok):

@@ -1,13 +1,13 @@
-"""Tiny random HF checkpoints made with transformers itself (nothing downloaded), and the SmolLM2 cache."""
+"""Tiny random HF checkpoints made with transformers itself (nothing downloaded), and the prepared SmolLM2
+(`smollm2_dir`, grpo_mega.cli.prepare_model's `prepared_dir`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-SMOLLM2_DIR = Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache" / "grpo_mega")) / "SmolLM2-135M-Instruct"
+from grpo_mega.cli.prepare_model import prepared_dir as smollm2_dir  # noqa: F401 - the prepared SmolLM2 directory
 
 
 def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0,
@@ -37,12 +37,6 @@ def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, s
                 p.copy_(1 + 0.1 * torch.randn_like(p.float()).to(dtype) if "norm" in name else 0.1 * torch.randn_like(p.float()).to(dtype))
     model.save_pretrained(path, safe_serialization=True)
     return path
-
-
-def smollm2_dir() -> Path:
-    if not (SMOLLM2_DIR / "config.json").is_file():
-        raise RuntimeError(f"SmolLM2-135M-Instruct is not prepared at {SMOLLM2_DIR}: run `make smollm2` (make test does)")
-    return SMOLLM2_DIR
 
 
 def fresh_hf(path: Path, family: str, seed: int = 0, pad_token_id: int | None = None) -> Path:

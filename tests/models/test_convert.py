@@ -143,8 +143,7 @@ def test_impossible_layouts_write_nothing(tiny, tmp_path):
 
 
 _KILL_BEFORE_RENAME = """
-import os, sys
-sys.path.insert(0, {repo!r})
+import os
 import tests.conftest
 import grpo_mega.models.convert as c
 def dying_write_meta(*a, **k):
@@ -156,8 +155,9 @@ c.hf_to_mcore({src!r}, {out!r}, 2, 1)
 
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(tiny, tmp_path):
     out = tmp_path / "ckpt"
-    code = _KILL_BEFORE_RENAME.format(repo=str(Path(__file__).resolve().parents[2]), src=str(tiny["llama"]), out=str(out))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    code = _KILL_BEFORE_RENAME.format(src=str(tiny["llama"]), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 9, proc.stderr.decode()[-2000:]
     assert not out.exists()
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial-")]
@@ -203,9 +203,9 @@ def test_conversion_memory_is_bounded(tmp_path):
     and under-report."""
     import re
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "convert_hf_to_mcore.py"
-    proc = subprocess.run([sys.executable, str(tool), "--hf-dir", str(smollm2_dir()), "--out", str(tmp_path / "ck")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.cli.convert_to_mcore", "--hf-dir", str(smollm2_dir()),
+                           "--out", str(tmp_path / "ck")], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = re.search(r"([\d.]+) MiB of parameters, peak memory above start ([\d.]+) MiB", proc.stdout)
     model, peak = float(m.group(1)), float(m.group(2))

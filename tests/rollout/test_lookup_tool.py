@@ -9,8 +9,8 @@ import pytest
 from grpo_mega.data.toy_tools import LOOKUP_TABLE, KeyLookup, LookupTask, UnavailableLookup, make_lookup_tokenizer
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
-from grpo_mega.tools import ToolError
-from grpo_mega.tools.pool import ToolPool
+from grpo_mega.toolcalls import ToolError
+from grpo_mega.toolcalls.pool import ToolPool
 
 
 class CallThenCopy:
@@ -129,18 +129,16 @@ def test_bare_parser_needs_exactly_one_tool():
 
 
 def test_tool_task_start_leans_to_copying(tmp_path):
-    """tools/tool_task.py's start (tied embeddings x4 at init): after `<tool>x` the likeliest token is x, a
+    """experiments/tool_task.py's start (tied embeddings x4 at init): after `<tool>x` the likeliest token is x, a
     prior the warm-up must not erase; at x1 (no scaling) p(x) is below 0.1."""
-    import importlib.util
     from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from experiments import tool_task
+
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("tool_task", root / "tools" / "tool_task.py")
-    tool_task = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool_task)
     tok = make_lookup_tokenizer()
     task = LookupTask(tok)
     p_copy = {}

@@ -9,7 +9,7 @@ import torch
 
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine, ToolTurnRenderer, rollout_metrics
-from grpo_mega.tools.pool import ToolPool
+from grpo_mega.toolcalls.pool import ToolPool
 from grpo_mega.trainer.batch import RolloutBatch
 
 # A Qwen3-like template: earlier assistant turns lose their <think>...</think>; tool results are a user turn.
@@ -175,7 +175,7 @@ def test_bad_tool_calls_become_error_turns_and_the_trajectory_goes_on(tok):
              '<tool_call>{"name": "calculator", "arguments": {"expression": "10**80"}}</tool_call>',
              "done"]
     engine = ScriptedEngine(tok, {tuple(p): turns})
-    pool = ToolPool(["calculator", "tests.tools.test_tools:Sleeper", "tests.tools.test_tools:Raiser"],
+    pool = ToolPool(["calculator", "tests.toolcalls.test_toolcalls:Sleeper", "tests.toolcalls.test_toolcalls:Raiser"],
                     timeout_s=1.0, start_method="fork")
     mt = MultiTurnEngine(engine, tok, pool, "hermes", max_turns=8, stop_token_ids=[engine.end],
                          max_tool_response_chars=70)

@@ -19,8 +19,8 @@ from grpo_mega.rollout import standin_server
 from grpo_mega.rollout.client import ServerClient
 from grpo_mega.rollout.embedded import EmbeddedEngine
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
-from grpo_mega.tools import Calculator
-from grpo_mega.tools.pool import ToolPool
+from grpo_mega.toolcalls import Calculator
+from grpo_mega.toolcalls.pool import ToolPool
 from tests.fork_server import run_main, start_main
 
 ROOT = Path(__file__).resolve().parents[2]

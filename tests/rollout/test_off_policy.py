@@ -11,17 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from experiments.proxies import ForwardingProxy
 from grpo_mega.processes import free_port, stop
 from grpo_mega.rollout import standin_server
-
 from tests.fork_server import run_main
 from tests.proc import kill_tree
 
@@ -96,48 +92,21 @@ def test_resume_from_a_checkpoint_taken_with_a_batch_in_flight_is_exact(uninterr
             assert resumed[k][key] == pytest.approx(full[k][key], rel=TOL, abs=TOL), (k, key)
 
 
-class _DyingProxy:
+class _DyingProxy(ForwardingProxy):
     """Forwards HTTP to a server; on the `nth` /generate it SIGKILLs that server and drops the connection, as a
     server that dies in the middle of a generation would."""
 
     def __init__(self, target: str, server: subprocess.Popen, nth: int):
-        self.count = 0
-        proxy = self
+        self.server, self.nth, self.count = server, nth, 0
+        super().__init__(target, timeout_s=120.0)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _forward(self, body):
-                if self.path == "/generate":
-                    proxy.count += 1
-                    if proxy.count == nth:
-                        os.kill(server.pid, signal.SIGKILL)
-                        self.close_connection = True
-                        return
-                req = urllib.request.Request(target + self.path, data=body, method=self.command,
-                                             headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(req, timeout=120) as resp:
-                        code, data = resp.status, resp.read()
-                except urllib.error.HTTPError as e:
-                    code, data = e.code, e.read()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._forward(None)
-
-            def do_POST(self):
-                self._forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-
-            def log_message(self, fmt, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def before(self, handler, path: str) -> bool:
+        if path == "/generate":
+            self.count += 1
+            if self.count == self.nth:
+                os.kill(self.server.pid, signal.SIGKILL)
+                return False
+        return True
 
 
 def test_a_server_dying_mid_generation_in_the_background_stops_every_rank_naming_it(tmp_path):
@@ -160,7 +129,7 @@ def test_a_server_dying_mid_generation_in_the_background_stops_every_rank_naming
             if r.poll() is None:
                 kill_tree(r.pid)
                 r.wait(timeout=30)
-        proxy.httpd.shutdown()
+        proxy.close()
         _stop(proc)
     assert proxy.count == 4
     for rank, (r, err) in enumerate(zip(ranks, errs)):

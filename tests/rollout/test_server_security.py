@@ -1,6 +1,6 @@
 """The stand-in rollout server on a shared network (loopback only here): with an API key, every route but GET
 /health refuses a request without it (401) and changes nothing; with it the server works; a bounded fuzz
-campaign of malformed requests (tools/fuzz_server.py) is refused request by request and leaves the server
+campaign of malformed requests (experiments/fuzz_server.py) is refused request by request and leaves the server
 healthy with the same weights and weight version. The client sends the key from the environment."""
 
 from __future__ import annotations
@@ -8,26 +8,23 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from experiments import fuzz_server
 from grpo_mega.processes import stop
 from grpo_mega.rollout import standin_server
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = secrets.token_hex(16)
-sys.path.insert(0, str(REPO / "tools"))
 
 
 @pytest.fixture(scope="module")
 def server():
     env = {**os.environ, "GRPO_MEGA_SERVER_API_KEY": KEY}
-    import fuzz_server
-
     proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", "64", "--socket-timeout-s",
                                        str(fuzz_server.SOCKET_TIMEOUT_S)], env=env, cwd=str(REPO), timeout_s=120)
     yield url
@@ -46,8 +43,6 @@ def _call(url, path, body=None, key=None):
 
 
 def test_without_the_key_every_route_but_health_is_refused_and_nothing_changes(server):
-    import fuzz_server
-
     before = fuzz_server.state(server, KEY)
     assert _call(server, "/health")[0] == 200
     for path in fuzz_server.MUTATING:
@@ -72,8 +67,6 @@ def test_with_the_key_it_serves(server, monkeypatch):
 
 
 def test_a_fuzz_campaign_leaves_the_server_healthy_and_unchanged(server):
-    import fuzz_server
-
     result = fuzz_server.campaign(server, KEY, count=150, seed=1, vocab=64)
     assert result["accepted"] == [], result["accepted"]
     assert result["healthy_after"] and result["weights_unchanged"] and result["version_unchanged"]

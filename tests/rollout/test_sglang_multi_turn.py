@@ -60,7 +60,7 @@ def test_sglang_multi_turn_tokens_in_tokens_out(tmp_path):
         sys.modules.setdefault("flash_mla", None)
     from grpo_mega.rollout.multi_turn import MultiTurnEngine
     from grpo_mega.rollout.sglang_engine import SGLangEngine
-    from grpo_mega.tools.pool import ToolPool
+    from grpo_mega.toolcalls.pool import ToolPool
 
     tok = make_tool_tokenizer(TENS_TEMPLATE)
     hf = _tiny_model(tmp_path / "m", len(tok))

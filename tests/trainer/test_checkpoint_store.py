@@ -52,8 +52,7 @@ def test_corrupt_truncated_and_missing_files_are_named_and_skipped(tmp_path):
 
 
 _KILLED_MID_WRITE = """
-import os, sys
-sys.path.insert(0, {repo!r})
+import os
 from grpo_mega.trainer.checkpoint_store import CheckpointStore
 store = CheckpointStore({root!r})
 tmp = store.begin(2)
@@ -67,8 +66,8 @@ with open(tmp / "model.bin", "wb") as f:
 def test_a_kill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path):
     store = CheckpointStore(str(tmp_path))
     _save(store, 1)
-    code = _KILLED_MID_WRITE.format(repo=str(Path(__file__).resolve().parents[2]), root=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], timeout=60)
+    code = _KILLED_MID_WRITE.format(root=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == -9
     assert any(p.name.startswith(".step_00000002.partial-") for p in tmp_path.iterdir())
     step, path = store.latest()

@@ -1,8 +1,8 @@
 """The rollout-correction metrics of the step row with a deliberately perturbed engine: the same dedicated run
-(one rank, the stand-in server) with the server's logprobs as they are, and through tests/noisy_proxy.py
+(one rank, the stand-in server) with the server's logprobs as they are, and through experiments.proxies.NoisyProxy
 (Gaussian noise, sigma 0.5, on every engine logprob). With IcePop (token-level mask outside [0.5, 5]) the
 masked shares rise from 0 to about P(|N(0, 0.5^2)| > log 2) = 17% of tokens, and the ratio's quantiles spread
-from 1 to exp(+-2.33 * 0.5) at q01/q99. (The perturbed demo still learns: tools/correction_perturbed.py.)"""
+from 1 to exp(+-2.33 * 0.5) at q01/q99. (The perturbed demo still learns: experiments/correction_perturbed.py.)"""
 
 import json
 import math
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from experiments.proxies import NoisyProxy
 from grpo_mega.processes import stop
 from grpo_mega.rollout import standin_server
 from tests.fork_server import run_main
-from tests.noisy_proxy import NoisyProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}

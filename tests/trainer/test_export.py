@@ -7,7 +7,6 @@ on SmolLM2)."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -113,8 +112,8 @@ def test_export_from_a_tp2_run_and_the_offline_tool_agree(tmp_path):
     proc = run_tree(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step_dir = ckpt / "step_00000002"
-    tool = run_tree([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--ckpt", str(step_dir),
-                           "--out", str(tmp_path / "hf_tool")], capture_output=True, text=True, timeout=300)
+    tool = run_tree([sys.executable, "-m", "grpo_mega.cli.convert_to_hf", "--ckpt", str(step_dir),
+                     "--out", str(tmp_path / "hf_tool")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert tool.returncode == 0, tool.stderr[-3000:]
     a, b = load_file(step_dir / "hf" / "model.safetensors"), load_file(tmp_path / "hf_tool" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -7,25 +7,18 @@ without replay trainer and engine route differently: routing agreement < 1 and a
 both compute the same function of the same weights, so the mismatch is fp32 rounding (transformers' modelling
 code on one side, megatron-core's on the other)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from experiments import routing_replay
 from grpo_mega.parallel.forked import run_ranks
 from tests.fork_server import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLAY_TOL = 1e-5  # mean |engine - trainer| logprob with replay, fp32 (measured ~1.2e-7)
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("routing_replay_tool", ROOT / "tools" / "routing_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _check(res: dict) -> None:
@@ -48,14 +41,14 @@ def _check(res: dict) -> None:
 @pytest.mark.parametrize("name,ranks,kw", [("EP2", 2, dict(ep=2)), ("PP2", 2, dict(pp=2)),
                                            ("TP2-SP", 2, dict(tp=2)), ("TP2xEP2-SP", 4, dict(tp=2, ep=2))])
 def test_replay_packed(name, ranks, kw):
-    res = run_ranks(_tool().measure, ranks, 0.02, packing=True, timeout=300, **kw)
+    res = run_ranks(routing_replay.measure, ranks, 0.02, packing=True, timeout=300, **kw)
     assert all(r == res[0] for r in res)
     _check(res[0])
     print(name, "packed:", json.dumps(res[0]))
 
 
 def test_replay_single_process_padded():
-    (res,) = run_ranks(_tool().measure, 1, 0.02, packing=False, timeout=300)
+    (res,) = run_ranks(routing_replay.measure, 1, 0.02, packing=False, timeout=300)
     _check(res)
     print("TP1 padded:", json.dumps(res))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -362,9 +362,3 @@ class DecoderFamily:
         out["attention_bias"] = cfg.qkv_bias
         out["mlp_bias"] = False
         return out
-
-
-def iter_hf_from_full(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full megatron state (global names) -> HF tensors, in the order given."""
-    for name, t in state.items():
-        yield from to_hf(name, t, cfg)

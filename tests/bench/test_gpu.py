@@ -1,0 +1,102 @@
+"""The GPU tooling, checked on the CPU: bench/gpu_check.sh's plan, bench/step.py's JSON (the CPU comparison
+and the --gpu code path run on the CPU), and bench/gpu_wheels.sh's pins against this environment."""
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.proc import run_tree
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_check_dry_run_prints_each_step():
+    proc = subprocess.run([os.path.join(REPO, "bench", "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, OUT="/tmp/gpu_check_plan"))
+    assert proc.returncode == 0, proc.stderr
+    steps = [line.strip() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\. ", line)]
+    names = [re.match(r"\d+\. (.+?) \(at most (\d+) s\)", s).group(1) for s in steps]
+    assert names == ["install wheels", "cuda", "gpu tests", "demo on cuda", "qwen3 on cuda", "bench.step --gpu"]
+    limits = [int(re.search(r"at most (\d+) s", s).group(1)) for s in steps]
+    assert sum(limits) <= 590  # one device call runs at most 600 s
+    plan = proc.stdout
+    assert "pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl" in plan
+    assert f"PYTHONPATH={REPO}:/tmp/site" in plan
+    assert "pytest -q -rs -p no:cacheprovider -m gpu tests" in plan
+    assert "-m grpo_mega.train run.steps=20" in plan and "cp /tmp/gpu_check_runs/demo/summary.json " \
+        "/tmp/gpu_check_plan/demo_summary.json" in plan
+    assert "model=tiny-qwen3 run.steps=5" in plan
+    assert "-m bench.step --gpu --models qwen2.5-0.5b" in plan
+    for model in ("qwen2.5-0.5b", "tiny-qwen3"):
+        assert os.path.isfile(os.path.join(REPO, "model_configs", f"{model}.yaml"))
+    bad = subprocess.run([os.path.join(REPO, "bench", "gpu_check.sh"), "--nonsense"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def _bench(tmp_path, *args) -> dict:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-W", "ignore", "-m", "bench.step", *args, "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    return json.loads(out.read_text())
+
+
+def test_bench_step_cpu_writes_the_ratio(tmp_path):
+    """The tiny model, one timed step: the ratio, both timings, and the two paths' first losses, which must
+    agree (same weights, batch and loss: they do the same work)."""
+    data = _bench(tmp_path, "--cpu", "--models", "tiny", "--steps", "1", "--warmup", "0", "--threads", "1",
+                  "--profile-steps", "1")
+    assert data["mode"] == "cpu" and data["threads"] == 1 and len(data["loadavg_start"]) == 3
+    assert data["machine"]["megatron_core"] == "0.16.1"
+    (r,) = data["results"]
+    assert r["model"] == "tiny" and r["tokens_per_step"] == 8 * 64
+    assert len(r["megatron_seconds"]) == len(r["plain_seconds"]) == 1
+    assert r["ratio_megatron_over_plain"] == r["megatron_median_s"] / r["plain_median_s"] > 0
+    assert r["first_step_loss_abs_diff"] <= 1e-5 * max(1.0, abs(r["first_step_loss"]["plain"]))
+    # megatron-core's pieces, each found in the profile (the wrapped methods ran: seconds > 0), the attention's
+    # forward and backward on megatron's side, SDPA's subtracted
+    b = r["megatron_core_breakdown"]
+    assert b["profiled_steps"] == 1 and b["gap_s"] == r["megatron_median_s"] - r["plain_median_s"]
+    pieces = b["pieces"]
+    assert all(pieces[k]["seconds_per_step"] > 0 for k in ("ddp_grad_reduce_scatter", "distopt_param_all_gather",
+               "distopt_main_to_model_params", "ddp_zero_grad_buffer", "megatron_attention_forward",
+               "megatron_attention_backward"))
+    assert pieces["plain_sdpa_forward_backward"]["seconds_per_step"] < 0
+    assert b["explained_s"] == pytest.approx(sum(v["seconds_per_step"] for v in pieces.values()))
+    # the ops whose self time differs most, largest first, each with both sides' seconds and calls
+    gaps = [abs(g["difference_s"]) for g in b["op_gap"]]
+    assert len(gaps) == 12 and gaps == sorted(gaps, reverse=True)
+    assert all(g["op"].startswith("aten::") and g["difference_s"] == pytest.approx(g["megatron_s"] - g["plain_s"])
+               for g in b["op_gap"])
+
+
+def test_bench_step_gpu_path_runs_on_cpu(tmp_path):
+    """The --gpu report's code on the CPU: throughput, engine, sync and the plan's figures (memory measured
+    only on CUDA: null here)."""
+    data = _bench(tmp_path, "--gpu-path-on-cpu", "--models", "tiny", "--steps", "1", "--warmup", "0",
+                  "--groups", "2", "--prompt-len", "8", "--response-len", "8", "--micro-batch", "4",
+                  "--gen-tokens", "4")
+    (r,) = data["results"]
+    assert r["tokens_per_update"] == 8 * 16 and r["update_tokens_per_s"] > 0 and r["mfu"] is None
+    assert r["engine_generated_tokens"] == 8 * 4 and r["engine_tokens_per_s"] > 0
+    # bf16-free here: the sync carries every fp32 weight once (tiny's vocabulary unpadded, untied)
+    assert r["weight_sync_bytes"] > 0 and 0 < r["weight_sync_over_copy"]
+    mem = r["memory_gib"]
+    assert all(v is None for v in mem["measured"].values())
+    assert all(mem["planned"][k] > 0 for k in ("parameters_and_gradients", "reference", "optimizer",
+                                               "activations_and_logits", "update_peak_total"))
+
+
+def test_gpu_wheels_pins_are_what_this_environment_runs():
+    """The GPU machine gets the versions the CPU tiers test."""
+    text = open(os.path.join(REPO, "bench", "gpu_wheels.sh")).read()
+    pins = re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)==([0-9][0-9A-Za-z.]*)", text)
+    assert {name.lower() for name, _ in pins} >= {"megatron-core", "hydra-core", "omegaconf", "math-verify",
+                                                  "latex2sympy2-extended", "antlr4-python3-runtime", "pytest-timeout"}
+    for name, version in pins:
+        assert importlib.metadata.version(name) == version, name
