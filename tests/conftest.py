@@ -49,6 +49,7 @@ QUICK = [
     "tests/trainer/test_packing.py::test_the_fused",
     "tests/trainer/test_layout_invariance.py::test_reference_is_nontrivial",
     "tests/trainer/test_layout_invariance.py::test_layout_matches_single_process[DP2]",
+    "tests/test_train.py::test_golden_curve_first_10_steps",  # the numbers most sensitive to the CPU's kernels
 ]
 
 
@@ -67,3 +68,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+# Per-test CPU time (GRPO_MEGA_TEST_TIMES=FILE): user + system seconds of the pytest process and of every child
+# it waited for (forked ranks, subprocesses), beside the wall time, one JSON line per test phase. CPU seconds
+# hold on a loaded machine where wall times do not; they say where the suite's time goes.
+_TIMES = os.environ.get("GRPO_MEGA_TEST_TIMES")
+if _TIMES:
+    import json
+    import resource
+    import time
+
+    import pytest
+
+    def _cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        cpu, wall = _cpu(), time.monotonic()
+        yield
+        with open(_TIMES, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu() - cpu, 2),
+                                "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
