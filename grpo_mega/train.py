@@ -35,8 +35,9 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 def _input_errors() -> tuple[type, ...]:
     from grpo_mega.rewards import RewardError
     from grpo_mega.rollout.placement import RolloutError
+    from grpo_mega.trainer.guards import RunStopped
 
-    return (ValueError, RewardError, RolloutError)
+    return (ValueError, RewardError, RolloutError, RunStopped)
 
 
 INPUT_ERRORS = _input_errors()
@@ -88,6 +89,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         built = build_run(config, model, tok, hf_dir, out_dir)
         try:
             history = train(built, sinks.log)
+        except BaseException:
+            sinks.abort()
+            raise
         finally:  # the engines and the reward's worker processes end with the run, also when it fails
             built.close()
             getattr(built.task.reward, "close", lambda: None)()

@@ -353,8 +353,14 @@ class OptimConfig:
     """'constant', 'linear' or 'cosine'."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
+    max_consecutive_skips: int = 10
+    """Mini-batches in a row skipped for a non-finite loss or gradient (counted across steps; an applied
+    optimizer step resets the count) before the run stops with an error, after a checkpoint (with
+    checkpoint.dir; skipped mini-batches leave the weights unchanged). 0: never stop."""
 
     def __post_init__(self):
+        if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 0:
+            raise ValueError(f"optim.max_consecutive_skips={self.max_consecutive_skips} must be >= 0 (0: never stop)")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optim.optimizer={self.optimizer!r} must be 'adam' or 'sgd'")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
@@ -870,10 +876,21 @@ class RewardConfig:
     'spawn', or 'fork'."""
     max_memory_mb: Optional[int] = None
     """Each worker's memory cap in MiB beyond its start size (RLIMIT_AS): a sample over it fails alone; 0/null: none."""
+    max_error_fraction: float = 0.5
+    """With on_error=zero: when more than this share of the samples scored over the last `error_window` steps
+    failed (raised, returned a non-number or a non-finite one, timed out; a reward model's non-finite score),
+    the run stops with an error before training on them, after a checkpoint of the step before (with
+    checkpoint.dir). 1: never stop; 0: stop at the first failure."""
+    error_window: int = 10
+    """The steps max_error_fraction is measured over (fewer at the start: step 1 alone is a window)."""
 
     def __post_init__(self):
         if self.max_memory_mb is not None and self.max_memory_mb < 0:
             raise ValueError(f"reward.max_memory_mb={self.max_memory_mb} must be >= 0 (0 or null: no limit)")
+        if not 0 <= self.max_error_fraction <= 1:
+            raise ValueError(f"reward.max_error_fraction={self.max_error_fraction} must be in [0, 1] (1: never stop)")
+        if not isinstance(self.error_window, int) or self.error_window < 1:
+            raise ValueError(f"reward.error_window={self.error_window} must be >= 1 (steps)")
         if self.overlong not in ("keep", "zero", "mask"):
             raise ValueError(f"reward.overlong={self.overlong!r} must be 'keep', 'zero' or 'mask'")
         if self.on_error not in ("zero", "raise"):

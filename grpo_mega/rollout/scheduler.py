@@ -87,6 +87,8 @@ class RolloutScheduler:
         self.pending: Optional[_Pending] = None  # drawn, maybe generating
         self.ready: Optional[StepSamples] = None  # generated, not yet handed out
         self.ready_task_state = None
+        self.last: Optional[StepSamples] = None  # what result() handed out last, and the task's state before it
+        self.last_task_state = None
         self.waited = self.generated = 0.0  # seconds, since the last take_timing()
 
     # ---- the step's samples -----------------------------------------------------------------------
@@ -151,6 +153,7 @@ class RolloutScheduler:
                 self.submit(step)
             self.wait()
         out, self.ready = self.ready, None
+        self.last, self.last_task_state = out, self.ready_task_state
         lag = (step - 1) - out.gen.weight_version
         if not 0 <= lag <= self.ahead:
             raise RolloutError(f"step {step} got samples of weight version {out.gen.weight_version}; the trainer holds "
@@ -213,6 +216,22 @@ class RolloutScheduler:
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------
+
+    def rewind(self) -> None:
+        """Collective: back to before the last `result(step)`, so that a checkpoint now is one of step - 1 whose
+        resume trains step `step` again (the loop stops a run there: grpo_mega.trainer.guards). A next batch in
+        flight (one step ahead) is waited for and dropped; the step's own batch is the generated, not yet trained
+        one again (one step ahead; in turn its prompts are drawn again), the task's state the one before it."""
+        last, before = self.last, self.last_task_state
+        if self.pending is not None:
+            try:
+                self.wait()
+            except RolloutError:  # raised on every rank alike; the batch is dropped either way
+                pass
+        self.ready = last if self.ahead else None
+        self.ready_task_state = before
+        if not self.ahead and self.set_state is not None:
+            self.set_state(copy.deepcopy(before))
 
     def task_state(self):
         """The task's state to checkpoint: from before the batch that is generated but not yet trained on (its

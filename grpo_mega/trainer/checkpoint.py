@@ -221,6 +221,7 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
     tmp = Path(tmp)
     (tmp / "model").mkdir(exist_ok=True)
     dist.barrier()
+    prime_optimizer(actor)  # before the first optimizer step (a run stopped at step 1) there is no state yet
     dist_checkpointing.save(_sharded(actor, reference, loading=False), str(tmp / "model"))
     if export is not None:
         if dist.get_rank() == 0:
