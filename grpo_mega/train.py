@@ -86,15 +86,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                          timeout_s=config.dist.timeout_s, ep=config.parallel.ep)
         rank0 = torch.distributed.get_rank() == 0
         sinks = MetricSinks(out_dir, config.run.steps, config.to_dict(), rank0)
-        built = build_run(config, model, tok, hf_dir, out_dir)
         try:
-            history = train(built, sinks.log)
+            built = build_run(config, model, tok, hf_dir, out_dir)
+            try:
+                history = train(built, sinks.log)
+            finally:  # the engines and the reward's worker processes end with the run, also when it fails
+                built.close()
+                getattr(built.task.reward, "close", lambda: None)()
         except BaseException:
-            sinks.abort()
+            sinks.abort()  # the progress bar's line ends before the error is printed
             raise
-        finally:  # the engines and the reward's worker processes end with the run, also when it fails
-            built.close()
-            getattr(built.task.reward, "close", lambda: None)()
         plots = sinks.close(history.rows)
         final = history.rows[-1].get("val_reward") if history.rows else None
         summary = dict(initial_val_reward=history.initial_val_reward,

@@ -107,6 +107,11 @@ class ModelConfig:
                              "checkpoints always have q/k norms, Llama and Qwen2 checkpoints never; set "
                              f"model.qk_layernorm={str(qk).lower()}")
         self._check_moe()
+        for f in ("rope_theta", "norm_epsilon"):  # YAML 1.1 reads 5.0e5 (no sign in the exponent) as text
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"model.{f}={v!r} must be a positive number (YAML reads 5.0e5 as text: write "
+                                 "5.0e+5 or 500000.0)")
         for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings"):
             _positive(f"model.{f}", getattr(self, f))
