@@ -42,6 +42,12 @@ def _input_errors() -> tuple[type, ...]:
 
 INPUT_ERRORS = _input_errors()
 
+EXIT_REQUEUE = 75
+"""Exit status of a run ended by a transient failure (a rollout server that did not answer, or answered 5xx,
+through every retry): sysexits' EX_TEMPFAIL. torchrun passes on 1 for any failed rank, so the run also leaves
+REQUEUE_FILE in its run directory; slurm/train.sbatch requeues the job on either (docs/slurm.md)."""
+REQUEUE_FILE = "REQUEUE"
+
 
 def _single_process_env() -> None:
     """Without torchrun: a one-rank group on this machine."""
@@ -133,6 +139,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except INPUT_ERRORS as e:
         if os.environ.get("GRPO_MEGA_TRACEBACK"):
             raise
+        if getattr(e, "transient", False):  # every rank leaves the mark: torchrun may end the others first
+            tmp = out / f".{REQUEUE_FILE}.{os.getpid()}"
+            tmp.write_text(f"{e}\n")
+            os.replace(tmp, out / REQUEUE_FILE)
+            print(f"error: {e}\n(transient: exit status {EXIT_REQUEUE}; slurm/train.sbatch requeues the job, which "
+                  f"resumes from its newest checkpoint)", file=sys.stderr, flush=True)
+            sys.exit(EXIT_REQUEUE)
         # A bad input (data, config, layout, checkpoint, reward, engine): the message names it and says what
         # was expected; a traceback through the trainer would only bury it.
         print(f"error: {e}\n(GRPO_MEGA_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)

@@ -678,6 +678,12 @@ class RolloutConfig:
     """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""
     server_timeout_s: float = 300.0
     """Dedicated placement: the longest a server may take to answer one request (a generate included)."""
+    server_retries: int = 3
+    """Dedicated placement: a generate or read that meets a transient failure (no connection, a reset, a timeout,
+    HTTP 5xx) is tried again this many times; one still failing ends the run with exit status 75, which
+    slurm/train.sbatch requeues (docs/slurm.md). Weight updates are never retried."""
+    server_retry_backoff_s: float = 2.0
+    """Seconds before the first retry, doubling before each next one (2, 4, 8 s)."""
     engine_timeout_s: float = 900.0
     """A colocated SGLang engine: the longest one call (a step's generation included) may take."""
     off_policy_steps: int = 0
@@ -713,6 +719,10 @@ class RolloutConfig:
                              "set rollout.placement=dedicated rollout.servers=[http://host:port]")
         if self.server_timeout_s <= 0:
             raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
+        if not isinstance(self.server_retries, int) or self.server_retries < 0:
+            raise ValueError(f"rollout.server_retries={self.server_retries} must be >= 0")
+        if self.server_retry_backoff_s < 0:
+            raise ValueError(f"rollout.server_retry_backoff_s={self.server_retry_backoff_s} must be >= 0")
         if self.engine_timeout_s <= 0:
             raise ValueError(f"rollout.engine_timeout_s={self.engine_timeout_s} must be > 0")
         if self.num_engines < 1:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from grpo_mega.parallel import comm
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.placement import Engines, RolloutError
+from grpo_mega.rollout.validate import check_generation
 
 
 @dataclass
@@ -105,12 +106,15 @@ class RolloutScheduler:
             def run():
                 t0 = time.perf_counter()
                 try:
-                    gen = client.generate([e.prompt_ids for e in pending.examples], s.n, s.temperature, s.top_p,
-                                          s.max_new_tokens, s.stop_token_ids, s.step_seed(pending.step))
+                    prompts = [e.prompt_ids for e in pending.examples]
+                    gen = client.generate(prompts, s.n, s.temperature, s.top_p, s.max_new_tokens, s.stop_token_ids,
+                                          s.step_seed(pending.step))
+                    check_generation(gen, self.engines.spec, [len(p) for p in prompts for _ in range(s.n)])
                     pending.out.update(gen=gen, seconds=time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001 - handed to every rank by wait()
                     pending.out["error"] = (f"the rollout engine ({type(client).__name__}, on rank 0) failed "
                                             f"generating step {pending.step}: {type(e).__name__}: {e}")
+                    pending.out["transient"] = bool(getattr(e, "transient", False))
 
             pending.thread = threading.Thread(target=run, name=f"rollout-step{step}", daemon=True)
             pending.thread.start()
@@ -134,7 +138,7 @@ class RolloutScheduler:
             out = comm.broadcast_object(out, src=0)
             if "error" in out:
                 self.pending = None
-                raise RolloutError(out["error"])
+                raise RolloutError(out["error"], transient=out.get("transient", False))
             gen, seconds = out["gen"] if to_all else p.out.get("gen"), out["seconds"]
         if not to_all:
             gen = self.reshare(gen, p.examples)

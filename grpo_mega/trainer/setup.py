@@ -17,6 +17,7 @@ from grpo_mega.parallel import comm
 from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
+from grpo_mega.rollout.validate import OutputSpec
 from grpo_mega.trainer.actor import Actor, Reference
 from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
 from grpo_mega.trainer.task import Task
@@ -60,7 +61,9 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             from grpo_mega.rollout.client import ServerClient
 
             engine = ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
-                                  moe_layers=model.moe_layers() if cfg.algo.records_routes else None)
+                                  moe_layers=model.moe_layers() if cfg.algo.records_routes else None,
+                                  spec=OutputSpec.of(model), retries=rollout.server_retries,
+                                  backoff_s=rollout.server_retry_backoff_s)
         else:
             import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
             import grpo_mega.rollout.sglang_engine  # noqa: F401
@@ -131,7 +134,7 @@ class Run:
                     task.set_state(state["task"])
                 if task.load_files is not None:
                     task.load_files(Path(state["path"]) / "task")
-        self.engines = Engines(engine_factory, cfg.rollout.num_engines)
+        self.engines = Engines(engine_factory, cfg.rollout.num_engines, spec=OutputSpec.of(model))
         self.routing = Routing(self.actor.dp_rows)  # each DP replica gets only the samples it runs
         r = cfg.rollout
         self.rollouts = RolloutScheduler(
