@@ -35,11 +35,18 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 def _input_errors() -> tuple[type, ...]:
     from grpo_mega.rewards import RewardError
     from grpo_mega.rollout.placement import RolloutError
+    from grpo_mega.trainer.guards import RunStopped
 
-    return (ValueError, RewardError, RolloutError)
+    return (ValueError, RewardError, RolloutError, RunStopped)
 
 
 INPUT_ERRORS = _input_errors()
+
+EXIT_REQUEUE = 75
+"""Exit status of a run ended by a transient failure (a rollout server that did not answer, or answered 5xx,
+through every retry): sysexits' EX_TEMPFAIL. torchrun passes on 1 for any failed rank, so the run also leaves
+REQUEUE_FILE in its run directory; slurm/train.sbatch requeues the job on either (docs/slurm.md)."""
+REQUEUE_FILE = "REQUEUE"
 
 
 def _single_process_env() -> None:
@@ -85,12 +92,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                          timeout_s=config.dist.timeout_s, ep=config.parallel.ep)
         rank0 = torch.distributed.get_rank() == 0
         sinks = MetricSinks(out_dir, config.run.steps, config.to_dict(), rank0)
-        built = build_run(config, model, tok, hf_dir, out_dir)
         try:
-            history = train(built, sinks.log)
-        finally:  # the engines and the reward's worker processes end with the run, also when it fails
-            built.close()
-            getattr(built.task.reward, "close", lambda: None)()
+            built = build_run(config, model, tok, hf_dir, out_dir)
+            try:
+                history = train(built, sinks.log)
+            finally:  # the engines and the reward's worker processes end with the run, also when it fails
+                built.close()
+                getattr(built.task.reward, "close", lambda: None)()
+        except BaseException:
+            sinks.abort()  # the progress bar's line ends before the error is printed
+            raise
         plots = sinks.close(history.rows)
         final = history.rows[-1].get("val_reward") if history.rows else None
         summary = dict(initial_val_reward=history.initial_val_reward,
@@ -128,6 +139,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except INPUT_ERRORS as e:
         if os.environ.get("GRPO_MEGA_TRACEBACK"):
             raise
+        if getattr(e, "transient", False):  # every rank leaves the mark: torchrun may end the others first
+            tmp = out / f".{REQUEUE_FILE}.{os.getpid()}"
+            tmp.write_text(f"{e}\n")
+            os.replace(tmp, out / REQUEUE_FILE)
+            print(f"error: {e}\n(transient: exit status {EXIT_REQUEUE}; slurm/train.sbatch requeues the job, which "
+                  f"resumes from its newest checkpoint)", file=sys.stderr, flush=True)
+            sys.exit(EXIT_REQUEUE)
         # A bad input (data, config, layout, checkpoint, reward, engine): the message names it and says what
         # was expected; a traceback through the trainer would only bury it.
         print(f"error: {e}\n(GRPO_MEGA_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)

@@ -218,6 +218,13 @@ def test_moe_setting_in_a_dense_model_yaml(tmp_path):
              r"model\.moe_router_topk=2 is an MoE setting; model mine is dense \(family 'qwen2', no num_experts\)")
 
 
+def test_model_yaml_with_a_number_yaml_reads_as_text(tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text((ROOT / "model_configs" / "tiny.yaml").read_text().replace("rope_theta: 10000.0", "rope_theta: 5.0e5"))
+    _refused(_cli(tmp_path / "run", f"model={bad}", fork=False),
+             r"model\.rope_theta='5\.0e5' must be a positive number \(YAML reads 5\.0e5 as text: write 5\.0e\+5")
+
+
 def test_hf_model_with_pickle_weights_is_refused(tmp_path):
     from tests.models.hf_fixtures import smollm2_dir
 
@@ -311,6 +318,26 @@ def test_resume_with_a_kl_term_from_a_checkpoint_without_a_reference_is_refused(
     ckpt = _copy(saved, tmp_path)
     proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}", "algo.kl_coef=0.01")
     _refused(proc, r"step_00000002 was saved without a reference model \(algo\.kl_coef=0\.0\).*Resume with algo\.kl_coef=0")
+
+
+def test_resume_with_a_model_yaml_edited_in_place_is_refused(saved, tmp_path):
+    """The checkpoint records the model it was trained with (model/grpo_mega.json): a YAML whose RoPE base and norm
+    epsilon were edited since (same shapes: megatron would load it silently) is refused, naming both fields."""
+    ckpt = _copy(saved, tmp_path)
+    edited = tmp_path / "tiny.yaml"
+    edited.write_text((ROOT / "model_configs" / "tiny.yaml").read_text().replace("rope_theta: 10000.0", "rope_theta: 500000.0")
+                      .replace("norm_epsilon: 1.0e-6", "norm_epsilon: 1.0e-5"))
+    proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}", f"model={edited}")
+    _refused(proc, r"step_00000002 was trained with another model \('tiny'\): norm_epsilon 1e-06 \(this run: 1e-05\), "
+                   r"rope_theta 10000\.0 \(this run: 500000\.0\); resume with the model it was trained with")
+
+
+def test_resume_with_another_model_is_refused_in_one_line(saved, tmp_path):
+    """Another model's shapes: named field by field, before megatron's loader would fail with a shape traceback."""
+    ckpt = _copy(saved, tmp_path)
+    proc = _cli(tmp_path / "run", "run.steps=3", f"checkpoint.dir={ckpt}", "model=tiny-qwen3")
+    _refused(proc, r"step_00000002 was trained with another model \('tiny'\): family 'qwen2' \(this run: 'qwen3'\), .*"
+                   r"qk_layernorm False \(this run: True\)")
 
 
 def test_a_checkpoint_directory_in_use_by_a_live_run_is_refused(saved, tmp_path):

@@ -107,6 +107,11 @@ class ModelConfig:
                              "checkpoints always have q/k norms, Llama and Qwen2 checkpoints never; set "
                              f"model.qk_layernorm={str(qk).lower()}")
         self._check_moe()
+        for f in ("rope_theta", "norm_epsilon"):  # YAML 1.1 reads 5.0e5 (no sign in the exponent) as text
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"model.{f}={v!r} must be a positive number (YAML reads 5.0e5 as text: write "
+                                 "5.0e+5 or 500000.0)")
         for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings"):
             _positive(f"model.{f}", getattr(self, f))
@@ -353,8 +358,14 @@ class OptimConfig:
     """'constant', 'linear' or 'cosine'."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
+    max_consecutive_skips: int = 10
+    """Mini-batches in a row skipped for a non-finite loss or gradient (counted across steps; an applied
+    optimizer step resets the count) before the run stops with an error, after a checkpoint (with
+    checkpoint.dir; skipped mini-batches leave the weights unchanged). 0: never stop."""
 
     def __post_init__(self):
+        if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 0:
+            raise ValueError(f"optim.max_consecutive_skips={self.max_consecutive_skips} must be >= 0 (0: never stop)")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optim.optimizer={self.optimizer!r} must be 'adam' or 'sgd'")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
@@ -667,6 +678,12 @@ class RolloutConfig:
     """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""
     server_timeout_s: float = 300.0
     """Dedicated placement: the longest a server may take to answer one request (a generate included)."""
+    server_retries: int = 3
+    """Dedicated placement: a generate or read that meets a transient failure (no connection, a reset, a timeout,
+    HTTP 5xx) is tried again this many times; one still failing ends the run with exit status 75, which
+    slurm/train.sbatch requeues (docs/slurm.md). Weight updates are never retried."""
+    server_retry_backoff_s: float = 2.0
+    """Seconds before the first retry, doubling before each next one (2, 4, 8 s)."""
     engine_timeout_s: float = 900.0
     """A colocated SGLang engine: the longest one call (a step's generation included) may take."""
     off_policy_steps: int = 0
@@ -702,6 +719,10 @@ class RolloutConfig:
                              "set rollout.placement=dedicated rollout.servers=[http://host:port]")
         if self.server_timeout_s <= 0:
             raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
+        if not isinstance(self.server_retries, int) or self.server_retries < 0:
+            raise ValueError(f"rollout.server_retries={self.server_retries} must be >= 0")
+        if self.server_retry_backoff_s < 0:
+            raise ValueError(f"rollout.server_retry_backoff_s={self.server_retry_backoff_s} must be >= 0")
         if self.engine_timeout_s <= 0:
             raise ValueError(f"rollout.engine_timeout_s={self.engine_timeout_s} must be > 0")
         if self.num_engines < 1:
@@ -870,10 +891,21 @@ class RewardConfig:
     'spawn', or 'fork'."""
     max_memory_mb: Optional[int] = None
     """Each worker's memory cap in MiB beyond its start size (RLIMIT_AS): a sample over it fails alone; 0/null: none."""
+    max_error_fraction: float = 0.5
+    """With on_error=zero: when more than this share of the samples scored over the last `error_window` steps
+    failed (raised, returned a non-number or a non-finite one, timed out; a reward model's non-finite score),
+    the run stops with an error before training on them, after a checkpoint of the step before (with
+    checkpoint.dir). 1: never stop; 0: stop at the first failure."""
+    error_window: int = 10
+    """The steps max_error_fraction is measured over (fewer at the start: step 1 alone is a window)."""
 
     def __post_init__(self):
         if self.max_memory_mb is not None and self.max_memory_mb < 0:
             raise ValueError(f"reward.max_memory_mb={self.max_memory_mb} must be >= 0 (0 or null: no limit)")
+        if not 0 <= self.max_error_fraction <= 1:
+            raise ValueError(f"reward.max_error_fraction={self.max_error_fraction} must be in [0, 1] (1: never stop)")
+        if not isinstance(self.error_window, int) or self.error_window < 1:
+            raise ValueError(f"reward.error_window={self.error_window} must be >= 1 (steps)")
         if self.overlong not in ("keep", "zero", "mask"):
             raise ValueError(f"reward.overlong={self.overlong!r} must be 'keep', 'zero' or 'mask'")
         if self.on_error not in ("zero", "raise"):

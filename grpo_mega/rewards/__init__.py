@@ -1,11 +1,14 @@
 """Reward functions by name, and the wrapper that applies one to a step's samples.
 
-A reward function takes (response_text, ground_truth, sample) and returns a float; `sample` is the data row
-(data_source, extra_info, ...). Registered: `math` (math-verify: the response's final answer against the
+A reward function takes (response_text, ground_truth, sample) and returns a real number: a Python int or
+float, a numpy scalar or a 0-d array or tensor; a bool counts as 1.0 / 0.0 (a verifier's verdict, what
+math_verify.verify returns); NaN and infinities are failures. `sample` is the data row (data_source,
+extra_info, ...). Registered: `math` (math-verify: the response's final answer against the
 ground truth), `format` (the response matches a regex), `mix` (a weighted sum of others), and any
 function given by dotted path (`my_pkg.rewards:score` or `my_pkg.rewards.score`). A function that raises
 or returns a non-number is reported with the sample that caused it; `on_error=zero` scores it 0 and goes
-on, `on_error=raise` stops the run.
+on (until more than `reward.max_error_fraction` of the samples fail: grpo_mega.trainer.guards), `on_error=raise`
+stops the run.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -118,9 +122,14 @@ class RewardStats:
 
 
 def check_reward_value(value) -> float:
-    """`value` as a float; a TypeError for a bool, a non-number or a non-finite number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise TypeError(f"returned {value!r}; a reward must be a finite number")
+    """`value` as a float: a real number (int, float, bool as 1.0/0.0, a numpy scalar, a 0-d numpy array or
+    torch tensor); a TypeError for anything else (a string, a list, a complex, a tensor of more than one
+    value) and for NaN or an infinity."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy scalar or 0-d array, 0-d tensor
+        value = value.item()
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise TypeError(f"returned {shown}; a reward must be a finite number (a Python, numpy or 0-d tensor real)")
     return float(value)
 
 

@@ -12,10 +12,22 @@ step. Training it further (iterative RL) is rewards/rm_train.py's.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+def finite_scores(values: list[float], where: Sequence[str]) -> tuple[list[float], list[str]]:
+    """(the scores with every non-finite one as 0.0, a message for each of those naming its sample `where[i]`):
+    a reward model in bf16 can overflow to inf or NaN, which would otherwise reach the advantages."""
+    bad = [f"the reward model scored {w} {v} (not finite); scored 0" for v, w in zip(values, where)
+           if not math.isfinite(v)]
+    return [v if math.isfinite(v) else 0.0 for v in values], bad
 
 
 def default_device() -> str:
@@ -155,16 +167,24 @@ class RewardModelReward:
     def __call__(self, example, response_ids) -> float:
         if self.validate is not None:
             return self.validate(example, response_ids)
-        return self.rm.score_texts([self.text(example, response_ids)])[0]
+        values, bad = finite_scores(self.rm.score_texts([self.text(example, response_ids)]), ["a validation sample"])
+        for msg in bad:
+            log.warning(msg)
+        return values[0]
 
     def score_batch(self, examples, response_ids, indices, step):
+        """Rank 0's scores; a non-finite score counts in reward/errors and is scored 0 (the run stops when more
+        than reward.max_error_fraction of the samples fail: grpo_mega.trainer.guards)."""
         if not indices:  # not the scoring rank: zeros for the counts rank 0 reports
             return [], dict.fromkeys(self.metric_keys, 0.0)
         trainer = self.trainer if self.rm_train is not None else None  # first use after a resume: loads its state
         ids = self.rm.encode([self.text(examples[i], response_ids[i]) for i in indices])
-        values = self.rm.score_ids(ids)
+        values, bad = finite_scores(self.rm.score_ids(ids), [f"sample {i}" for i in indices])
+        for msg in bad[:5]:
+            log.warning(msg)
+        errors = {"reward/errors": float(len(bad))}
         if self.rm_train is None:
-            return values, {}
+            return values, errors
         from grpo_mega.rewards.rm_train import check_label
 
         labels = self.labeler([examples[i] for i in indices], [response_ids[i] for i in indices])
@@ -173,8 +193,8 @@ class RewardModelReward:
         trainer.add(ids, labels)
         if step % self.rm_train.interval == 0:
             trainer.update()
-            return values, trainer.metrics(updated=True)
-        return values, trainer.metrics(updated=False)
+            return values, {**trainer.metrics(updated=True), **errors}
+        return values, {**trainer.metrics(updated=False), **errors}
 
     # ---- checkpoint (rank 0 saves; every rank is told where to load from, rank 0 loads on first use) -------
 

@@ -279,7 +279,8 @@ def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list
     ranks). `reward` is a StepScorer, or a plain per-sample `reward(example, response_ids) -> float`
     (scored in-process, spread over ranks). `owned`: the samples this rank scores (each sample owned by exactly
     one rank, which holds its response: grpo_mega.rollout.routing); by default every world-th from this
-    rank's. A scorer `on_one_rank` scores them all on rank 0, which holds every response."""
+    rank's. A scorer `on_one_rank` scores them all on rank 0, which holds every response. `reward/samples` is
+`n`, the count reward/errors is a share of."""
     import torch
     import torch.distributed as dist
 
@@ -316,4 +317,5 @@ def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list
             raise failure
         raise RewardError(next(m for m in messages if m is not None))
     metrics["reward/score_seconds"] = time.perf_counter() - t0
+    metrics["reward/samples"] = float(n)  # what reward/errors is a share of (grpo_mega.trainer.guards)
     return total[:n].to(torch.float32), metrics

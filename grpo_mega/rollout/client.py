@@ -13,6 +13,15 @@ our server's /grpo_mega/weight_checksums, or, where a server has no such route (
 back with /get_weights_by_name. Every call has a timeout; a server that dies or stops answering raises
 ServerError naming its URL. Where the client lives and how samples reach the ranks is grpo_mega.rollout.placement'.
 
+Nothing a server answers is trusted: every sample is checked (grpo_mega.rollout.validate: integral token ids in
+the vocabulary, one finite logprob <= 0 per token, a known finish reason, routed experts in range and distinct,
+k the model's top-k, all before any narrowing) and a violation is a ServerError naming the server and the field.
+A transient failure (no connection, a reset, a timeout, an HTTP 5xx) of a call that can be repeated (/generate,
+/health, reads) is retried `retries` times, `backoff_s` doubling between tries; a transient failure that remains
+is a ServerError with `transient` set, which the trainer ends with exit status 75 (EX_TEMPFAIL) and a REQUEUE
+file in its run directory, and slurm/train.sbatch requeues the job (docs/slurm.md). The weight-update calls are
+never repeated (each is paired with a broadcast).
+
 Authentication: with GRPO_MEGA_SERVER_API_KEY in the environment (slurm/train.sbatch makes one per job), every
 request carries `Authorization: Bearer KEY`, what SGLang's --api-key and the stand-in server check. The key is
 read from the environment only: never from a config file or argv, which other users of a node can read.
@@ -21,10 +30,13 @@ read from the environment only: never from a config file or argv, which other us
 from __future__ import annotations
 
 import datetime
+import http.client
 import json
+import logging
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Iterable, Optional
@@ -33,7 +45,14 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.processes import free_port
+from grpo_mega.rollout import validate
 from grpo_mega.rollout.interface import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+
+log = logging.getLogger(__name__)
+
+REPEATABLE = ("/generate", "/health", "/model_info", "/flush_cache", "/get_weights_by_name",
+              "/grpo_mega/weight_checksums")
+"""The calls a transient failure repeats: they change nothing a second call would change again."""
 
 API_KEY_ENV = "GRPO_MEGA_SERVER_API_KEY"
 """The environment variable holding the dedicated servers' API key (unset: servers without a key)."""
@@ -65,12 +84,13 @@ def routable_address(urls: list[str]) -> str:
 
 
 class ServerError(RuntimeError):
-    """A rollout server failed, died or did not answer in time (the message names its URL); `status` is the
-    HTTP status of a refusal, None when there was no answer."""
+    """A rollout server failed, died, did not answer in time or answered something that breaks the contract (the
+    message names its URL, and the field); `status` is the HTTP status of a refusal, None when there was no
+    answer; `transient`: no answer, a reset or an HTTP 5xx, which a later try (or a requeued job) may not meet."""
 
-    def __init__(self, message: str, status: Optional[int] = None):
+    def __init__(self, message: str, status: Optional[int] = None, transient: bool = False):
         super().__init__(message)
-        self.status = status
+        self.status, self.transient = status, transient
 
 
 def join_update_group(host: str, port: int, rank: int, world: int, group_name: str, timeout_s: float,
@@ -117,12 +137,17 @@ class ServerClient(RolloutEngine):
     """Samples from, and weights into, the servers at `urls` (e.g. ["http://10.0.0.5:30000"])."""
 
     def __init__(self, urls: list[str], timeout_s: float = 60.0, server_tp: int = 1,
-                 group_name: str = "grpo_mega_weights", moe_layers: Optional[list[bool]] = None):
-        """`moe_layers` (per layer: does it hold experts): ask for the routed experts (routing replay)."""
+                 group_name: str = "grpo_mega_weights", moe_layers: Optional[list[bool]] = None,
+                 spec: validate.OutputSpec = validate.OutputSpec(), retries: int = 3, backoff_s: float = 2.0):
+        """`moe_layers` (per layer: does it hold experts): ask for the routed experts (routing replay). `spec`: what
+        samples are checked against (the model's vocabulary, experts and top-k). `retries`, `backoff_s`: a
+        transient failure of a repeatable call is tried again up to `retries` times, after backoff_s, 2 backoff_s,
+        ... seconds (rollout.server_retries, rollout.server_retry_backoff_s)."""
         if not urls:
             raise ValueError("rollout.servers is empty: dedicated placement needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s, self.server_tp, self.group_name = timeout_s, server_tp, group_name
+        self.spec, self.retries, self.backoff_s = spec, retries, backoff_s
         self.outstanding = {u: 0 for u in self.urls}  # tokens asked of each server and not yet answered
         self._group = None
         self._sent_dtypes: dict[str, torch.dtype] = {}  # HF name -> dtype of what the last sync sent
@@ -136,7 +161,22 @@ class ServerClient(RolloutEngine):
 
     def _call(self, url: str, path: str, body: Optional[dict], what: str = "", timeout: Optional[float] = None):
         """The decoded JSON answer; an answer that is not JSON (SGLang's /flush_cache says "Cache flushed.")
-        as its text, an empty one as {}."""
+        as its text, an empty one as {}. A transient failure of a REPEATABLE call is tried again (`retries`)."""
+        tries = 1 + (self.retries if path in REPEATABLE else 0)
+        for attempt in range(tries):
+            try:
+                return self._call_once(url, path, body, what, timeout)
+            except ServerError as e:
+                if not e.transient or attempt + 1 == tries:
+                    if e.transient and tries > 1:
+                        raise ServerError(f"{e} (tried {tries} times; rollout.server_retries={self.retries})",
+                                          e.status, transient=True) from None
+                    raise
+                wait = self.backoff_s * 2 ** attempt
+                log.warning("%s; trying again in %.1f s (%d of %d tries)", e, wait, attempt + 2, tries)
+                time.sleep(wait)
+
+    def _call_once(self, url: str, path: str, body: Optional[dict], what: str, timeout: Optional[float]):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json", **auth_headers()})
@@ -145,11 +185,13 @@ class ServerClient(RolloutEngine):
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:300]
-            raise ServerError(f"rollout server {url} refused {path} (HTTP {e.code}): {detail}", e.code) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
+            raise ServerError(f"rollout server {url} refused {path} (HTTP {e.code}): {detail}", e.code,
+                              transient=e.code >= 500) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
             raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} within "
-                              f"{timeout or self.timeout_s:.0f} s: {reason}; is it running? (rollout.servers)") from None
+                              f"{timeout or self.timeout_s:.0f} s: {reason}; is it running? (rollout.servers)",
+                              transient=True) from None
         if not raw:
             return {}
         try:
@@ -212,19 +254,21 @@ class ServerClient(RolloutEngine):
         rows: dict[int, list] = {}
         for url, idx, out in zip(self.urls, shares, answers):
             for k, i in enumerate(idx):
-                rows[i] = [(url, o) for o in out[k * n:(k + 1) * n]]
+                rows[i] = [(url, k * n + j, o) for j, o in enumerate(out[k * n:(k + 1) * n])]
         tokens, logps, finish, versions = [], [], [], set()
         routed = None if self.moe_layers is None else []
         for i in range(len(prompts)):
-            for url, o in rows[i]:
-                meta = o["meta_info"]
-                ids = list(o["output_ids"])
+            for url, k, o in rows[i]:
+                try:  # checked before anything is narrowed or kept (grpo_mega.rollout.validate)
+                    ids, lps, reason = validate.sglang_sample(o, self.spec)
+                    if routed is not None:
+                        routed.append(self._routed_experts(url, o["meta_info"], len(prompts[i]) + len(ids) - 1))
+                except validate.BadOutput as e:
+                    raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
                 tokens.append(ids)
-                if routed is not None:
-                    routed.append(self._routed_experts(url, meta, len(prompts[i]) + len(ids) - 1))
-                logps.append([float(x[0]) for x in meta["output_token_logprobs"]][: len(ids)])
-                finish.append("length" if (meta.get("finish_reason") or {}).get("type") == "length" else "stop")
-                versions.add(self._sample_version(url, meta))
+                logps.append(lps)
+                finish.append(reason)
+                versions.add(self._sample_version(url, o["meta_info"]))
         if len(versions) > 1:
             raise ServerError(f"the rollout servers {self.urls} answered with different weight versions {sorted(versions)}")
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish,
@@ -241,13 +285,20 @@ class ServerClient(RolloutEngine):
             raise ServerError(f"rollout server {url} returned no routed_experts (algo.routing_replay=rollout or "
                               "measure): start "
                               "SGLang with --enable-return-routed-experts")
-        flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
+        try:
+            data = base64.b64decode(raw, validate=True)
+        except (ValueError, TypeError) as e:
+            raise validate.BadOutput(f"meta_info.routed_experts is not base64 ({e})") from None
+        if len(data) % 4:
+            raise validate.BadOutput(f"meta_info.routed_experts has {len(data)} bytes, not whole int32s")
+        flat = torch.frombuffer(bytearray(data), dtype=torch.int32)
         layers = len(self.moe_layers)
-        if flat.numel() % (positions * layers):
-            raise ServerError(f"rollout server {url} returned {flat.numel()} routed expert ids for {positions} "
-                              f"positions and {layers} layers")
+        if positions <= 0 or flat.numel() % (positions * layers):
+            raise validate.BadOutput(f"meta_info.routed_experts has {flat.numel()} expert ids for {positions} "
+                                     f"positions and {layers} layers")
         full = flat.view(positions, layers, -1)
-        return full[:, torch.tensor(self.moe_layers)].to(torch.int16).contiguous()
+        moe = full[:, torch.tensor(self.moe_layers)]  # int32, as sent: checked before it is narrowed to int16
+        return validate.routed_experts(moe, positions, self.spec, "meta_info.routed_experts").contiguous()
 
     @staticmethod
     def _sample_version(url: str, meta: dict) -> int:

@@ -12,22 +12,36 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
+from grpo_mega.rollout import validate
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.weight_sync import SyncRoute, sync_weights
 
 
 class RolloutError(RuntimeError):
-    """The rollout engine failed (it died, timed out, or refused the request); raised on every rank."""
+    """The rollout engine failed (it died, timed out, refused the request, or answered samples that break the
+    contract: grpo_mega.rollout.validate); raised on every rank. `transient`: a server that did not answer or
+    answered 5xx, still so after the client's retries (the trainer exits 75 and the job is requeued)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+def _failure(engine, rank: int, e: Exception, doing: str = "failed") -> "RolloutError":
+    return RolloutError(f"the rollout engine ({type(engine).__name__}, on rank {rank}) {doing}: {type(e).__name__}: {e}",
+                        transient=bool(getattr(e, "transient", False)))
 
 
 class Engines:
-    """The run's rollout engines: global rank `ranks[i]` hosts engine i (`local` on that rank, else None)."""
+    """The run's rollout engines: global rank `ranks[i]` hosts engine i (`local` on that rank, else None). Every
+    Generation an engine returns is checked against `spec` (grpo_mega.rollout.validate) before any rank sees it."""
 
-    def __init__(self, factory: Callable[[], object], count: int = 1):
+    def __init__(self, factory: Callable[[], object], count: int = 1, spec: validate.OutputSpec = validate.OutputSpec()):
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % count:
             raise ValueError(f"rollout.num_engines={count} must divide the number of ranks ({world})")
         self.ranks = [i * (world // count) for i in range(count)]
+        self.spec = spec
         self.local, error = None, None
         if rank in self.ranks:
             try:
@@ -56,9 +70,9 @@ class Engines:
             try:
                 if share:
                     mine = self.local.generate(share, n, temperature, top_p, max_new, stop, seed, prompt_offset=i * per)
+                    validate.check_generation(mine, self.spec, [len(p) for p in share for _ in range(n)])
             except Exception as e:  # noqa: BLE001 - reported on every rank below
-                mine = RolloutError(f"the rollout engine ({type(self.local).__name__}, on rank {rank}) failed: "
-                                    f"{type(e).__name__}: {e}")
+                mine = _failure(self.local, rank, e)
         if not to_all:  # to rank 0 (an engine rank); every rank learns of a failure
             if k == 1:
                 parts = [mine] if rank == 0 else None
@@ -67,14 +81,14 @@ class Engines:
                 parts = None if everyone is None else [everyone[r] for r in self.ranks]
             gen, error = None, None
             if parts is not None:
-                error = next((str(p) for p in parts if isinstance(p, RolloutError)), None)
+                error = next(((str(p), p.transient) for p in parts if isinstance(p, RolloutError)), None)
                 try:
                     gen = None if error else self._join(parts)
                 except RolloutError as e:
-                    error = str(e)
+                    error = (str(e), e.transient)
             error = comm.broadcast_object(error)
             if error is not None:
-                raise RolloutError(error)
+                raise RolloutError(*error)
             return gen
         if k == 1:
             parts = [comm.broadcast_object(mine, src=self.ranks[0])]
@@ -121,10 +135,12 @@ class Engines:
         try:
             stats = sync_weights(gpt, engine=self.local, version=version, route=self._route, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = f"weight sync into the rollout engine on rank {dist.get_rank()} failed: {type(e).__name__}: {e}"
+            error = (f"weight sync into the rollout engine on rank {dist.get_rank()} failed: {type(e).__name__}: {e}",
+                     bool(getattr(e, "transient", False)))
         errors = [e for e in comm.all_gather_objects(error) if e is not None]
         if errors:
-            raise RolloutError(errors[0] + (f" (and {len(errors) - 1} more engines)" if len(errors) > 1 else ""))
+            raise RolloutError(errors[0][0] + (f" (and {len(errors) - 1} more engines)" if len(errors) > 1 else ""),
+                               transient=all(t for _, t in errors))
         if stats is not None:
             stats.seconds = time.perf_counter() - t0
         return stats if dist.get_rank() == self.ranks[0] else None

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from grpo_mega.parallel import comm
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.placement import Engines, RolloutError
+from grpo_mega.rollout.validate import check_generation
 
 
 @dataclass
@@ -87,6 +88,8 @@ class RolloutScheduler:
         self.pending: Optional[_Pending] = None  # drawn, maybe generating
         self.ready: Optional[StepSamples] = None  # generated, not yet handed out
         self.ready_task_state = None
+        self.last: Optional[StepSamples] = None  # what result() handed out last, and the task's state before it
+        self.last_task_state = None
         self.waited = self.generated = 0.0  # seconds, since the last take_timing()
 
     # ---- the step's samples -----------------------------------------------------------------------
@@ -103,12 +106,15 @@ class RolloutScheduler:
             def run():
                 t0 = time.perf_counter()
                 try:
-                    gen = client.generate([e.prompt_ids for e in pending.examples], s.n, s.temperature, s.top_p,
-                                          s.max_new_tokens, s.stop_token_ids, s.step_seed(pending.step))
+                    prompts = [e.prompt_ids for e in pending.examples]
+                    gen = client.generate(prompts, s.n, s.temperature, s.top_p, s.max_new_tokens, s.stop_token_ids,
+                                          s.step_seed(pending.step))
+                    check_generation(gen, self.engines.spec, [len(p) for p in prompts for _ in range(s.n)])
                     pending.out.update(gen=gen, seconds=time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001 - handed to every rank by wait()
                     pending.out["error"] = (f"the rollout engine ({type(client).__name__}, on rank 0) failed "
                                             f"generating step {pending.step}: {type(e).__name__}: {e}")
+                    pending.out["transient"] = bool(getattr(e, "transient", False))
 
             pending.thread = threading.Thread(target=run, name=f"rollout-step{step}", daemon=True)
             pending.thread.start()
@@ -132,7 +138,7 @@ class RolloutScheduler:
             out = comm.broadcast_object(out, src=0)
             if "error" in out:
                 self.pending = None
-                raise RolloutError(out["error"])
+                raise RolloutError(out["error"], transient=out.get("transient", False))
             gen, seconds = out["gen"] if to_all else p.out.get("gen"), out["seconds"]
         if not to_all:
             gen = self.reshare(gen, p.examples)
@@ -151,6 +157,7 @@ class RolloutScheduler:
                 self.submit(step)
             self.wait()
         out, self.ready = self.ready, None
+        self.last, self.last_task_state = out, self.ready_task_state
         lag = (step - 1) - out.gen.weight_version
         if not 0 <= lag <= self.ahead:
             raise RolloutError(f"step {step} got samples of weight version {out.gen.weight_version}; the trainer holds "
@@ -213,6 +220,22 @@ class RolloutScheduler:
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------
+
+    def rewind(self) -> None:
+        """Collective: back to before the last `result(step)`, so that a checkpoint now is one of step - 1 whose
+        resume trains step `step` again (the loop stops a run there: grpo_mega.trainer.guards). A next batch in
+        flight (one step ahead) is waited for and dropped; the step's own batch is the generated, not yet trained
+        one again (one step ahead; in turn its prompts are drawn again), the task's state the one before it."""
+        last, before = self.last, self.last_task_state
+        if self.pending is not None:
+            try:
+                self.wait()
+            except RolloutError:  # raised on every rank alike; the batch is dropped either way
+                pass
+        self.ready = last if self.ahead else None
+        self.ready_task_state = before
+        if not self.ahead and self.set_state is not None:
+            self.set_state(copy.deepcopy(before))
 
     def task_state(self):
         """The task's state to checkpoint: from before the batch that is generated but not yet trained on (its

@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 import torch
 
 from grpo_mega.processes import free_port
+from grpo_mega.rollout import validate
 from grpo_mega.rollout.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 
@@ -62,6 +63,7 @@ class SGLangEngine(RolloutEngine):
         except Exception as e:
             raise EngineError(f"SGLang failed to start for {model_path}: {e}") from e
         self.weight_version = 0
+        self.output_spec = validate.OutputSpec()  # the vocabulary is checked by the run's Engines (placement.py)
         self._dead: Optional[str] = None
         self._install_death_handler()
         self._group = None
@@ -196,13 +198,14 @@ class SGLangEngine(RolloutEngine):
         out = self._call("generate", self.engine.generate, input_ids=input_ids, sampling_params=params,
                          return_logprob=True)
         tokens, logps, finish = [], [], []
-        for o in out:
-            ids = list(o["output_ids"])
-            lps = [float(x[0]) for x in o["meta_info"]["output_token_logprobs"]]
-            reason = o["meta_info"]["finish_reason"] or {}
+        for k, o in enumerate(out):
+            try:  # the same checks as a server's answer (grpo_mega.rollout.validate), before anything is kept
+                ids, lps, reason = validate.sglang_sample(o, self.output_spec)
+            except validate.BadOutput as e:
+                raise EngineError(f"SGLang's Engine.generate returned a bad output {k}: {e}") from None
             tokens.append(ids)
-            logps.append(lps[: len(ids)])
-            finish.append("length" if reason.get("type") == "length" else "stop")
+            logps.append(lps)
+            finish.append(reason)
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish, weight_version=self.weight_version)
 
     # ---- weights ---------------------------------------------------------------------------------

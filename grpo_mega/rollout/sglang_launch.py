@@ -2,10 +2,13 @@
 client expects it (token ids in and out, weight version 0 until the first sync) and `launch_sglang`, which
 starts several at once and waits until each answers /health. `grpo_mega.processes.stop` ends them.
 
-`python -m grpo_mega.rollout.sglang_launch SGLANG_ARGS...` runs `sglang.launch_server` in this process with
-`--api-key` taken from GRPO_MEGA_SERVER_API_KEY: SGLang 0.5.23 takes its key only as a command-line option,
-and a key on a command line is readable by every user of the node (/proc/PID/cmdline); set in-process, the
-visible command line never holds it.
+`python -m grpo_mega.rollout.sglang_launch SGLANG_ARGS...` runs SGLang's server (what `python -m
+sglang.launch_server` runs) in this process with its API key taken from GRPO_MEGA_SERVER_API_KEY: SGLang 0.5.23
+takes its key only as a command-line option, and a key on a command line is readable by every user of the node
+(/proc/PID/cmdline). The key is set on the parsed ServerArgs, never in any argv (SGLang keeps its argv as the
+server's `launch_command`), and this process's log records have it replaced by `<redacted>` (SGLang 0.5.23 logs
+`server_args={...}`, api_key included, at INFO: the Slurm output would carry it). Its other processes
+(scheduler, detokenizer) get the ServerArgs but do not log them.
 
 `python -m grpo_mega.rollout.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a
 training run composed from those overrides needs of its servers (`training_flags`: token ids only, weight
@@ -14,6 +17,7 @@ builds its default server command with it."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Optional
@@ -48,14 +52,17 @@ def training_flags_for(overrides: list[str]) -> list[str]:
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",
                    python: str = sys.executable, cpu: Optional[bool] = None, max_total_tokens: int = 4096,
-                   routing_replay: bool = False, extra: tuple = ()) -> list[str]:
-    """The command line of one SGLang server as the client expects it (`training_flags`). `cpu` (default: where
+                   routing_replay: bool = False, extra: tuple = (), env: Optional[dict] = None) -> list[str]:
+    """The command line of one SGLang server as the client expects it (`training_flags`); with an API key in
+    `env` (the server's environment; default this process's) it starts through this module, which gives SGLang
+    the key without a command line or log ever holding it. `cpu` (default: where
     torch sees no CUDA) adds SGLang's CPU settings: torch_native attention, no CUDA graphs, a KV cache of
     `max_total_tokens`; the environment must then also carry SGLANG_USE_CPU_ENGINE=1 and a stand-in sgl_kernel
     (tests/fixtures) first on PYTHONPATH."""
     import torch
 
-    module = "grpo_mega.rollout.sglang_launch" if os.environ.get(API_KEY_ENV) else "sglang.launch_server"
+    module = "grpo_mega.rollout.sglang_launch" if (os.environ if env is None else env).get(API_KEY_ENV) \
+        else "sglang.launch_server"
     cmd = [python, "-m", module, "--model-path", str(model_path), "--host", host, "--port", str(port),
            "--tp-size", str(tp), "--dtype", dtype, *training_flags(routing_replay)]
     if cpu if cpu is not None else not torch.cuda.is_available():
@@ -83,7 +90,7 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
             port = free_port()
             log_path = os.path.join(log_dir, f"sglang-{port}.log")
             with open(log_path, "w") as log:
-                proc = subprocess.Popen(sglang_command(model_path, port, **command_kwargs), stdout=log,
+                proc = subprocess.Popen(sglang_command(model_path, port, env=env, **command_kwargs), stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             url = f"http://{host}:{port}"
             started.append((proc, url))
@@ -113,18 +120,58 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
     return started
 
 
+REDACTED = "<redacted>"
+
+
+def redact_logs(secret: str) -> None:
+    """From now on, every log record this process creates has `secret` replaced by REDACTED in its message (a
+    record factory: whatever logger or handler SGLang configures later)."""
+    make = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = make(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not format is logging's to report
+            return record
+        if secret in text:
+            record.msg, record.args = text.replace(secret, REDACTED), None
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def serve(argv: list[str], key: str) -> None:
+    """SGLang 0.5.23's server, as `python -m sglang.launch_server ARGV` runs it (sglang/launch_server.py), with
+    `key` as its API key: set on the parsed ServerArgs (SGLang keeps `argv` as its launch_command, and serves it),
+    and redacted from this process's log records."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    redact_logs(key)
+    load_plugins()
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        sys.exit(f"error: give the API key in {API_KEY_ENV}, not as --api-key (a command line is readable by every "
+                 "user of the node)")
+    server_args = prepare_server_args(argv)
+    server_args.api_key = key
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
 def main() -> None:
     """SGLang's server with the API key from the environment, or --training-flags (see the module's docstring)."""
-    import runpy
-
     if sys.argv[1:2] == ["--training-flags"]:
         print(" ".join(training_flags_for(sys.argv[2:])))
         return
     key = os.environ.get(API_KEY_ENV)
     if not key:
         sys.exit(f"error: {API_KEY_ENV} is not set: start sglang.launch_server directly to serve without a key")
-    sys.argv = ["sglang.launch_server", *sys.argv[1:], "--api-key", key]
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    serve(sys.argv[1:], key)
 
 
 if __name__ == "__main__":

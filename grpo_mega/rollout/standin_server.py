@@ -16,10 +16,14 @@ the embedded engine's.
 
 Hardened as a server on a shared network: with an API key in the environment (`--api-key-env`, default
 GRPO_MEGA_SERVER_API_KEY) every route but GET /health needs `Authorization: Bearer KEY` (401, nothing read or
-changed, without it); request bodies are capped (MAX_BODY_BYTES; 413) and must state a valid Content-Length;
-sockets time out (a half-sent request does not hold a thread); /generate's batch, prompt lengths, token ids and
-max_new_tokens are checked before anything is allocated; a weight bucket's names, shapes and dtypes are checked
-whole against the model before any byte is received or any weight changes.
+changed, without it), and without a key it binds only to a loopback address (`--host 0.0.0.0` without a key is
+refused at start-up); connections are served by a bounded pool of threads (`--threads`, with at most
+`--max-pending` connections waiting for one; more are closed at once), so that many half-sent requests cannot
+make as many threads; request bodies are capped (MAX_BODY_BYTES; 413) and must state a valid Content-Length;
+a body that is not JSON, or holds a number too long to convert, is answered 400; sockets time out (a half-sent
+request frees its thread); /generate's batch, prompt lengths, token ids and max_new_tokens are checked before
+anything is allocated; a weight bucket's names, shapes and dtypes are checked whole against the model before
+any byte is received or any weight changes.
 
 `launch` starts the stand-in as a process of its own; `grpo_mega.processes.stop` ends it
 (`grpo_mega.rollout.sglang_launch` starts real SGLang servers).
@@ -29,11 +33,14 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import ipaddress
 import json
 import os
+import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Optional
 
 import torch
@@ -54,6 +61,60 @@ MAX_TOKENS = 65536
 SOCKET_TIMEOUT_S = 60.0
 """A connection idle this long mid-request is dropped."""
 DTYPES = ("float32", "bfloat16", "float16")
+THREADS = 8
+"""Threads serving connections (requests run one at a time; the others answer /health, refusals and timeouts)."""
+MAX_PENDING = 64
+"""Connections waiting for a thread; one more is closed at once."""
+
+
+class PooledHTTPServer(HTTPServer):
+    """An HTTPServer whose connections are served by `threads` pooled threads, at most `max_pending` of them
+    waiting for one (http.server's ThreadingHTTPServer starts a thread per connection before reading a byte:
+    200 half-sent requests made 202 threads)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, threads: int = THREADS, max_pending: int = MAX_PENDING):
+        super().__init__(address, handler)
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="standin-http")
+        self.slots = threading.BoundedSemaphore(threads + max_pending)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):  # over the limit: closed unanswered, the server stays free
+            self.shutdown_request(request)
+            return
+        self.pool.submit(self._serve, request, client_address)
+
+    def _serve(self, request, client_address):
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - one connection's failure (a reset) ends only it
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self.slots.release()
+
+    def handle_error(self, request, client_address):  # quiet: a dropped client is not the server's error
+        pass
+
+    def server_close(self):
+        super().server_close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_bind(host: str, api_key: str) -> None:
+    """A ValueError for serving without a key anywhere but on a loopback address (every route, weight updates
+    included, would be open to the network)."""
+    if api_key:
+        return
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"--host {host} without an API key would open every route (weight updates included) to "
+                         f"the network: set the key in the environment (--api-key-env, default "
+                         f"GRPO_MEGA_SERVER_API_KEY), or bind to 127.0.0.1")
 
 
 class EngineServer:
@@ -251,8 +312,9 @@ def make_handler(server: EngineServer):
                     self.close_connection = True
                     return self._reply(400, {"error": {"message": f"the body ended after {len(body)} of {length} bytes"}})
                 req = json.loads(body or b"{}")
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-                return self._reply(400, {"error": {"message": f"the body of POST {self.path} is not JSON: {e}"}})
+            except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep, an over-long number
+                return self._reply(400, {"error": {"message": f"the body of POST {self.path} is not JSON we read: "
+                                                              f"{type(e).__name__}: {str(e)[:200]}"}})
             except OSError as e:  # the socket timed out mid-body
                 self.close_connection = True
                 return self._reply(408, {"error": {"message": f"the body did not arrive: {e}"}})
@@ -304,9 +366,19 @@ def main(argv=None) -> int:
     ap.add_argument("--socket-timeout-s", type=float, default=SOCKET_TIMEOUT_S,
                     help="each socket read or write; a client that stalls longer mid-request loses its connection")
     ap.add_argument("--api-key-env", default="GRPO_MEGA_SERVER_API_KEY",
-                    help="the environment variable holding the API key requests must carry (unset or empty: none); "
-                         "a key is never taken on the command line, which every user of the node can read")
+                    help="the environment variable holding the API key requests must carry (unset or empty: none, "
+                         "and then only a loopback --host); a key is never taken on the command line, which every "
+                         "user of the node can read")
+    ap.add_argument("--threads", type=int, default=THREADS, help="threads serving connections")
+    ap.add_argument("--max-pending", type=int, default=MAX_PENDING,
+                    help="connections waiting for a thread; more are closed at once")
     args = ap.parse_args(argv)
+    api_key = os.environ.get(args.api_key_env, "")
+    try:
+        check_bind(args.host, api_key)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     torch.set_num_threads(1)
     if args.hf_dir:
         engine = EmbeddedEngine.from_hf_dir(args.hf_dir)
@@ -317,9 +389,9 @@ def main(argv=None) -> int:
         if args.vocab_size:
             cfg.vocab_size = args.vocab_size
         engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
-    server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=os.environ.get(args.api_key_env, ""),
+    server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=api_key,
                           api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
+    httpd = PooledHTTPServer((args.host, args.port), make_handler(server), args.threads, args.max_pending)
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
     httpd.serve_forever()
     return 0

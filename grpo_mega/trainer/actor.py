@@ -306,6 +306,7 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
     the vocab-parallel logprobs; every row comes from exactly one DP rank, so one SUM over DP assembles
     them, and the last stage sends the result to every pipeline stage.
     """
+    rollout.check_vocab(model_cfg.vocab_size)
     micro, length, _ = layout(rollout, parallel, batch, _chunk_of(rollout.size, batch))
 
     def loss_func(mb, logits):
@@ -507,6 +508,7 @@ class Actor:
         gradient and metrics are those of the path with a separate old-logprob pass, without its forward."""
         if rollout.advantages is None:
             raise ValueError("update() needs rollout.advantages")
+        rollout.check_vocab(self.model_cfg.vocab_size)
         if self.full_kl_in_loss and reference is None:
             raise ValueError("algo.kl_estimator='full' with algo.kl_coef != 0 needs the reference's logits: "
                              "pass the Reference, Actor.update(rollout, temperature, reference=reference)")

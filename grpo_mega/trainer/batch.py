@@ -71,6 +71,19 @@ class RolloutBatch:
     def size(self) -> int:
         return self.tokens.shape[0]
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """A ValueError naming the row, the position and the id of a token outside [0, vocab_size), prompt or
+        response: refused, never masked. At TP > 1 megatron's VocabParallelEmbedding turns an input id that no shard
+        holds into a zero embedding instead of failing, and the loss's target check (parallel/vocab_parallel.py)
+        sees only the labels of the positions it scores (never a prompt's first token; with
+        batch.response_only_logits, no prompt token at all)."""
+        bad = (self.tokens < 0) | (self.tokens >= vocab_size)
+        if bool(bad.any()):
+            row, pos = (int(x) for x in bad.nonzero()[0])
+            where = "prompt" if pos < int(self.prompt_lens[row]) else "response"
+            raise ValueError(f"sample {row}: token id {int(self.tokens[row, pos])} at position {pos} (its {where}) is "
+                             f"outside the model's vocabulary [0, {vocab_size})")
+
     def labels(self) -> torch.Tensor:
         """[N, L]: the token each position's logits predict (the last position predicts nothing: 0)."""
         out = torch.zeros_like(self.tokens)

@@ -221,6 +221,7 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
     tmp = Path(tmp)
     (tmp / "model").mkdir(exist_ok=True)
     dist.barrier()
+    prime_optimizer(actor)  # before the first optimizer step (a run stopped at step 1) there is no state yet
     dist_checkpointing.save(_sharded(actor, reference, loading=False), str(tmp / "model"))
     if export is not None:
         if dist.get_rank() == 0:
@@ -295,6 +296,33 @@ def verify(store: CheckpointStore, path: Path) -> dict:
     return store.conclude(path, problems)
 
 
+NOT_ARCHITECTURE = ("name", "max_position_embeddings", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+"""ModelConfig fields a resumed run may change: the YAML's name, the longest sequence (RoPE is computed per
+position), the MoE loss coefficients (training settings). Every other field decides shapes or numerics."""
+
+
+def check_model(path: Path, model_cfg) -> None:
+    """A CheckpointError naming every architecture field (ModelConfig, less NOT_ARCHITECTURE) in which this run's
+    model differs from the one checkpoint `path` was trained with (model/grpo_mega.json): a model YAML edited in
+    place (rope_theta, norm_epsilon) would otherwise resume silently, another model with megatron's shape traceback.
+    A checkpoint without the file (an older grpo-mega) is not checked."""
+    import dataclasses
+
+    from grpo_mega.models.convert import META_FILE
+
+    meta = path / "model" / META_FILE
+    if not meta.is_file():
+        return
+    saved = json.loads(meta.read_text()).get("model") or {}
+    now = dataclasses.asdict(model_cfg)
+    diffs = [f"{k} {saved.get(k)!r} (this run: {now.get(k)!r})" for k in sorted(set(saved) | set(now))
+             if k not in NOT_ARCHITECTURE and saved.get(k) != now.get(k)]
+    if diffs:
+        raise CheckpointError(f"{path} was trained with another model ({saved.get('name')!r}): " + ", ".join(diffs)
+                              + f"; resume with the model it was trained with (its fields are in {meta}), or start a "
+                              "new run in another checkpoint.dir")
+
+
 def load(path: Path, actor, reference) -> dict:
     """Load a verified checkpoint into this layout; returns the loop state, with "path": the checkpoint's
     directory (for the task's own files). RNG states are restored when the world size and the device kind
@@ -303,6 +331,7 @@ def load(path: Path, actor, reference) -> dict:
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
+    check_model(path, actor.model_cfg)
     with open(path / "loop_state.json") as f:
         state = json.load(f)
     rollout = state.get("rollout")

@@ -40,6 +40,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         run.begin_step()  # arms the hang watchdog
         got = collect_step(run, step, timer)  # generated and scored (refilled: algo.dynamic_sampling=refill)
         gen, samples, rewards, reward_metrics = got.gen, got.samples, got.rewards, got.metrics
+        if (why := run.reward_budget.check(step, reward_metrics)) is not None:
+            run.stop(step, why, trained=False)  # too many failed rewards: not trained on (trainer/guards.py)
         owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask,
                                        gen.routed_experts)  # the engine's experts: replayed (algo.routing_replay)
@@ -56,6 +58,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         rb.engine_logp = engine_logprobs(gen, rb)
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
+        diverged = run.skips.check(step, updates)  # non-finite mini-batches in a row (stops after the metrics)
         if cfg.on_policy:  # the update's own forward was the pass on the engine's weights
             routing = actor.routing_agreement()
         mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
@@ -79,6 +82,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         history.rows.append(row)
         if log is not None:
             log(row)
+        if diverged is not None:
+            run.stop(step, diverged, trained=True)
         if run.end_step(step, stop):
             break
     return history
@@ -93,10 +98,13 @@ UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm"
 
 
 def update_means(updates: list[dict]) -> dict:
-    """The step's loss metrics, averaged over its mini-batches (and epochs); skipped mini-batches counted."""
+    """The step's loss metrics, averaged over its mini-batches (and epochs); skipped mini-batches counted.
+    grad_norm is the mean over the mini-batches that stepped (a skipped one has none); NaN when none did."""
     # MoE models add moe/* (grpo_mega.models.moe_metrics: aux loss, per-expert token load), averaged the same way
     moe = sorted({k for u in updates for k in u if k.startswith("moe/")})
+    stepped = [u["grad_norm"] for u in updates if not u["skipped"]]
     return {**{k: sum(u[k] for u in updates) / len(updates) for k in UPDATE_MEANS},
+            "grad_norm": sum(stepped) / len(stepped) if stepped else float("nan"),
             **{k: sum(u[k] for u in updates if k in u) / sum(k in u for u in updates) for k in moe},
             "skipped": sum(u["skipped"] for u in updates)}
 

@@ -17,7 +17,9 @@ from grpo_mega.parallel import comm
 from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
+from grpo_mega.rollout.validate import OutputSpec
 from grpo_mega.trainer.actor import Actor, Reference
+from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
 from grpo_mega.trainer.task import Task
 from grpo_mega.trainer.watchdog import StepWatchdog
 
@@ -59,7 +61,9 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             from grpo_mega.rollout.client import ServerClient
 
             engine = ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
-                                  moe_layers=model.moe_layers() if cfg.algo.records_routes else None)
+                                  moe_layers=model.moe_layers() if cfg.algo.records_routes else None,
+                                  spec=OutputSpec.of(model), retries=rollout.server_retries,
+                                  backoff_s=rollout.server_retry_backoff_s)
         else:
             import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
             import grpo_mega.rollout.sglang_engine  # noqa: F401
@@ -116,18 +120,21 @@ class Run:
             self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload,
                                        replay=cfg.algo.routing_replay == "rollout")
             self.reference.load_from(self.actor)
-        self.first_step, self.store, state = 1, None, None
+        self.reward_budget = RewardBudget(cfg.reward.max_error_fraction, cfg.reward.error_window)
+        self.skips = SkipStreak(cfg.optim.max_consecutive_skips)
+        self.first_step, self.store, state, self.saved_step = 1, None, None, None
         if cfg.checkpoint.dir:
             from grpo_mega.trainer import checkpoint
 
             self.store, state = checkpoint.open_for_run(cfg.checkpoint, self.actor, self.reference, cfg.to_dict())
             if state is not None:
                 self.first_step = state["step"] + 1
+                self.saved_step = state["step"]
                 if task.set_state is not None:
                     task.set_state(state["task"])
                 if task.load_files is not None:
                     task.load_files(Path(state["path"]) / "task")
-        self.engines = Engines(engine_factory, cfg.rollout.num_engines)
+        self.engines = Engines(engine_factory, cfg.rollout.num_engines, spec=OutputSpec.of(model))
         self.routing = Routing(self.actor.dp_rows)  # each DP replica gets only the samples it runs
         r = cfg.rollout
         self.rollouts = RolloutScheduler(
@@ -193,6 +200,23 @@ class Run:
                         export=dict(model_cfg=self.model, dtype=self.actor.params_dtype, hf_dir=self.hf_dir,
                                     hf=c.export_hf),
                         task_files=self.task.save_files)
+        self.saved_step = step
+
+    def stop(self, step: int, why: str, trained: bool) -> None:
+        """Collective, the same on every rank (grpo_mega.trainer.guards): checkpoint the last good state, then
+        raise RunStopped(why). `trained`: step `step` was trained and is that state; else it was not (its
+        rewards failed) and step - 1 is, so the resumed run trains step `step` again."""
+        good = step if trained else step - 1
+        where = "no checkpoint.dir: nothing saved"
+        if self.store is not None:
+            if trained:
+                self.rollouts.wait()  # one step ahead: the next batch is part of the checkpoint
+            else:
+                self.rollouts.rewind()
+            if self.saved_step != good:
+                self.save(good)
+            where = f"the last good state is checkpoint step {good} in {self.cfg.checkpoint.dir}"
+        raise RunStopped(f"{why} ({where})")
 
     def end_step(self, step: int, stop: bool) -> bool:
         """After a step's metrics: heartbeat the checkpoint lock, honour a stop file. True: stop now."""

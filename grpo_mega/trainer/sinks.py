@@ -1,12 +1,26 @@
 """Where a run's metrics go, on rank 0: metrics.jsonl (one row per step), TensorBoard
-events, wandb (when it has somewhere to write), a progress bar, and PNG plots at the end."""
+events, wandb (when it has somewhere to write), a progress bar, and PNG plots at the end.
+
+metrics.jsonl is strict JSON (RFC 8259, what jq and every JSON parser read): a non-finite value (a NaN grad_norm
+when every mini-batch of a step was skipped) is written as null, and the row's `nonfinite_metrics` counts them."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
+
+
+def strict_json_row(row: dict) -> str:
+    """`row` as one line of strict JSON: NaN and infinities as null, counted in `nonfinite_metrics` (only present
+    when some were)."""
+    out = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    nonfinite = sum(v is None and row[k] is not None for k, v in out.items())
+    if nonfinite:
+        out["nonfinite_metrics"] = nonfinite
+    return json.dumps(out, allow_nan=False)
 
 
 class MetricSinks:
@@ -34,7 +48,7 @@ class MetricSinks:
     def log(self, row: dict) -> None:
         if not self.rank0:
             return
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(strict_json_row(row) + "\n")
         self.jsonl.flush()
         for k, v in row.items():
             if k != "step":
@@ -45,6 +59,14 @@ class MetricSinks:
         self.bar.set_postfix(reward=f"{row['reward']:.2f}", **val, kl=f"{row['kl']:.3f}",
                              step_s=f"{row['timing/step']:.2f}", tok_s=f"{row['perf/update_tokens_per_s']:.0f}")
         self.bar.update(1)
+
+    def abort(self) -> None:
+        """The run failed: end the progress bar's line (the error is printed on a line of its own) and flush
+        what was written."""
+        self.bar.close()
+        if self.rank0:
+            self.jsonl.flush()
+            self.writer.flush()
 
     def close(self, rows: list[dict]) -> list[Path]:
         """Close every sink; rank 0 returns the plots it wrote."""

@@ -61,3 +61,23 @@ def fresh_hf(path: Path, family: str, seed: int = 0, pad_token_id: int | None = 
     torch.manual_seed(seed)
     cls(cfg).float().save_pretrained(path, safe_serialization=True)
     return path
+
+
+def tiny_chat_hf(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama (hidden 32) with SmolLM2's tokenizer and chat template: task=prompts end to end
+    (chat rendering, rewards on decoded text, checkpoints) at a fraction of SmolLM2's cost per step."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(src)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, Path(path) / f.name)
+    return Path(path)

@@ -76,3 +76,24 @@ def test_a_directory_without_a_classification_head_is_refused(tmp_path):
     tiny_hf(tmp_path, "llama")
     with pytest.raises(ValueError, match=r"architectures \['LlamaForCausalLM'\] has no sequence-classification head"):
         RewardModel(str(tmp_path))
+
+
+def test_non_finite_reward_model_scores_are_counted_as_errors_and_scored_0(tmp_path):
+    """A reward model that overflows (bf16, a broken checkpoint) must not put inf or NaN into the advantages: such a
+    sample scores 0 and counts in reward/errors, so that reward.max_error_fraction stops a run whose model is broken."""
+    from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.rewards.reward_model import RewardModelReward
+    from grpo_mega.rewards.scoring import score_step
+
+    tiny_rm(tmp_path)
+    tok = make_tokenizer()
+    r = RewardModelReward(tok, str(tmp_path), "cpu", batch_size=4)
+    ex = [_Ex(tok.convert_tokens_to_ids(["<bos>", str(d), ">"])) for d in range(4)]
+    resp = [tok.convert_tokens_to_ids([str(d), "<eos>"]) for d in range(4)]
+    finite, _ = score_step(r, ex, resp, 1)
+    with torch.no_grad():  # the head's weight for one hidden unit: inf, so every score is +-inf or NaN
+        r.rm.head.weight[0, 0] = float("inf")
+    rewards, metrics = score_step(r, ex, resp, 1)
+    assert rewards.tolist() == [0.0] * 4 and metrics["reward/errors"] == 4 and metrics["reward/samples"] == 4
+    assert torch.isfinite(finite).all() and (finite != 0).all()
+    assert r(ex[0], resp[0]) == 0.0  # per sample (validation) as well

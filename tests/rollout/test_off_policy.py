@@ -2,7 +2,7 @@
 version 0 and step k >= 2 on version k-2 (generated while step k-1 trained), with the importance correction on
 and reported; a checkpoint taken while the next batch is generated resumes to the uninterrupted run's metrics
 (1e-6); a server that dies in the middle of the background generation stops both ranks with one line naming
-it."""
+it, after the client's retries, with exit status 75 (transient: slurm/train.sbatch requeues the job)."""
 
 import json
 import os
@@ -120,7 +120,8 @@ def test_a_server_dying_mid_generation_in_the_background_stops_every_rank_naming
         for rank in (0, 1):
             env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-            ranks.append(subprocess.Popen([sys.executable, "-m", "grpo_mega.train", *_args(tmp_path, proxy.url)],
+            ranks.append(subprocess.Popen([sys.executable, "-m", "grpo_mega.train", *_args(tmp_path, proxy.url),
+                                           "rollout.server_retry_backoff_s=0.1"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env))
         errs = [r.communicate(timeout=300)[1] for r in ranks]
         seconds = time.monotonic() - t0
@@ -131,10 +132,12 @@ def test_a_server_dying_mid_generation_in_the_background_stops_every_rank_naming
                 r.wait(timeout=30)
         proxy.close()
         _stop(proc)
-    assert proxy.count == 4
+    assert proxy.count == 4 + 3  # the 4th killed the server; rollout.server_retries=3 tries after it
     for rank, (r, err) in enumerate(zip(ranks, errs)):
-        assert r.returncode == 2, (rank, r.returncode, err[-2000:])
+        assert r.returncode == 75, (rank, r.returncode, err[-2000:])
         lines = re.findall(r"error: [^\r\n]*", err)  # (the progress bar may precede it on its line)
         assert len(lines) == 1 and proxy.url in lines[0] and "generating step 2" in lines[0], (rank, err[-2000:])
+        assert "(tried 4 times; rollout.server_retries=3)" in lines[0], (rank, err[-2000:])
         assert "Traceback" not in err, err[-2000:]
+    assert proxy.url in (tmp_path / "REQUEUE").read_text()
     assert seconds < 200  # start-up included; the failure itself is seen at the next wait, not after a timeout

@@ -72,8 +72,11 @@ class _Engines:
     def __init__(self, engine):
         import torch.distributed as dist
 
+        from grpo_mega.rollout.validate import OutputSpec
+
         self.ranks = [0]
         self.local = engine if dist.get_rank() == 0 else None
+        self.spec = OutputSpec()
 
     def generate(self, *args):
         from grpo_mega.parallel import comm

@@ -8,6 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,12 +27,17 @@ KEY = secrets.token_hex(16)
 
 
 @pytest.fixture(scope="module")
-def server():
+def started():
     env = {**os.environ, "GRPO_MEGA_SERVER_API_KEY": KEY}
     proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", "64", "--socket-timeout-s",
                                        str(fuzz_server.SOCKET_TIMEOUT_S)], env=env, cwd=str(REPO), timeout_s=120)
-    yield url
+    yield proc, url
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    return started[1]
 
 
 def _call(url, path, body=None, key=None):
@@ -81,3 +90,53 @@ def test_the_client_names_a_routable_address_for_the_update_group():
     from grpo_mega.rollout.client import routable_address
 
     assert routable_address(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+
+
+def test_without_a_key_it_will_not_serve_beyond_loopback():
+    """Every route (weight updates included) would be open to the network: refused at start-up, in one line."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_MEGA_SERVER_API_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.rollout.standin_server", "--model", "tiny", "--host",
+                           "0.0.0.0", "--port", "0"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --host 0.0.0.0 without an API key would open every route (weight updates included) to the network: "
+        "set the key in the environment (--api-key-env, default GRPO_MEGA_SERVER_API_KEY), or bind to 127.0.0.1"]
+    for host in ("127.0.0.1", "localhost", "::1"):
+        standin_server.check_bind(host, "")  # loopback without a key is fine
+    standin_server.check_bind("0.0.0.0", "a-key")
+
+
+def test_a_number_too_long_to_convert_is_answered_400(server):
+    """Python refuses to convert an integer of over 4,300 digits (ValueError, not JSONDecodeError): the server
+    answers that request 400 rather than dropping its connection."""
+    body = b'{"input_ids": [[1' + b"9" * 5000 + b']], "return_logprob": true}'
+    req = urllib.request.Request(server + "/generate", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and "Exceeds the limit" in e.value.read().decode()
+    assert _call(server, "/health")[0] == 200
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_half_sent_requests_do_not_make_a_thread_each(started):
+    """200 connections that send half a request line and wait: at most standin_server.THREADS serve (the others
+    wait, or beyond MAX_PENDING are closed at once), never a thread per connection; once they time out (the
+    server's socket timeout) the server answers again."""
+    proc, url = started
+    host, port = url.split("//")[1].split(":")
+    base = _threads(proc.pid)
+    conns = []
+    try:
+        for _ in range(200):
+            c = socket.create_connection((host, int(port)), timeout=10)
+            c.sendall(b"POST /generate HTTP/1.1\r\nContent-Le")
+            conns.append(c)
+        time.sleep(0.5)
+        assert _threads(proc.pid) <= base + standin_server.THREADS, (base, _threads(proc.pid))
+    finally:
+        for c in conns:
+            c.close()
+    assert _call(url, "/health")[0] == 200

@@ -73,3 +73,40 @@ def test_train_sbatch_server_command_follows_routing_replay(tmp_path, mode):
                           "--tp 2 --skip-tokenizer-init --weight-version 0"), cmd
     assert (FLAG in cmd.split()) == replay, cmd
     assert cmd.endswith("--host 0.0.0.0 --port $GRPO_MEGA_SERVER_PORT"), cmd
+
+
+def test_a_key_in_the_servers_environment_starts_them_through_sglang_launch_and_never_on_a_command_line():
+    """The module is chosen from the environment the server gets (launch_sglang's `env`), not the caller's own: a
+    key given only there used to start `sglang.launch_server` without any key, every route open."""
+    from grpo_mega.rollout.client import API_KEY_ENV
+
+    keyed = sglang_command("/m", 30000, cpu=True, env={API_KEY_ENV: "s3cret"})
+    assert keyed[1:3] == ["-m", "grpo_mega.rollout.sglang_launch"] and not any("s3cret" in a for a in keyed)
+    assert "--api-key" not in keyed
+    assert sglang_command("/m", 30000, cpu=True, env={})[1:3] == ["-m", "sglang.launch_server"]
+
+
+def test_log_records_have_the_key_redacted():
+    """What sglang_launch installs before SGLang configures its logging: any logger, any handler, the key as a
+    format argument or in the message itself."""
+    import io
+    import logging
+
+    from grpo_mega.rollout.sglang_launch import REDACTED, redact_logs
+
+    before = logging.getLogRecordFactory()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("sglang.srt.entrypoints.engine.test")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        redact_logs("s3cret-key")
+        log.info("server_args=%s", {"api_key": "s3cret-key", "port": 1})
+        log.info("key s3cret-key in the message, %d args", 0)
+        log.info("nothing to hide: %s", "x")
+    finally:
+        logging.setLogRecordFactory(before)
+        log.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [f"server_args={{'api_key': '{REDACTED}', 'port': 1}}",
+                                              f"key {REDACTED} in the message, 0 args", "nothing to hide: x"]

@@ -205,3 +205,41 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(value):
     [(first, same, second)] = run_ranks(_bad_gradient_step, 1, value, timeout=120)
     assert torch.isfinite(torch.tensor(first["loss"])) and first["skip_reason"] == "non_finite" and same
     assert second["skipped"] == 0.0
+
+
+def _out_of_vocabulary(tp, token, where):
+    """The logprob pass and the update at TP `tp` on a batch with `token` as a prompt's first token (never a label:
+    only the embedding sees it) or as a response token; what each raised."""
+    from grpo_mega.trainer.actor import Actor
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=1, seed=7)
+        batch_cfg = BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=10,
+                                response_only_logits=True)
+        actor = Actor(load_model_config("tiny"), ParallelConfig(tp=tp), PrecisionConfig(params_dtype="fp32"),
+                      OptimConfig(lr=1e-3), AlgoConfig(kl_coef=0.0), batch_cfg)
+        batch = L.rollout(seed=3)
+        pos = 0 if where == "prompt" else int(batch.prompt_lens[2]) + 1
+        batch.tokens[2, pos] = token
+        out = []
+        for call in (lambda: actor.logprobs(batch, 1.0), lambda: actor.update(batch, 1.0)):
+            batch.old_logp = torch.zeros(batch.tokens.shape)
+            try:
+                call()
+                out.append(None)
+            except ValueError as e:
+                out.append(str(e))
+        destroy_distributed()
+        return out
+
+
+@pytest.mark.parametrize("tp,token,where", [(2, 10_000, "prompt"), (2, 330, "prompt"), (1, 330, "response"),
+                                            (2, -3, "response")])
+def test_an_out_of_vocabulary_token_is_refused_not_masked(tp, token, where):
+    """At TP2 megatron's VocabParallelEmbedding made an input id no shard holds (10,000) a zero embedding, and an id
+    in the padded rows (330 of the tiny model's 320 + padding to 384) a row of padding; the label check sees no
+    prompt's first token. Every pass refuses them, at every TP, naming the sample, the position and the id."""
+    for rank_out in run_ranks(_out_of_vocabulary, tp, tp, token, where, timeout=180):
+        for msg in rank_out:
+            assert msg is not None and msg.startswith(f"sample 2: token id {token} at position ") and \
+                f"(its {where}) is outside the model's vocabulary [0, 320)" in msg, msg
