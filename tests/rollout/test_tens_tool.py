@@ -54,10 +54,10 @@ def test_calling_and_copying_solves_it_guessing_does_not():
             gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 12, [tok.eos_token_id], seed=0)
         finally:
             mt.shutdown()
-        scores[use_tool] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
+        scores[use_tool] = sum(task.reward(e, ids, t) for e, ids, t in zip(val, gen.token_ids, gen.trajectories)) / len(val)
         if use_tool:
             assert gen.extra["multi_turn"]["tool_calls"] == [1] * 64 and gen.extra["multi_turn"]["tool_errors"] == [0] * 64
-            assert gen.model_mask[0] == [1, 0, 0, 1, 1]  # <tool_call> | <tool> d | d <eos>
+            assert gen.model_mask[0] == [1, 0, 0, 0, 1, 1]  # <tool_call> | <eos> <tool> d | d <eos>
     assert scores[True] == 1.0
     assert scores[False] == pytest.approx(sum(e.answer == "7" for e in val) / 64) and scores[False] < 0.3
 
