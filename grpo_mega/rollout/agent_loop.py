@@ -87,6 +87,7 @@ class Trajectory:
         self.tool_rewards: dict = {}
         self._used: list[str] = []
         self._last_token: Optional[int] = None  # how the last model turn ended; None: a segment followed it
+        self._raw: dict[int, str] = {}  # a model turn's decoded text, stop token included, by its start
         kw = (row.get("extra_info") or {}).get("tools_kwargs") or row.get("tools_kwargs") or {}
         self.tools_kwargs: dict = kw if isinstance(kw, dict) else {}
 
@@ -125,9 +126,14 @@ class Trajectory:
         self.model_turns += 1
         eng = self._d.engine
         ended = ids[-1] if ids and fin != "length" else None
-        body = ids[:-1] if ended is not None and ended in eng.stop_ids else ids
-        turn = {"role": "assistant", "text": eng.tok.decode(body), "start": start, "end": len(self.ids),
+        raw = eng.tok.decode(ids)
+        text = raw
+        if ended is not None and ended in eng.stop_ids:  # the text without the stop token
+            stop_text = eng.renderer.stop_texts[ended]
+            text = raw[:-len(stop_text)] if stop_text and raw.endswith(stop_text) else eng.tok.decode(ids[:-1])
+        turn = {"role": "assistant", "text": text, "start": start, "end": len(self.ids),
                 "finish": "length" if ended is None else ("call" if ended in eng.call_stop else "stop")}
+        self._raw[start] = raw
         self.turns.append(turn)
         self._last_token = ended
         if ended is None:
@@ -138,8 +144,10 @@ class Trajectory:
         """The tool calls in a model turn (rollout.multi_turn.parser, within its limits; never raises). Calls
         opened and never closed are not returned: counted (`unclosed`)."""
         eng = self._d.engine
-        parsed = parse_turn(eng.parser, eng.tok.decode(self.ids[turn["start"]:turn["end"]]), eng.max_calls,
-                            eng.max_call_chars)
+        raw = self._raw.get(turn["start"])
+        if raw is None:
+            raw = eng.tok.decode(self.ids[turn["start"]:turn["end"]])
+        parsed = parse_turn(eng.parser, raw, eng.max_calls, eng.max_call_chars)
         self.stats.unclosed += parsed.unclosed
         for c in parsed.calls:
             if eng.bare_name and not c.name and c.error is None:

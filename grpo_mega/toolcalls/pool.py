@@ -143,8 +143,8 @@ def _close_at_exit(ref) -> None:
 class ToolPool:
     """Workers holding the tools `names` (rollout.multi_turn.tools). `submit(call, trajectory, create_kwargs,
     execute_kwargs)` -> Future[ToolResult]; `release(trajectory, name)` -> Future[(reward or None, error or
-    None)]; `run(calls)` answers calls in order (each its own trajectory). One worker is started (and the tools
-    built in it) before the constructor returns; `close()` ends them all."""
+    None)]; `run(calls)` answers calls in order (each its own trajectory). All workers start at once; the
+    constructor returns when the first is ready (its tools built); `close()` ends them all."""
 
     def __init__(self, names: Sequence[str], *, num_workers: int = 1, timeout_s: float = 10.0,
                  max_memory_mb: Optional[int] = DEFAULT_MEMORY_MB, max_chars: int = 1 << 20,
@@ -394,8 +394,9 @@ class ToolPool:
 
     def _loop(self) -> None:
         try:
-            if not self._workers:
-                self._spawn()
+            while len(self._workers) < self.num_workers:  # all started at once; callers wait for the first
+                if self._spawn() is None:
+                    break
             while True:
                 with self._lock:
                     closing = self._closing
