@@ -11,8 +11,9 @@ conversation; the model's ids carry mask 1 and their logprobs, everything else m
 The driver (`run_trajectories`) batches every pending `generate()` of the trajectories into one engine call
 (each sample with its own per-turn seed, so a sample does not depend on what else is in the batch). With
 `async_tools` a call runs while the engine generates other trajectories' turns, and a trajectory goes on as
-soon as its own calls are answered; without, a batch waits until every trajectory has its results (turns in
-lockstep, batches independent of timing). An exception in a user's loop ends that trajectory (counted in
+soon as its own calls are answered (a free engine waits for trajectories still in their calls at most half its
+last call's time: an engine call costs about as much for a few rows as for many); without, a batch waits until
+every trajectory has its results (turns in lockstep, batches independent of timing). An exception in a user's loop ends that trajectory (counted in
 `agent_loop_errors`, the first traceback logged); an engine failure ends the whole call.
 """
 
@@ -33,6 +34,10 @@ from grpo_mega.toolcalls.pool import ToolResult
 log = logging.getLogger(__name__)
 
 AgentLoop = Callable[["Trajectory"], Awaitable[None]]
+
+COALESCE = 0.5
+"""Async tool calls: a batch waits for trajectories still in their tool calls at most this many times the last
+engine call's duration (grpo_mega.rollout.agent_loop._Driver._gather)."""
 
 COUNTS = ("calls", "errors", "timeouts", "truncated", "nonstring", "unclosed", "max_turns_reached",
           "agent_loop_errors")
@@ -258,6 +263,8 @@ class _Driver:
 
     async def generate(self, traj: Trajectory):
         fut = asyncio.get_running_loop().create_future()
+        if not self.requests:
+            self.first_request = time.perf_counter()
         self.requests.append((traj, fut))
         self.wake.set()
         return await fut
@@ -282,8 +289,26 @@ class _Driver:
             if error:
                 log.warning("sample %d: %s", traj.index, error)
 
+    async def _gather(self, last_call_s: float) -> None:
+        """Async: the engine is free and some trajectories wait for a turn while others wait for their tools.
+        Wait for more of those to join the batch, at most COALESCE x the last engine call's time after the
+        first request (an engine call costs about as much for a few rows as for many: waiting a little saves
+        calls), and no longer once every live trajectory is waiting."""
+        deadline = self.first_request + COALESCE * last_call_s
+        while len(self.requests) < self.live:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+            for _ in range(4):
+                await asyncio.sleep(0)
+
     async def _batcher(self) -> None:
-        idle_since = None
+        idle_since, last_call_s = None, 0.0
         while True:
             await self.wake.wait()
             self.wake.clear()
@@ -295,14 +320,18 @@ class _Driver:
                 continue
             if not self.async_tools and len(self.requests) < self.live:
                 continue  # lockstep: every live trajectory's turn goes in the same batch
+            if self.async_tools and len(self.requests) < self.live:
+                await self._gather(last_call_s)
             batch, self.requests = sorted(self.requests, key=lambda r: r[0].index), []
             if idle_since is not None:
                 self.waited += time.perf_counter() - idle_since
             trajs = [t for t, _ in batch]
+            t0 = time.perf_counter()
             gen = self.engine.inner.generate(
                 [t.prompt_ids + t.ids for t in trajs], 1, self.temperature, self.top_p, max(t.room for t in trajs),
                 self.stop, self.seed, row_seeds=[sample_seed(t.seed, t.model_turns, 0) % 2**31 for t in trajs])
             idle_since = time.perf_counter()
+            last_call_s = idle_since - t0
             self.engine_calls += 1
             self.version = gen.weight_version
             for (t, fut), ids, lps, fin in zip(batch, gen.token_ids, gen.logprobs, gen.finish_reasons):

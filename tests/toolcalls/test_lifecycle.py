@@ -181,3 +181,31 @@ def test_a_tool_that_cannot_be_built_or_created_fails_at_start_or_answers_with_a
         assert pool.submit(ToolCall("picky"), "u").result().content == "fine"
     finally:
         pool.close()
+
+
+class Crasher(Tool):
+    name = "crasher"
+
+    def call(self, args, **_):
+        if args.get("die"):
+            os._exit(3)
+        return "alive"
+
+
+def test_a_worker_that_crashes_or_cannot_start_answers_with_errors():
+    """A worker dying mid-call answers that call with an error (the pool goes on with a new worker); a worker
+    that cannot start (here: a memory cap too small to import anything) answers the waiting calls with an
+    error instead of raising, and the pool recovers once workers start again."""
+    pool = ToolPool(["tests.toolcalls.test_lifecycle:Crasher"], num_workers=1)
+    try:
+        r = pool.run([ToolCall("crasher", {"die": True})])[0]
+        assert r.error and "crasher crashed (exit code 3)" in r.content
+        assert pool.run([ToolCall("crasher", {})])[0].content == "alive"
+        pool.run([ToolCall("crasher", {"die": True})])
+        pool.max_memory_mb = 1  # the replacement cannot even import its tools
+        r = pool.run([ToolCall("crasher", {})])[0]
+        assert r.error and "no tool worker could start" in r.content and "MemoryError" in r.content
+        pool.max_memory_mb = None
+        assert pool.run([ToolCall("crasher", {})])[0].content == "alive"
+    finally:
+        pool.close()
