@@ -35,3 +35,25 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._items
+
+
+def import_path(path: str, what: str):
+    """The object at dotted path `pkg.mod:name` (or `pkg.mod.name`); a ValueError naming `what` (the setting)
+    when it does not import."""
+    import importlib
+
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{what}={path!r}: cannot import {attr!r} from {module!r} ({e})") from None
+
+
+def import_async_function(path: str, what: str):
+    """The `async def` function at dotted path `path` (import_path); a ValueError when it is not one."""
+    import inspect
+
+    fn = import_path(path, what)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{what}={path!r} must be an `async def` function; got {type(fn).__name__}")
+    return fn

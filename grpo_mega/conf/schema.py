@@ -612,23 +612,38 @@ class MultiTurnConfig:
     enable: bool = False
     """Generate each sample turn by turn, running the tool calls the model writes (off: single-turn)."""
     max_turns: int = 4
-    """The model's turns per sample; the last turn's tool calls are not run. All turns and tool results fit
-    in batch.max_response_length tokens (a trajectory cut by it ends 'length')."""
+    """The model's turns per sample; the last turn's tool calls are not run (counted: multi_turn/max_turns_reached).
+    All turns and tool results fit in batch.max_response_length tokens (a trajectory cut by it ends 'length')."""
     tools: list[str] = field(default_factory=lambda: ["calculator"])
-    """Tools by registered name (calculator) or dotted path to a grpo_mega.tools.Tool (`pkg.mod:MyTool`)."""
+    """Tools by registered name (calculator) or dotted path to a grpo_mega.toolcalls.Tool (`pkg.mod:MyTool`)."""
     parser: str = "hermes"
-    """How tool calls are found in a model turn: 'hermes' (alias 'qwen': <tool_call>{json}</tool_call>)."""
+    """How tool calls are found in a model turn: 'hermes' (alias 'qwen': <tool_call>{json}</tool_call>),
+    'expression' or 'bare' (the toy tasks')."""
+    agent_loop: str = ""
+    """An `async def loop(traj)` by dotted path (`pkg.mod:fn`) that drives each trajectory (generate, call tools,
+    reply as a user: docs/agents.md); '': the default loop (the model's turn, its tool calls, again)."""
+    async_tools: bool = True
+    """Tool calls run while the engine generates other samples' turns, and a sample goes on as soon as its own
+    calls are answered; false: turns in lockstep (each batch waits for every sample's calls)."""
     tool_timeout_s: float = 10.0
     """A tool call still running after this is killed (its worker, by PID) and answers with an error."""
     tool_workers: int = 2
     """Worker processes per rollout engine running tool calls."""
-    tool_max_memory_mb: Optional[int] = None
+    tool_max_memory_mb: Optional[int] = 2048
     """Cap on each tool worker's memory beyond its size at start (RLIMIT_AS; null or 0: none): a call over it
     answers with an error, the run goes on, and the node's OOM killer never has to pick a process."""
+    tool_env: list[str] = field(default_factory=list)
+    """Environment variables a tool worker gets beyond PATH, locale and time zone (all others, API keys
+    included, are removed from its environment), e.g. [SEARCH_API_KEY]."""
     max_tool_response_chars: int = 4096
     """A tool result longer than this is cut to it and ends '...[truncated N chars]' (counted)."""
+    max_tool_calls_per_turn: int = 8
+    """Calls run per model turn; more are answered with one error turn (counted as errors)."""
+    max_tool_call_chars: int = 8192
+    """A call whose arguments (as JSON) are longer than this is answered with an error, not run."""
     call_stop: list[str] = field(default_factory=list)
-    """Tokens (each one token of the tokenizer) that also end a model turn so its calls run, e.g. [</tool_call>]."""
+    """Tokens (each one token of the tokenizer) that also end a model turn so its calls run, e.g. [</tool_call>];
+    the chat template's own turn end follows them in the trajectory, as the template renders it."""
 
     def __post_init__(self):
         if self.max_tool_response_chars < 1:
@@ -642,8 +657,30 @@ class MultiTurnConfig:
         if self.tool_max_memory_mb is not None and self.tool_max_memory_mb < 0:
             raise ValueError(f"rollout.multi_turn.tool_max_memory_mb={self.tool_max_memory_mb} must be >= 0 "
                              "(0 or null: no limit)")
-        if self.enable and not self.tools:
+        if self.max_tool_calls_per_turn < 1:
+            raise ValueError(f"rollout.multi_turn.max_tool_calls_per_turn={self.max_tool_calls_per_turn} must be >= 1")
+        if self.max_tool_call_chars < 2:
+            raise ValueError(f"rollout.multi_turn.max_tool_call_chars={self.max_tool_call_chars} must be >= 2")
+        from grpo_mega.toolcalls.parsers import PARSERS
+
+        try:
+            PARSERS.get(self.parser)
+        except ValueError as e:
+            raise ValueError(f"rollout.multi_turn.parser: {e}") from None
+        if not self.enable:
+            return
+        if not self.tools:
             raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tools=[calculator,...]")
+        from grpo_mega.toolcalls import build_tools
+
+        tools = build_tools(self.tools)  # an unknown name or a path that does not import fails here
+        if self.parser == "bare" and len(tools) != 1:
+            raise ValueError(f"rollout.multi_turn.parser=bare calls the run's only tool; rollout.multi_turn.tools has "
+                             f"{len(tools)}: {sorted(tools)}")
+        if self.agent_loop:
+            from grpo_mega.registry import import_async_function
+
+            import_async_function(self.agent_loop, "rollout.multi_turn.agent_loop")
 
 
 @dataclass(kw_only=True)
@@ -693,6 +730,10 @@ class RolloutConfig:
     correction (algo.engine_is_cap, default 2.0 here) covers the lag."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tool calls (off by default)."""
+    dump_dir: str = ""
+    """Write every trajectory (prompt and response ids, text, model mask, turns, tool calls, reward, advantage)
+    as jsonl, one file per step (train_step_XXXXXXXX.jsonl) and per validation (val_step_XXXXXXXX.jsonl), by
+    rank 0 (grpo_mega.rollout.dump); '': none."""
 
     def __post_init__(self):
         if isinstance(self.multi_turn, dict):  # a checkpoint's saved config

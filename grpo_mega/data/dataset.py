@@ -11,6 +11,7 @@ Multi-turn rows (rollout.multi_turn, verl's fields): `extra_info.tools_kwargs` (
 {...}, "execute_kwargs": {...}}}) names the tools the row offers (their schemas go to the chat template's
 `tools=`; a name not among the run's tools is refused at start-up) and the keyword arguments their calls get;
 `extra_info.need_tools_kwargs: true` requires them. A row without tools_kwargs is offered every tool of the run.
+The row travels with its prompt to the multi-turn engine, so rows with the same prompt may differ in kwargs.
 """
 
 from __future__ import annotations
@@ -171,20 +172,6 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int,
     if not out:
         raise DataError(f"{p}: all {seen} prompts are longer than batch.max_prompt_length={max_prompt_length} tokens")
     return out, dropped
-
-
-def tools_kwargs_lookup(examples: list[PromptExample], path: str):
-    """prompt ids -> the row's extra_info.tools_kwargs (None without): how the multi-turn engine, which sees
-    token ids, finds a sample's tool arguments. Two rows with the same prompt ids and different tools_kwargs
-    cannot be told apart by it and are refused."""
-    table: dict[tuple, dict] = {}
-    for e in examples:
-        kw = e.extra_info.get("tools_kwargs") or None
-        key = tuple(e.prompt_ids)
-        if kw is not None and table.setdefault(key, kw) != kw:
-            raise DataError(f"{path}: two rows render to the same prompt with different extra_info.tools_kwargs "
-                            f"({str(table[key])[:60]} vs {str(kw)[:60]}); make the prompts differ or the kwargs agree")
-    return lambda prompt_ids: table.get(tuple(prompt_ids))
 
 
 class PromptStream:

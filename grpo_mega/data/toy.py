@@ -4,7 +4,7 @@ in-process (nothing downloaded). An untrained model already answers right about 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = [str(d) for d in range(10)] + [">", "+", "="]
@@ -25,6 +25,8 @@ def make_tokenizer():
 class ToyExample:
     prompt_ids: list[int]
     answer: str
+    extra_info: dict = field(default_factory=dict)
+    """The row's extra_info: a toy tool task's tools_kwargs (grpo_mega.data.toy_tools)."""
 
 
 class SuccessorTask:

@@ -45,7 +45,6 @@ class ProductTask:
     def __init__(self, tokenizer, seed: int = 0):
         self.tok = tokenizer
         self.rng = random.Random(seed)
-        self.tool_end = tokenizer.convert_tokens_to_ids("</tool>")
 
     def example(self, a: int, b: int) -> ToyExample:
         ids = [self.tok.bos_token_id] + self.tok.convert_tokens_to_ids(list(f"{a}*{b}="))
@@ -65,13 +64,17 @@ class ProductTask:
         r = random.Random(99)
         return [self.example(r.randint(10, 99), r.randint(10, 99)) for _ in range(16)]
 
-    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
-        """1 when the model's last turn (after the last tool result) is exactly the product and <eos>."""
-        ids = list(response_ids)
-        if self.tool_end in ids:
-            ids = ids[len(ids) - ids[::-1].index(self.tool_end):]
+    def reward(self, example: ToyExample, response_ids: list[int], trajectory: dict | None = None) -> float:
+        """1 when the model's last turn is exactly the product and <eos>."""
         want = self.tok.convert_tokens_to_ids(list(example.answer)) + [self.tok.eos_token_id]
-        return 1.0 if ids == want else 0.0
+        return 1.0 if last_model_turn(response_ids, trajectory) == want else 0.0
+
+
+def last_model_turn(response_ids: list[int], trajectory: dict | None) -> list[int]:
+    """The ids of the model's last turn (trajectory["turns"]: grpo_mega.rollout.multi_turn); without turns, the
+    whole response."""
+    turns = [t for t in (trajectory or {}).get("turns", []) if t["role"] == "assistant"]
+    return list(response_ids[turns[-1]["start"]:turns[-1]["end"]]) if turns else list(response_ids)
 
 
 class TensDigitTask(ProductTask):
@@ -79,17 +82,14 @@ class TensDigitTask(ProductTask):
     digit of the product ("4": 2146), which a tiny model cannot work out in a short run (chance: 1 in 10)
     and can read off the calculator's answer. Each prompt's expression ("37*58//10%10") is its row's
     tools_kwargs (verl's create_kwargs), so calling the tool takes one token: with rollout.multi_turn.parser=bare
-    and call_stop=[<tool_call>], a turn ending `<tool_call>` gets `<tool>4` (TENS_TEMPLATE), and the next turn
-    copies it, `4<eos>`. Reward: the first token of the last model turn (after the last tool result, one
-    digit) is the digit: 1.0 with <eos> next, 0.5 without; else 0."""
-
-    def __init__(self, tokenizer, seed: int = 0):
-        super().__init__(tokenizer, seed)
-        self.tool_open = tokenizer.convert_tokens_to_ids("<tool>")
+    and call_stop=[<tool_call>], a turn ending `<tool_call>` gets the template's turn end and the tool's turn,
+    `<eos><tool>4` (TENS_TEMPLATE), and the next turn copies it, `4<eos>`. Reward: the first token of the
+    model's last turn (trajectory["turns"]) is the digit: 1.0 with <eos> next, 0.5 without; else 0."""
 
     def example(self, a: int, b: int) -> ToyExample:
         ex = super().example(a, b)
-        return ToyExample(prompt_ids=ex.prompt_ids, answer=str(a * b // 10 % 10))
+        return ToyExample(prompt_ids=ex.prompt_ids, answer=str(a * b // 10 % 10),
+                          extra_info={"tools_kwargs": self.tools_kwargs(ex.prompt_ids)})
 
     def validation(self) -> list[ToyExample]:
         r = random.Random(99)
@@ -100,10 +100,8 @@ class TensDigitTask(ProductTask):
         text = self.tok.decode(list(prompt_ids), skip_special_tokens=True)
         return {"calculator": {"create_kwargs": {"expression": text.rstrip("=") + "//10%10"}}}
 
-    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
-        ids = list(response_ids)
-        if self.tool_open in ids:  # `<tool>` and the result's one digit
-            ids = ids[len(ids) - ids[::-1].index(self.tool_open) + 1:]
+    def reward(self, example: ToyExample, response_ids: list[int], trajectory: dict | None = None) -> float:
+        ids = last_model_turn(response_ids, trajectory)
         if not ids or self.tok.convert_ids_to_tokens(ids[0]) != example.answer:
             return 0.0
         return 1.0 if len(ids) > 1 and ids[1] == self.tok.eos_token_id else 0.5
@@ -133,8 +131,14 @@ class KeyLookup(Tool):
     parameters = {"type": "object", "properties": {"key": {"type": "string", "description": "e.g. 042"}},
                   "required": ["key"]}
 
-    def call(self, args: dict, key: str | None = None, **_) -> str:
-        key = args.get("key", key)
+    key: str | None = None
+
+    def create(self, key: str | None = None, **_) -> None:
+        """`key`: the prompt row's (create_kwargs), used when the model's call gives none."""
+        self.key = key
+
+    def call(self, args: dict, **_) -> str:
+        key = args.get("key", self.key)
         if key not in LOOKUP_TABLE:
             raise ToolError(f"no key {key!r}: keys are 3 digits, 000 to 999")
         return LOOKUP_TABLE[key]
@@ -142,10 +146,10 @@ class KeyLookup(Tool):
 
 class UnavailableLookup(KeyLookup):
     """The `lookup` tool when it is down: every call raises, so the tool's turn is the error message
-    `<tool>Error: down.` (13 tokens, counted in multi_turn/tool_errors). The control run of
+    `<tool>Error: down.` (counted in multi_turn/tool_errors). The control run of
     experiments/tool_task.py: the same command as the run with the tool, this tool in its place."""
 
-    def call(self, args: dict, key: str | None = None, **_) -> str:
+    def call(self, args: dict, **_) -> str:
         raise ToolError("down.")
 
 
@@ -153,13 +157,13 @@ class LookupTask(ProductTask):
     """task=lookup_tool, the toy tool task: "<bos>372=" -> the letter (a-j) stored under key 372, drawn at
     random per key (LOOKUP_TABLE), so nothing but the tool can know it, and the 64 validation keys are never
     trained on (nothing to memorise). With rollout.multi_turn (parser=bare, call_stop=[<tool_call>],
-    tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the tool's turn `<tool>x` and
-    the next turn answers: `<tool_call>` | `<tool>x` | `x<eos>`.
+    tools=[grpo_mega.data.toy_tools:KeyLookup]) a turn ending `<tool_call>` gets the template's turn end and the
+    tool's turn, `<eos><tool>x`, and the next turn answers: `<tool_call>` | `<eos><tool>x` | `x<eos>`.
 
     Reward (nothing for calling): 1.0 when the first letter a-j the model writes in its turn after the last
-    tool turn is the answer; else 0, and 0 without a tool turn (`<tool>` right after the call-stop
-    `<tool_call>`; a `<tool>` the model writes itself is none), so guessing instead of calling never pays more
-    than calling. With the tool unavailable (UnavailableLookup: its turn is an error message) the answer after
+    tool turn (trajectory["turns"]: a result or an error message; a `<tool>` the model writes itself is none)
+    is the answer; else 0, and 0 without a tool turn, so guessing instead of calling never pays more than
+    calling. With the tool unavailable (UnavailableLookup: its turn is an error message) the answer after
     it is a guess: chance, 1 in 10.
 
     `shaping=True` (task=lookup_call, the warm-up of experiments/tool_task.py, NOT a measure of anything): 1.0 for a
@@ -168,9 +172,8 @@ class LookupTask(ProductTask):
 
     def __init__(self, tokenizer, seed: int = 0, shaping: bool = False):
         super().__init__(tokenizer, seed)
-        self.tool_open, self.shaping = tokenizer.convert_tokens_to_ids("<tool>"), shaping
+        self.shaping = shaping
         self.tool_call = tokenizer.convert_tokens_to_ids("<tool_call>")
-        self.error_start, self.period = tokenizer.convert_tokens_to_ids(["E", "."])
         self.letters = set(tokenizer.convert_tokens_to_ids(LETTERS))
         keys = list(range(1000))
         random.Random(7).shuffle(keys)
@@ -179,7 +182,7 @@ class LookupTask(ProductTask):
     def example(self, key: int) -> ToyExample:
         k = f"{key:03d}"
         ids = [self.tok.bos_token_id] + self.tok.convert_tokens_to_ids(list(k + "="))
-        return ToyExample(prompt_ids=ids, answer=LOOKUP_TABLE[k])
+        return ToyExample(prompt_ids=ids, answer=LOOKUP_TABLE[k], extra_info={"tools_kwargs": self.tools_kwargs(ids)})
 
     def train_batch(self, size: int) -> list[ToyExample]:
         return [self.example(self.rng.choice(self.train_keys)) for _ in range(size)]
@@ -192,23 +195,20 @@ class LookupTask(ProductTask):
         text = self.tok.decode(list(prompt_ids), skip_special_tokens=True)
         return {"lookup": {"create_kwargs": {"key": text.split("=")[0]}}}
 
-    def final_turn(self, response_ids: list[int]) -> list[int] | None:
-        """The model's turn after the last tool turn, or None without one. A tool turn is `<tool>` right after
-        the call-stop `<tool_call>` (which always ends the model's turn; a `<tool>` the model writes itself
-        is none), then the result: one letter, or an error message `Error: ...` through its first '.'."""
-        ids = list(response_ids)
-        turns = [i for i in range(1, len(ids)) if ids[i] == self.tool_open and ids[i - 1] == self.tool_call]
-        if not turns or turns[-1] + 1 >= len(ids):
+    def final_turn(self, response_ids: list[int], trajectory: dict | None) -> list[int] | None:
+        """The ids of the model's turn after the last tool turn (a result or an error message), or None without
+        a tool turn."""
+        turns = (trajectory or {}).get("turns", [])
+        last_tool = max((k for k, t in enumerate(turns) if t["role"] == "tool"), default=None)
+        if last_tool is None:
             return None
-        start = turns[-1] + 1  # the result's first token
-        if ids[start] == self.error_start:
-            return ids[ids.index(self.period, start) + 1:] if self.period in ids[start:] else None
-        return ids[start + 1:]
+        after = [t for t in turns[last_tool + 1:] if t["role"] == "assistant"]
+        return list(response_ids[after[0]["start"]:after[0]["end"]]) if after else []
 
-    def reward(self, example: ToyExample, response_ids: list[int]) -> float:
+    def reward(self, example: ToyExample, response_ids: list[int], trajectory: dict | None = None) -> float:
         if self.shaping:  # the warm-up: a call, whatever follows
             return 1.0 if self.tool_call in response_ids else 0.0
-        turn = self.final_turn(response_ids)
+        turn = self.final_turn(response_ids, trajectory)
         if turn is None:
             return 0.0  # no tool turn: nothing the model says counts
         letters = [t for t in turn if t in self.letters]  # the answer: the first of a-j the model writes

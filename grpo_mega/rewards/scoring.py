@@ -15,6 +15,7 @@ themselves behave is rewards/__init__.py's; the learned reward model is rewards/
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -233,20 +234,27 @@ class PromptReward:
                                start_method=start_method, what=what, max_memory_mb=max_memory_mb)
         self.stats = RewardStats()
 
-    def _inputs(self, example, response_ids) -> tuple[str, Any, dict]:
-        """(response text, ground truth, sample row); a toy example's `answer` is its ground truth."""
+    def _inputs(self, example, response_ids, trajectory: Optional[dict] = None) -> tuple[str, Any, dict]:
+        """(response text, ground truth, sample row); a toy example's `answer` is its ground truth. A multi-turn
+        sample's response text is its final model turn's, and the row also holds `turns` (role, text, tool
+        name, error flag), `tool_rewards` and `response` (the whole trajectory's text, special tokens dropped)."""
         text = self.tok.decode(response_ids, skip_special_tokens=True)
         sample = {"data_source": getattr(example, "data_source", ""), "extra_info": getattr(example, "extra_info", {}),
                   "prompt_text": self.tok.decode(example.prompt_ids, skip_special_tokens=True)}
+        if trajectory is not None:
+            turns = [{k: t.get(k) for k in ("role", "text", "name", "error")} for t in trajectory.get("turns", [])]
+            sample.update(turns=turns, tool_rewards=dict(trajectory.get("tool_rewards") or {}), response=text)
+            text = next((t["text"] for t in reversed(turns) if t["role"] == "assistant"), "")
         return text, getattr(example, "ground_truth", getattr(example, "answer", None)), sample
 
-    def __call__(self, example, response_ids) -> float:
-        text, gt, sample = self._inputs(example, response_ids)
+    def __call__(self, example, response_ids, trajectory: Optional[dict] = None) -> float:
+        text, gt, sample = self._inputs(example, response_ids, trajectory)
         return self.pool.score([text], [gt], [sample], self.on_error, self.stats)[0]
 
-    def score_batch(self, examples, response_ids, indices, step):
+    def score_batch(self, examples, response_ids, indices, step, trajectories: Optional[Sequence] = None):
         errors, timeouts = self.stats.errors, self.stats.timeouts
-        rows = [self._inputs(examples[i], response_ids[i]) for i in indices]
+        rows = [self._inputs(examples[i], response_ids[i], trajectories[i] if trajectories is not None else None)
+                for i in indices]
         values = self.pool.score([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], self.on_error,
                                  self.stats, indices=indices)
         return values, {"reward/errors": self.stats.errors - errors, "reward/timeouts": self.stats.timeouts - timeouts}
@@ -271,8 +279,16 @@ class StepScorer(Protocol):
         ranks. Called on every rank, with empty `indices` where a rank scores nothing."""
 
 
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list[int]], step: int,
-               owned: Optional[Sequence[int]] = None) -> tuple["torch.Tensor", dict[str, float]]:
+               owned: Optional[Sequence[int]] = None,
+               trajectories: Optional[Sequence[Optional[dict]]] = None) -> tuple["torch.Tensor", dict[str, float]]:
     """Every sample's reward, scored once on one rank, identical on every rank: `rewards: [N]` float32 (what
     `torch.tensor` of the per-sample floats gives), and the step's reward metrics (`reward/score_seconds`:
     this rank's wall time for the call; `reward/timeouts`, `reward/errors` and any scorer counts: sums over
@@ -280,7 +296,9 @@ def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list
     (scored in-process, spread over ranks). `owned`: the samples this rank scores (each sample owned by exactly
     one rank, which holds its response: grpo_mega.rollout.routing); by default every world-th from this
     rank's. A scorer `on_one_rank` scores them all on rank 0, which holds every response. `reward/samples` is
-`n`, the count reward/errors is a share of."""
+    `n`, the count reward/errors is a share of. `trajectories` (multi-turn: Generation.trajectories, this rank's
+    rows filled in) reach a reward that takes them (`score_batch(..., trajectories=)`, `reward(example, ids,
+    trajectory=)`)."""
     import torch
     import torch.distributed as dist
 
@@ -298,7 +316,10 @@ def score_step(reward: Callable, examples: Sequence, response_ids: Sequence[list
     failure: Optional[BaseException] = None
     try:
         if hasattr(reward, "score_batch"):
-            values, counts = reward.score_batch(examples, response_ids, mine, step)
+            kw = {"trajectories": trajectories} if trajectories is not None and _takes(reward.score_batch, "trajectories") else {}
+            values, counts = reward.score_batch(examples, response_ids, mine, step, **kw)
+        elif trajectories is not None and _takes(reward, "trajectory"):
+            values, counts = [float(reward(examples[i], response_ids[i], trajectory=trajectories[i])) for i in mine], {}
         else:
             values, counts = [float(reward(examples[i], response_ids[i])) for i in mine], {}
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the collective

@@ -66,6 +66,10 @@ class Generation:
     """Multi-turn rollouts (grpo_mega.rollout.multi_turn): per token of token_ids, 1 where the model sampled it
     (its stop tokens included), 0 for tool results and chat-template glue; logprobs are 0.0 at the 0s.
     None: every token is the model's."""
+    trajectories: Optional[list[dict]] = None
+    """Multi-turn rollouts: per sample {"turns": [...], "tool_rewards": {...}} (grpo_mega.rollout.agent_loop.
+    Trajectory.turns: role, text, tool name, error flag, token span), what the reward reads; None: single-turn
+    (or a rank's placeholder row)."""
     routed_experts: Optional[list] = None
     """Rollout routing replay (algo.routing_replay=rollout or measure): per sample, int16 [P + R - 1, M, k], the top-k
     experts the engine's router chose for each token it fed its model (the P prompt tokens, then the response's

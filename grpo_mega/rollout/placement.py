@@ -56,11 +56,11 @@ class Engines:
             print(f"rollout engines on ranks {self.ranks}", flush=True)
 
     def generate(self, prompts: list[list[int]], n, temperature, top_p, max_new, stop, seed,
-                 to_all: bool = True) -> Optional[Generation]:
-        """Each engine samples its contiguous share of `prompts`; every rank gets all the samples, in order
-        (without `to_all`, rank 0 only: None elsewhere, for grpo_mega.rollout.routing to share out). A failing
-        engine becomes a RolloutError on every rank (the others would otherwise wait in the collective until
-        its timeout)."""
+                 to_all: bool = True, rows: Optional[list[dict]] = None) -> Optional[Generation]:
+        """Each engine samples its contiguous share of `prompts` (and of their `rows`, given to multi-turn
+        engines: grpo_mega.rollout.multi_turn); every rank gets all the samples, in order (without `to_all`,
+        rank 0 only: None elsewhere, for grpo_mega.rollout.routing to share out). A failing engine becomes a
+        RolloutError on every rank (the others would otherwise wait in the collective until its timeout)."""
         rank, k = dist.get_rank(), len(self.ranks)
         per = -(-len(prompts) // k)
         mine = None
@@ -69,7 +69,9 @@ class Engines:
             share = prompts[i * per:(i + 1) * per]
             try:
                 if share:
-                    mine = self.local.generate(share, n, temperature, top_p, max_new, stop, seed, prompt_offset=i * per)
+                    kw = {} if rows is None else {"rows": rows[i * per:(i + 1) * per]}
+                    mine = self.local.generate(share, n, temperature, top_p, max_new, stop, seed, prompt_offset=i * per,
+                                               **kw)
                     validate.check_generation(mine, self.spec, [len(p) for p in share for _ in range(n)])
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 mine = _failure(self.local, rank, e)
@@ -120,9 +122,12 @@ class Engines:
         routed = None
         if any(g.routed_experts is not None for g in parts):
             routed = [r for g in parts for r in (g.routed_experts or [None] * len(g.token_ids))]
+        trajectories = None
+        if any(g.trajectories is not None for g in parts):
+            trajectories = [t for g in parts for t in (g.trajectories or [None] * len(g.token_ids))]
         return Generation(token_ids=[t for g in parts for t in g.token_ids], logprobs=[lp for g in parts for lp in g.logprobs],
                           finish_reasons=[f for g in parts for f in g.finish_reasons], weight_version=parts[0].weight_version,
-                          extra=extra, model_mask=masks, routed_experts=routed)
+                          extra=extra, model_mask=masks, routed_experts=routed, trajectories=trajectories)
 
     def sync(self, gpt, version: int, **kwargs):
         """The trainer's weights into every engine (collective): each bucket gathered once and broadcast to

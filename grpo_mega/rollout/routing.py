@@ -4,8 +4,8 @@ or gathered from the colocated engines); every other rank gets only the response
 What every rank needs of every sample is small: its response length, finish reason, and the weight version;
 rank 0 broadcasts those. From the lengths alone every rank computes the same plan (the trainer's
 `dp_rows`: which rows each DP rank runs in the logprob pass and in each mini-batch of the update), and rank 0
-scatters to each rank the token ids, engine logprobs (and, for routing replay, the engine's routed experts) of
-its replica's rows, nothing else. The other rows
+scatters to each rank the token ids, engine logprobs (and, for routing replay, the engine's routed experts; for
+multi-turn, the model mask and the turns) of its replica's rows, nothing else. The other rows
 are placeholders of the right length (token 0, logprob 0.0): they fill [N, L] tensors whose rows are never
 read on that rank.
 
@@ -47,9 +47,9 @@ class Routing:
         needs = self.rows_for([p + r for p, r in zip(prompt_lens, lens)])[1]
         payloads = None
         if self.rank == 0:
-            masks, routed = gen.model_mask, gen.routed_experts
+            masks, routed, trajs = gen.model_mask, gen.routed_experts, gen.trajectories
             payloads = [None if r == 0 else {i: (gen.token_ids[i], gen.logprobs[i], masks and masks[i],
-                                                 routed and routed[i]) for i in needs[d]}
+                                                 routed and routed[i], trajs and trajs[i]) for i in needs[d]}
                         for r, d in enumerate(self.dp_of)]
             self.sent_rows = sum(len(p) for p in payloads if p is not None)
         mine = comm.scatter_objects(payloads)
@@ -59,17 +59,20 @@ class Routing:
         logprobs = [[0.0] * n for n in lens]
         masks = None if multi_turn is None else [[1] * n for n in lens]  # placeholders, like the tokens
         routed = [None] * len(lens) if with_routes else None  # the routes of this replica's rows only
-        for i, (t, lp, m, rt) in mine.items():
+        trajectories = None if multi_turn is None else [None] * len(lens)  # turns of this replica's rows only
+        for i, (t, lp, m, rt, tr) in mine.items():
             token_ids[i], logprobs[i] = t, lp
             if masks is not None and m is not None:
                 masks[i] = m
             if routed is not None:
                 routed[i] = rt
+            if trajectories is not None:
+                trajectories[i] = tr
         extra = {"held": sorted(mine)}
         if multi_turn is not None:
             extra["multi_turn"] = multi_turn
         return Generation(token_ids=token_ids, logprobs=logprobs, finish_reasons=finish, weight_version=version,
-                          extra=extra, model_mask=masks, routed_experts=routed)
+                          extra=extra, model_mask=masks, routed_experts=routed, trajectories=trajectories)
 
     def owned(self, seq_lens: list[int]) -> list[int]:
         """The rows this rank owns (scores and counts): each row once in the world, on a rank that holds it."""

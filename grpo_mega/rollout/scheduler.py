@@ -44,9 +44,24 @@ class SamplingArgs:
     seed: int
     """The run's seed: step k samples with seed * 1_000_003 + k (the per-sample seeds derive from it)."""
 
+    rows: bool = False
+    """Give each prompt's row (example_row) to the engines: multi-turn engines read its tools_kwargs."""
+
     def step_seed(self, step: int, round: int = 0) -> int:
         """Round `round` of step `step` (algo.dynamic_sampling=refill's extra rounds: 1, 2, ...)."""
         return self.seed * 1_000_003 + step + round * (1 << 40)
+
+    def rows_of(self, examples: list) -> dict:
+        """{"rows": [example_row(e), ...]} when the engines take rows, else {}."""
+        return {"rows": [example_row(e) for e in examples]} if self.rows else {}
+
+
+def example_row(example) -> dict:
+    """A prompt's row as the multi-turn engine and agent loops see it: data_source, extra_info (tools_kwargs
+    among it), ground_truth (a toy example's answer) and index."""
+    return {"data_source": getattr(example, "data_source", ""), "extra_info": dict(getattr(example, "extra_info", None) or {}),
+            "ground_truth": getattr(example, "ground_truth", getattr(example, "answer", None)),
+            "index": getattr(example, "index", None)}
 
 
 @dataclass
@@ -108,7 +123,7 @@ class RolloutScheduler:
                 try:
                     prompts = [e.prompt_ids for e in pending.examples]
                     gen = client.generate(prompts, s.n, s.temperature, s.top_p, s.max_new_tokens, s.stop_token_ids,
-                                          s.step_seed(pending.step))
+                                          s.step_seed(pending.step), **s.rows_of(pending.examples))
                     check_generation(gen, self.engines.spec, [len(p) for p in prompts for _ in range(s.n)])
                     pending.out.update(gen=gen, seconds=time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001 - handed to every rank by wait()
@@ -194,7 +209,7 @@ class RolloutScheduler:
         """Collective: generate `examples` now (all ranks get the samples; with `share`, rank 0 only)."""
         s = self.sampling
         return self.engines.generate([e.prompt_ids for e in examples], s.n, s.temperature, s.top_p,
-                                     s.max_new_tokens, s.stop_token_ids, seed,
+                                     s.max_new_tokens, s.stop_token_ids, seed, **s.rows_of(examples),
                                      **({} if self.share is None else {"to_all": False}))
 
     def reshare(self, gen: Optional[Generation], examples: list) -> Generation:
@@ -249,7 +264,7 @@ class RolloutScheduler:
     def state(self) -> Optional[dict]:
         """The generated, not yet trained batch (its step, prompts and samples; JSON but for routed_experts, int16
         tensors [positions, M, k] or None per sample, which grpo_mega.trainer.checkpoint stores apart; for a
-        multi-turn batch its model mask and tool counts), or None."""
+        multi-turn batch its model mask, turns and tool counts), or None."""
         if self.ready is None:
             return None
         g = self.ready.gen
@@ -257,8 +272,8 @@ class RolloutScheduler:
                    token_ids=g.token_ids, logprobs=g.logprobs, finish_reasons=g.finish_reasons,
                    weight_version=g.weight_version, seconds=self.ready.seconds,
                    routed_experts=g.routed_experts)
-        if g.model_mask is not None:  # a multi-turn batch: which tokens are the model's, and its tool counts
-            out.update(model_mask=g.model_mask, multi_turn=g.extra.get("multi_turn"))
+        if g.model_mask is not None:  # a multi-turn batch: which tokens are the model's, its turns and tool counts
+            out.update(model_mask=g.model_mask, multi_turn=g.extra.get("multi_turn"), trajectories=g.trajectories)
         return out
 
     def restore(self, state: Optional[dict]) -> None:
@@ -276,7 +291,7 @@ class RolloutScheduler:
                              "the same data, or start a new run")
         gen = Generation(token_ids=state["token_ids"], logprobs=state["logprobs"], finish_reasons=state["finish_reasons"],
                          weight_version=int(state["weight_version"]), routed_experts=state.get("routed_experts"),
-                         model_mask=state.get("model_mask"),
+                         model_mask=state.get("model_mask"), trajectories=state.get("trajectories"),
                          extra={"multi_turn": state["multi_turn"]} if state.get("multi_turn") else {})
         self.ready = StepSamples(int(state["step"]), examples, gen, float(state.get("seconds", 0.0)))
         self.ready_task_state = before

@@ -1,7 +1,8 @@
-"""Tools a policy may call during a multi-turn rollout (grpo_mega.rollout.multi_turn): the `Tool` interface,
-the registry of built-in tools (an unknown name raises, listing the valid ones), user tools by dotted path,
-and the built-in `calculator`. How a call is found in the model's text is grpo_mega.toolcalls.parsers'; where and
-under which time limit a tool runs is grpo_mega.toolcalls.pool's (worker processes, killed by PID on timeout).
+"""Tools a policy may call during a multi-turn rollout (grpo_mega.rollout.multi_turn): the `Tool` interface and
+its per-trajectory lifecycle, the registry of built-in tools (an unknown name raises, listing the valid ones),
+user tools by dotted path, and the built-in `calculator`. How a call is found in the model's text is
+grpo_mega.toolcalls.parsers'; where and under which limits a tool runs is grpo_mega.toolcalls.pool's (worker
+processes started from grpo_mega.toolcalls.worker, which holds the per-trajectory instances).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import ast
 import importlib
 import math
 import operator
-from typing import Any
+from typing import Any, Optional
 
 from grpo_mega.registry import Registry
 
@@ -20,17 +21,36 @@ class ToolError(Exception):
 
 
 class Tool:
-    """A callable tool. `name` is what the model calls; `parameters` the JSON schema of its arguments (what a
-    chat template's `tools=` shows the model); `call(args)` returns the text of the tool's turn. A prompt row
-    whose extra_info.tools_kwargs names the tool (verl's schema) has its create_kwargs and execute_kwargs given
-    as keyword arguments: `call(args, **kwargs)`."""
+    """A tool the model calls, with verl's BaseTool lifecycle. `name` is what the model calls; `parameters` the
+    JSON schema of its arguments (what a chat template's `tools=` shows the model).
+
+    Lifecycle, in a tool worker process (grpo_mega.toolcalls.pool): the tool is built once per worker (`__init__`:
+    put shared, read-only resources there); each trajectory that calls it gets its own instance, a shallow copy
+    of that object, on which `create(**create_kwargs)` runs first (the prompt row's
+    extra_info.tools_kwargs[name].create_kwargs: state set on `self` there belongs to this trajectory alone),
+    then `call(args, **execute_kwargs)` for each of the trajectory's calls, in order (`args`: the model's
+    arguments; execute_kwargs: the row's), returning the text of the tool's turn; at the trajectory's end
+    `reward()` (an optional per-tool score, None for none; the reward function sees it as
+    sample["tool_rewards"][name]) and `release()`. A `ToolError` (or any exception) in `call` becomes the
+    tool's turn as an error message and the rollout goes on."""
 
     name: str = ""
     description: str = ""
     parameters: dict = {"type": "object", "properties": {}}
 
-    def call(self, args: dict, **kwargs) -> str:
+    def create(self, **create_kwargs) -> None:
+        """Start this trajectory's instance (default: keep the row's create_kwargs as `self.create_kwargs`)."""
+        self.create_kwargs = create_kwargs
+
+    def call(self, args: dict, **execute_kwargs) -> str:
         raise NotImplementedError
+
+    def reward(self) -> Optional[float]:
+        """This trajectory's score from the tool's point of view (None: none)."""
+        return None
+
+    def release(self) -> None:
+        """The trajectory ended: free what `create` and `call` took."""
 
     def schema(self) -> dict:
         """The OpenAI-style function schema for `tokenizer.apply_chat_template(..., tools=[...])`."""
@@ -128,11 +148,15 @@ class Calculator(Tool):
     description = "Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses)."
     parameters = {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 12*(3+4)"}},
                   "required": ["expression"]}
+    expression: Optional[str] = None
 
-    def call(self, args: dict, expression: str | None = None, **_) -> str:
-        """`expression`: the prompt row's (tools_kwargs), used when the model's call gives none."""
-        if not args and expression is not None:
-            args = {"expression": expression}
+    def create(self, expression: Optional[str] = None, **_) -> None:
+        """`expression`: the prompt row's (create_kwargs), used when the model's call gives none."""
+        self.expression = expression
+
+    def call(self, args: dict, **_) -> str:
+        if not args and self.expression is not None:
+            args = {"expression": self.expression}
         if set(args) != {"expression"}:
             raise ToolError(f"calculator takes exactly one argument 'expression'; got {sorted(args)}")
         return str(evaluate_arithmetic(args["expression"]))

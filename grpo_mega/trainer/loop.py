@@ -8,6 +8,7 @@ every rank, so advantages are the same everywhere. Each phase is timed (grpo_meg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -33,8 +34,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
     """Steps run.first_step..run.cfg.run.steps; returns the per-step metrics (identical on every rank)."""
     cfg, actor, rollouts = run.cfg, run.actor, run.rollouts
     temperature = cfg.rollout.temperature
-    val = run.evaluate() if run.eval_due(0) else None
-    history = History(initial_val_reward=val and val[0])
+    val = run.evaluate(0) if run.eval_due(0) else None
+    history = History(initial_val_reward=val and val["val_reward"])
     for step in range(run.first_step, cfg.run.steps + 1):
         timer = StepTimer()
         run.begin_step()  # arms the hang watchdog
@@ -55,6 +56,11 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
         shaped = shape_step(cfg.shaping(), rewards, overlong, rb.old_logp, rb.ref_logp, rb.response_mask())
         rb.advantages, rb.in_loss = shaped.advantages, shaped.in_loss
+        if cfg.rollout.dump_dir and run.rank0:  # rank 0 holds every sample
+            from grpo_mega.rollout.dump import write_dump
+
+            write_dump(Path(cfg.rollout.dump_dir) / f"train_step_{step:08d}.jsonl", step, samples, gen,
+                       rewards.tolist(), shaped.advantages.tolist(), run.tok)
         rb.engine_logp = engine_logprobs(gen, rb)
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
@@ -69,7 +75,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         timer.add("generate", rollouts.take_timing()[0])
         if run.eval_due(step):
             with timer("eval"):
-                val = run.evaluate()
+                val = run.evaluate(step)
         stop = run.stop_requested()
         if run.save_due(step, stop):
             with timer("checkpoint"):
@@ -89,8 +95,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
     return history
 
 
-def _val_metrics(val: Optional[tuple[float, float]]) -> dict:
-    return {} if val is None else dict(val_reward=val[0], val_pass_at_k=val[1])
+def _val_metrics(val: Optional[dict]) -> dict:
+    return {} if val is None else dict(val)
 
 
 UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "is_weight_mean", "is_capped_fraction",

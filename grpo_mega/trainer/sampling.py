@@ -37,7 +37,7 @@ def _score(run, got: StepSamples, step: int) -> tuple[list, torch.Tensor, dict]:
     n = run.n
     samples = [got.examples[i // n] for i in range(len(got.gen.token_ids))]
     owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, got.gen.token_ids)])
-    rewards, metrics = score_step(run.task.reward, samples, got.gen.token_ids, step, owned)
+    rewards, metrics = score_step(run.task.reward, samples, got.gen.token_ids, step, owned, got.gen.trajectories)
     return samples, rewards, metrics
 
 
@@ -94,15 +94,16 @@ def _pick(gens: list[Generation], rows: list[tuple[int, int]]) -> Generation:
         masks = [(gens[r].model_mask or [[1] * len(t) for t in gens[r].token_ids])[i] for r, i in rows]
     extra = {}
     if any("multi_turn" in g.extra for g in gens):
-        from grpo_mega.rollout.multi_turn import STAT_KEYS
+        from grpo_mega.rollout.multi_turn import select_stats
 
-        stats = [g.extra["multi_turn"] for g in gens]
-        extra["multi_turn"] = {k: [stats[r][k][i] for r, i in rows] for k in STAT_KEYS}
-        extra["multi_turn"]["tool_seconds"] = sum(s["tool_seconds"] for s in stats)
+        extra["multi_turn"] = select_stats([g.extra["multi_turn"] for g in gens], rows)
     routed = None
     if any(g.routed_experts is not None for g in gens):
         routed = [(gens[r].routed_experts or [None] * len(gens[r].token_ids))[i] for r, i in rows]
+    trajectories = None
+    if any(g.trajectories is not None for g in gens):
+        trajectories = [(gens[r].trajectories or [None] * len(gens[r].token_ids))[i] for r, i in rows]
     return Generation(token_ids=[gens[r].token_ids[i] for r, i in rows], logprobs=[gens[r].logprobs[i] for r, i in rows],
                       finish_reasons=[gens[r].finish_reasons[i] for r, i in rows],
                       weight_version=min(gens[r].weight_version for r in {r for r, _ in rows}),
-                      extra=extra, model_mask=masks, routed_experts=routed)
+                      extra=extra, model_mask=masks, routed_experts=routed, trajectories=trajectories)

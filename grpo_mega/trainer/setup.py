@@ -49,7 +49,7 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
 
 
 def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], out_dir: Path, tok=None,
-                   stop_token_ids: Optional[list[int]] = None, tools_kwargs=None) -> Callable[[], object]:
+                   stop_token_ids: Optional[list[int]] = None) -> Callable[[], object]:
     """What builds one rollout engine on the ranks that hold one: the dedicated servers' client, or the
     registered engine class of rollout.engine (colocated: on the rank's own GPU where there is one), driven
     turn by turn with tools when rollout.multi_turn.enable (`tok` renders the tool turns)."""
@@ -77,20 +77,17 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             engine = ENGINES.get(rollout.engine).for_run(spec)
         if not mt.enable:
             return engine
-        from grpo_mega.rollout.multi_turn import MultiTurnEngine
+        from grpo_mega.rollout.multi_turn import MultiTurnEngine, check_multi_turn
         from grpo_mega.toolcalls.pool import ToolPool
 
+        call_stop = check_multi_turn(mt, tok, stop_token_ids or [tok.eos_token_id])
         pool = ToolPool(mt.tools, num_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s,
-                        max_memory_mb=mt.tool_max_memory_mb)
-        call_stop = []
-        for t in mt.call_stop:
-            i = tok.convert_tokens_to_ids(t)
-            if not isinstance(i, int) or tok.convert_ids_to_tokens(i) != t:
-                raise ValueError(f"rollout.multi_turn.call_stop: {t!r} is not one token of the tokenizer")
-            call_stop.append(i)
+                        max_memory_mb=mt.tool_max_memory_mb, max_chars=mt.max_tool_response_chars, env_keep=mt.tool_env)
         return MultiTurnEngine(engine, tok, pool, mt.parser, mt.max_turns, stop_token_ids,
                                max_tool_response_chars=mt.max_tool_response_chars, call_stop_ids=call_stop,
-                               row_tools_kwargs=tools_kwargs)
+                               agent_loop=mt.agent_loop or None, async_tools=mt.async_tools,
+                               max_tool_calls_per_turn=mt.max_tool_calls_per_turn,
+                               max_tool_call_chars=mt.max_tool_call_chars)
 
     return build
 
@@ -100,8 +97,8 @@ class Run:
     between phases. Every rank holds one; every method is collective unless it says otherwise."""
 
     def __init__(self, cfg: TrainConfig, model: ModelConfig, task: Task, engine_factory: Callable[[], object],
-                 hf_dir: Optional[str] = None, out_dir: Optional[Path] = None):
-        self.cfg, self.model, self.task, self.hf_dir = cfg, model, task, hf_dir
+                 hf_dir: Optional[str] = None, out_dir: Optional[Path] = None, tok=None):
+        self.cfg, self.model, self.task, self.hf_dir, self.tok = cfg, model, task, hf_dir, tok
         d = cfg.dist
         self.watchdog = StepWatchdog(Path(out_dir or ".") / f"stacks-rank{torch.distributed.get_rank()}.txt",
                                      d.watchdog_factor if out_dir is not None else 0.0, d.watchdog_min_s)
@@ -139,7 +136,8 @@ class Run:
         r = cfg.rollout
         self.rollouts = RolloutScheduler(
             self.engines, task.train_batch, cfg.batch.train_batch_size,
-            SamplingArgs(r.n, r.temperature, r.top_p, cfg.batch.max_response_length, task.stop_token_ids, cfg.run.seed),
+            SamplingArgs(r.n, r.temperature, r.top_p, cfg.batch.max_response_length, task.stop_token_ids, cfg.run.seed,
+                         rows=r.multi_turn.enable),
             r.off_policy_steps, cfg.run.steps, task.get_state, task.set_state, share=self.routing.share)
         self.rollouts.restore(state and state.get("rollout"))  # a batch generated before the checkpoint, not yet trained
         self._sync = dict(cfg=model, bucket_mb=r.sync_bucket_mb, audit=r.audit_weights, dtype=self.actor.params_dtype)
@@ -169,16 +167,28 @@ class Run:
         every = self.cfg.eval.interval
         return bool(every) and (step % every == 0 or step == self.steps)
 
-    def evaluate(self) -> tuple[float, float]:
-        """(greedy validation reward, pass@k: the fraction of prompts with a full-reward answer among k samples)."""
+    def evaluate(self, step: int = 0) -> dict:
+        """val_reward (greedy), val_pass_at_k (the fraction of prompts with a full-reward answer among k samples)
+        and, multi-turn, the greedy rollouts' val/multi_turn/* and val/tool/* metrics; with rollout.dump_dir,
+        the greedy trajectories are written (rank 0)."""
+        from grpo_mega.rollout.multi_turn import rollout_metrics
+        from grpo_mega.rollout.scheduler import example_row
+
         task, r, k = self.task, self.cfg.rollout, self.cfg.eval.pass_k
         val = task.validation()
         prompts, longest = [e.prompt_ids for e in val], self.cfg.batch.max_response_length
-        gen = self.engines.generate(prompts, 1, 0.0, 1.0, longest, task.stop_token_ids, 0)
-        greedy = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
-        sampled = self.engines.generate(prompts, k, r.temperature, r.top_p, longest, task.stop_token_ids, 7)
-        solved = [max(task.reward(e, sampled.token_ids[i * k + j]) for j in range(k)) >= 1.0 for i, e in enumerate(val)]
-        return greedy, sum(solved) / len(val)
+        kw = {"rows": [example_row(e) for e in val]} if r.multi_turn.enable else {}
+        gen = self.engines.generate(prompts, 1, 0.0, 1.0, longest, task.stop_token_ids, 0, **kw)
+        scores = [score_one(task.reward, e, ids, gen, i) for i, (e, ids) in enumerate(zip(val, gen.token_ids))]
+        sampled = self.engines.generate(prompts, k, r.temperature, r.top_p, longest, task.stop_token_ids, 7, **kw)
+        solved = [max(score_one(task.reward, e, sampled.token_ids[i * k + j], sampled, i * k + j) for j in range(k)) >= 1.0
+                  for i, e in enumerate(val)]
+        if r.dump_dir and self.rank0:
+            from grpo_mega.rollout.dump import write_dump
+
+            write_dump(Path(r.dump_dir) / f"val_step_{step:08d}.jsonl", step, val, gen, scores, tokenizer=self.tok)
+        return {"val_reward": sum(scores) / len(val), "val_pass_at_k": sum(solved) / len(val),
+                **rollout_metrics(gen, prefix="val/")}
 
     def stop_requested(self) -> bool:
         """Has checkpoint.stop_file appeared (seen on rank 0)?"""
@@ -261,13 +271,30 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
     if cfg.rollout.off_policy_steps and torch.distributed.get_rank() == 0:
         print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)
+    if cfg.rollout.multi_turn.enable:  # the tokenizer's side of rollout.multi_turn, before any model is built
+        from grpo_mega.rollout.multi_turn import check_multi_turn
+
+        try:
+            check_multi_turn(cfg.rollout.multi_turn, tok, task.stop_token_ids)
+        except BaseException:
+            getattr(task.reward, "close", lambda: None)()
+            raise
     try:
-        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids,
-                                                    task.tools_kwargs), hf_dir,
-                   out_dir)
+        return Run(cfg, model, task, engine_factory(cfg, model, hf_dir, out_dir, tok, task.stop_token_ids), hf_dir,
+                   out_dir, tok)
     except BaseException:
         getattr(task.reward, "close", lambda: None)()  # the reward's worker processes end with the run
         raise
+
+
+def score_one(reward, example, ids, gen, i: int) -> float:
+    """One sample's reward (validation), given its trajectory (turns, tool rewards) when it has one."""
+    import inspect
+
+    traj = gen.trajectories[i] if gen.trajectories is not None else None
+    if traj is None or "trajectory" not in inspect.signature(reward).parameters:
+        return reward(example, ids)
+    return reward(example, ids, trajectory=traj)
 
 
 def threads_per_rank() -> int:

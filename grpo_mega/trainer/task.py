@@ -19,7 +19,8 @@ class Task:
     train_batch: Callable[[int], list]  # size -> examples with .prompt_ids
     validation: Callable[[], list]
     reward: Callable[[object, list[int]], float]
-    """Per sample (validation); a rewards.scoring.StepScorer also scores a step's samples, once each."""
+    """Per sample (validation): reward(example, response_ids), with `trajectory=` (Generation.trajectories) for
+    multi-turn rollouts when it takes one; a rewards.scoring.StepScorer also scores a step's samples, once each."""
     stop_token_ids: list[int]
     get_state: Optional[Callable[[], object]] = None
     """The task's own state (data cursor, sampler RNG) for checkpoints; JSON-serialisable."""
@@ -28,8 +29,6 @@ class Task:
     """Rank 0 writes the task's non-JSON state (a reward model in training) into a checkpoint's directory."""
     load_files: Optional[Callable[[Path], None]] = None
     """Every rank is given that directory on resume."""
-    tools_kwargs: Optional[Callable[[list[int]], Optional[dict]]] = None
-    """Multi-turn: a prompt's ids -> its row's tools_kwargs (verl's), given to that prompt's tool calls."""
 
 
 def _reward_model(rew: RewardConfig, tok, verifier):
@@ -81,16 +80,18 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         else:
             t = (ProductTask if cfg.task == "product_tool" else TensDigitTask)(tok, seed=seed)
         return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
-                    stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state,
-                    tools_kwargs=getattr(t, "tools_kwargs", None))
-    from grpo_mega.data.dataset import PromptStream, load_prompts, tools_kwargs_lookup
+                    stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state)
+    from grpo_mega.data.dataset import PromptStream, load_prompts
     from grpo_mega.rewards.scoring import PromptReward
 
     tools = None
     if cfg.rollout.multi_turn.enable:  # the tools' schemas for the chat template; rows checked against them
         from grpo_mega.toolcalls import build_tools
 
+        from grpo_mega.rollout.turns import check_tools_shown
+
         tools = {name: t.schema() for name, t in build_tools(cfg.rollout.multi_turn.tools).items()}
+        check_tools_shown(tok, list(tools.values()), f" of {cfg.model}")
     train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length, tools)
     if cfg.data.val_files:
         val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length, tools)[0]
@@ -106,9 +107,6 @@ def build_task(cfg: TrainConfig, tok) -> Task:
     else:
         reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
                               timeout_s=rew.timeout_s, start_method=rew.start_method, max_memory_mb=rew.max_memory_mb)
-
-    lookup = tools_kwargs_lookup(train + val, cfg.data.train_files) if tools is not None else None
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
                 stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state,
-                save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None),
-                tools_kwargs=lookup)
+                save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None))

@@ -81,3 +81,50 @@ def tiny_chat_hf(path: Path, seed: int = 0) -> Path:
         if f.is_file() and f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, Path(path) / f.name)
     return Path(path)
+
+
+# A Qwen2.5-style chat format (ChatML turns; tools as JSON lines in the system turn; consecutive tool results
+# in one user turn, each in <tool_response> tags), written for the tests: no Qwen tokenizer can be downloaded.
+QWEN_STYLE_TEMPLATE = (  # (HF renders with trim_blocks: a newline right after a tag is written as an expression)
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\n\n# Tools\n\n<tools>' }}{% for t in tools %}{{ '\n' }}{{ t | tojson }}{% endfor %}"
+    "{{ '\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>{{ '\n' }}"
+    "{% else %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>{{ '\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n<tool_response>\n' }}{{ m.content }}{{ '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ '\n' }}{% endif %}"
+    "{% elif not (m.role == 'system' and loop.first) %}<|im_start|>{{ m.role }}{{ '\n' }}{{ m.content }}"
+    "<|im_end|>{{ '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}")
+
+QWEN_STYLE_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_STYLE_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+"""Qwen2.5's control tokens: special (the first three) and added but not special (the tool and think tags)."""
+
+
+def qwen_style_tokenizer():
+    """A byte-level BPE tokenizer in Qwen2.5's shape, trained here on a small corpus (vocabulary ~600): the
+    special tokens <|endoftext|>, <|im_start|>, <|im_end|> (EOS), the non-special added tokens <tool_call>,
+    </tool_call>, <tool_response>, </tool_response>, <think>, </think>, and QWEN_STYLE_TEMPLATE."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    corpus = ["You are a helpful assistant.", "What is 6*7? The answer is 42.", '{"name": "calculator", '
+              '"arguments": {"expression": "12*(3+4)"}}', "system user assistant tool response function",
+              "Error: the tool call is not valid JSON", "0123456789 + - * / = ( ) [ ] { } < > | _ : , . ; ' \" \n"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=QWEN_STYLE_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(corpus, trainer)
+    core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_STYLE_SPECIAL])
+    core.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN_STYLE_ADDED])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    return tok

@@ -62,42 +62,59 @@ def test_calling_and_copying_solves_it_guessing_or_an_unavailable_tool_does_not(
             gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 28, [tok.eos_token_id], seed=0)
         finally:
             mt.shutdown()
-        scores[name] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
+        scores[name] = sum(task.reward(e, ids, trajectory=t)
+                           for e, ids, t in zip(val, gen.token_ids, gen.trajectories)) / len(val)
         stats = gen.extra["multi_turn"]
         if name == "tool":
             assert stats["tool_calls"] == [1] * 64 and stats["tool_errors"] == [0] * 64
-            assert gen.model_mask[0] == [1, 0, 0, 1, 1]  # <tool_call> | <tool> x | x <eos>
+            # <tool_call> | the template's turn end, <tool> x | x <eos>
+            assert gen.model_mask[0] == [1, 0, 0, 0, 1, 1]
+            assert gen.token_ids[0][1] == tok.eos_token_id
         if name == "unavailable":  # the same calls; each tool turn is the error message
             assert stats["tool_calls"] == [1] * 64 and stats["tool_errors"] == [1] * 64
-            assert gen.token_ids[0] == tok.convert_tokens_to_ids(["<tool_call>"]) + error_turn + \
+            assert gen.token_ids[0] == tok.convert_tokens_to_ids(["<tool_call>", "<eos>"]) + error_turn + \
                 tok.convert_tokens_to_ids(["c", "<eos>"])
     assert scores == {"tool": 1.0, "unavailable": pytest.approx(chance), "no call": 0.0}
+
+
+def _trajectory(tok, *turns):
+    """(response ids, trajectory) from (role, tokens) turns, as grpo_mega.rollout.multi_turn records them."""
+    ids, out = [], []
+    for role, tokens in turns:
+        t = {"role": role, "text": "", "start": len(ids), "end": len(ids) + len(tokens)}
+        if role == "tool":
+            t.update(name="lookup", error=tokens[:1] == ["E"])
+        out.append(t)
+        ids += tok.convert_tokens_to_ids(tokens)
+    return ids, {"turns": out, "tool_rewards": {}}
 
 
 def test_reward_reads_the_answer_after_the_last_tool_result():
     tok = make_lookup_tokenizer()
     task = LookupTask(tok)
     ex = task.example(372)
-    ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
     other = next(c for c in "abcdefghij" if c != ex.answer)
-    assert task.reward(ex, ids([ex.answer, "<eos>"])) == 0.0  # a right guess without a tool turn: 0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, ex.answer, other, other])) == 1.0  # its first letter
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", "=", ex.answer, other])) == 1.0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "5", other, ex.answer])) == 0.0
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, other, ex.answer, "<eos>"])) == 0.0
-    assert task.reward(ex, ids([ex.answer, "<tool_call>", "<tool>", ex.answer, other, "<eos>"])) == 0.0
-    assert task.reward(ex, ids([other, "<tool_call>", "<tool>", ex.answer, ex.answer, "<eos>"])) == 1.0  # the last turn
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer, "<eos>"])) == 0.0  # the tool's letter, not the model's
-    assert task.reward(ex, ids(["<tool_call>", "<tool>", ex.answer])) == 0.0  # no answer after the result
-    assert task.reward(ex, ids(["<tool_call>", "<tool>"])) == 0.0  # the result cut by the budget
-    assert task.reward(ex, ids(["<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0  # a `<tool>` the model wrote
-    assert task.reward(ex, ids([other, "<tool>", ex.answer, ex.answer, "<eos>"])) == 0.0
-    assert task.reward(ex, []) == 0.0
-    error = ids(["<tool_call>", "<tool>"] + list("Error: down."))
-    assert task.reward(ex, error + ids([ex.answer, "<eos>"])) == 1.0  # a right guess after an error turn
-    assert task.reward(ex, error + ids([other, ex.answer])) == 0.0
-    assert task.reward(ex, error[:-1] + ids([ex.answer, "<eos>"])) == 0.0  # the error cut before its end
+    a, o = ex.answer, other
+
+    def reward(*turns):
+        return task.reward(ex, *_trajectory(tok, *turns))
+
+    assert reward(("assistant", [a, "<eos>"])) == 0.0  # a right guess without a tool turn: 0
+    assert reward(("assistant", ["<tool_call>"]), ("tool", [a]), ("assistant", [a, "<eos>"])) == 1.0
+    assert reward(("assistant", ["<tool_call>"]), ("tool", [a]), ("assistant", [a, o, o])) == 1.0  # its first letter
+    assert reward(("assistant", ["<tool_call>"]), ("tool", [a]), ("assistant", ["5", "=", a, o])) == 1.0
+    assert reward(("assistant", ["<tool_call>"]), ("tool", [a]), ("assistant", ["5", o, a])) == 0.0
+    assert reward(("assistant", [a, "<tool_call>"]), ("tool", [a]), ("assistant", [o, "<eos>"])) == 0.0
+    assert reward(("assistant", [o, "<tool_call>"]), ("tool", [a]), ("assistant", [a, "<eos>"])) == 1.0  # the last turn
+    assert reward(("assistant", ["<tool_call>"]), ("tool", [a])) == 0.0  # no answer after the result
+    assert reward(("assistant", ["<tool>", a, a, "<eos>"])) == 0.0  # a `<tool>` the model wrote is no tool turn
+    assert task.reward(ex, [], {"turns": [], "tool_rewards": {}}) == 0.0
+    error = ("tool", list("Error: down."))
+    assert reward(("assistant", ["<tool_call>"]), error, ("assistant", [a, "<eos>"])) == 1.0  # a right guess after it
+    assert reward(("assistant", ["<tool_call>"]), error, ("assistant", [o, a])) == 0.0
+    # two tool turns: the answer after the last one counts
+    assert reward(("assistant", ["<tool_call>"]), ("tool", [o]), ("assistant", ["<tool_call>"]), ("tool", [a]),
+                  ("assistant", [a, "<eos>"])) == 1.0
 
 
 def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_a_call():
@@ -105,11 +122,14 @@ def test_the_tool_refuses_unknown_keys_and_the_warm_up_rewards_a_call():
     ex = LookupTask(tok).example(42)
     assert tok.convert_ids_to_tokens(ex.prompt_ids) == ["<bos>", "0", "4", "2", "="]
     assert LookupTask(tok).tools_kwargs(ex.prompt_ids) == {"lookup": {"create_kwargs": {"key": "042"}}}
-    assert KeyLookup().call({}, key="042") == LOOKUP_TABLE["042"] == ex.answer
+    tool = KeyLookup()
+    tool.create(key="042")  # the row's create_kwargs
+    assert tool.call({}) == LOOKUP_TABLE["042"] == ex.answer
+    tool.create(key="42")
     with pytest.raises(ToolError, match="no key '42'"):
-        KeyLookup().call({}, key="42")
+        tool.call({})
     with pytest.raises(ToolError, match="down"):
-        UnavailableLookup().call({}, key="042")
+        UnavailableLookup().call({})
     warm = LookupTask(tok, shaping=True)  # task=lookup_call: a call (the warm-up runs one turn: no tool result)
     ids = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
     assert warm.reward(ex, ids(["<tool_call>"])) == 1.0

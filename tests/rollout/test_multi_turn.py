@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_mega.rollout.interface import Generation
-from grpo_mega.rollout.multi_turn import MultiTurnEngine, ToolTurnRenderer, rollout_metrics
+from grpo_mega.rollout.multi_turn import MultiTurnEngine, rollout_metrics
+from grpo_mega.rollout.turns import MessageRenderer
 from grpo_mega.toolcalls.pool import ToolPool
 from grpo_mega.trainer.batch import RolloutBatch
 
@@ -91,9 +92,11 @@ def test_token_in_token_out_across_tool_turns(tok):
     finally:
         mt.shutdown()
     traj, mask = gen.token_ids[0], gen.model_mask[0]
-    renderer = ToolTurnRenderer(tok, [engine.end])
-    segs = [renderer.ids(["42"]), renderer.ids(["43"]), renderer.ids(["86", "Error: the tool call is not valid JSON "
-                                                                              "(Expecting property name enclosed in double quotes): '{oops}'"])]
+    renderer = MessageRenderer(tok, [engine.end])
+    tool = lambda *results: renderer.render([("tool", r, "calculator" if r[0].isdigit() else None)  # noqa: E731
+                                             for r in results])[0]
+    segs = [tool("42"), tool("43"), tool("86", "Error: the tool call is not valid JSON "
+                                              "(Expecting property name enclosed in double quotes): '{oops}'")]
     sampled = engine.sampled[tuple(p1)]
     expected = sampled[0] + segs[0] + sampled[1] + segs[1] + sampled[2] + segs[2] + sampled[3]
     assert traj == expected  # the ids trained on: exactly the engine's ids and the tool segments' ids
@@ -135,7 +138,7 @@ def test_budget_cuts_with_length(tok):
                          stop_token_ids=[engine.end])
     try:
         one = len(engine.tok.encode(call("1+1"), add_special_tokens=False)) + 1
-        seg = len(mt.renderer.ids(["2"]))
+        seg = len(mt.renderer.render([("tool", "2", "calculator")])[0])
         for budget in (one + seg + 3, one + seg, one + 2):
             engine.sampled.clear()
             gen = mt.generate([p], 1, 1.0, 1.0, budget, [engine.end], seed=0)
@@ -209,7 +212,7 @@ def test_a_tool_result_longer_than_the_remaining_budget_is_cut_and_marked_length
         gen = mt.generate([p1, p2], 1, 1.0, 1.0, budget, [engine.end], seed=0)
     finally:
         mt.shutdown()
-    assert len(mt.renderer.ids(["9" * 60])) > 10  # the full result would not fit
+    assert len(mt.renderer.render([("tool", "9" * 60, "calculator")])[0]) > 10  # the full result would not fit
     assert gen.finish_reasons == ["length", "stop"] and len(gen.token_ids[0]) == budget
     assert gen.model_mask[0] == [1] * first + [0] * 10
     assert gen.extra["multi_turn"]["tool_truncated"] == [1, 0] and gen.extra["multi_turn"]["turns"] == [1, 1]

@@ -68,8 +68,8 @@ def test_sglang_multi_turn_tokens_in_tokens_out(tmp_path):
     prompts = [e.prompt_ids for e in task.train_batch(16)]
     call, eos = tok.convert_tokens_to_ids("<tool_call>"), tok.eos_token_id
     inner = Recording(SGLangEngine(str(tmp_path / "m"), dtype="float32", timeout_s=120))
-    mt = MultiTurnEngine(inner, tok, ToolPool(["calculator"]), "bare", max_turns=3,
-                         stop_token_ids=[eos], call_stop_ids=[call], row_tools_kwargs=task.tools_kwargs)
+    mt = MultiTurnEngine(inner, tok, ToolPool(["calculator"]), "bare", max_turns=3, stop_token_ids=[eos],
+                         call_stop_ids=[call], row_tools_kwargs=task.tools_kwargs, async_tools=False)  # lockstep
     n, budget = 4, 16
     try:
         gen = mt.generate(prompts, n, 1.0, 1.0, budget, [eos], seed=11)
@@ -84,11 +84,12 @@ def test_sglang_multi_turn_tokens_in_tokens_out(tmp_path):
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]
     head = tok.apply_chat_template(base, tokenize=False)
 
-    def tool_turn(i):  # the chat template's text for the tool message (the calculator's answer), as ids
+    def tool_turn(i):  # the chat template's text after the assistant's content "x" (its turn end, then the tool
+        # message: the calculator's answer), as ids: the call-stop token is the content's last token
         a, b = (int(x) for x in tok.decode(prompts[i // n], skip_special_tokens=True).rstrip("=").split("*"))
         full = tok.apply_chat_template(base + [{"role": "tool", "content": str(a * b // 10 % 10)}], tokenize=False)
         assert full.startswith(head)
-        return tok.encode(full[len(head):], add_special_tokens=False)
+        return tok.encode(full[head.rindex("x") + 1:], add_special_tokens=False)
 
     m = len(gen.token_ids)
     traj, mask, lps, turns, done = [[] for _ in range(m)], [[] for _ in range(m)], [[] for _ in range(m)], [0] * m, [False] * m
@@ -107,7 +108,7 @@ def test_sglang_multi_turn_tokens_in_tokens_out(tmp_path):
                 done[i] = True
                 continue
             seg = tool_turn(i)
-            assert tok.convert_ids_to_tokens(seg)[0] == "<tool>" and len(seg) == 2
+            assert tok.convert_ids_to_tokens(seg)[:2] == ["<eos>", "<tool>"] and len(seg) == 3
             done[i] = len(seg) >= budget - len(traj[i])
             seg = seg[: budget - len(traj[i])]
             traj[i] += seg

@@ -1,6 +1,7 @@
 """task=tens_tool (grpo_mega.data.toy_tools.TensDigitTask): the row's tools_kwargs give the calculator the
 prompt's tens digit, so a policy that calls (one token) and copies solves it and a guessing one scores chance;
-and a real run's metrics row carries every multi-turn metric, consistent with its own response lengths."""
+and a real run's metrics row carries every multi-turn and per-tool metric, consistent with its own response
+lengths."""
 
 import json
 import math
@@ -54,10 +55,10 @@ def test_calling_and_copying_solves_it_guessing_does_not():
             gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 12, [tok.eos_token_id], seed=0)
         finally:
             mt.shutdown()
-        scores[use_tool] = sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val)
+        scores[use_tool] = sum(task.reward(e, ids, t) for e, ids, t in zip(val, gen.token_ids, gen.trajectories)) / len(val)
         if use_tool:
             assert gen.extra["multi_turn"]["tool_calls"] == [1] * 64 and gen.extra["multi_turn"]["tool_errors"] == [0] * 64
-            assert gen.model_mask[0] == [1, 0, 0, 1, 1]  # <tool_call> | <tool> d | d <eos>
+            assert gen.model_mask[0] == [1, 0, 0, 0, 1, 1]  # <tool_call> | <eos> <tool> d | d <eos>
     assert scores[True] == 1.0
     assert scores[False] == pytest.approx(sum(e.answer == "7" for e in val) / 64) and scores[False] < 0.3
 
@@ -69,7 +70,7 @@ def test_a_real_runs_metrics_row_has_the_multi_turn_metrics(tmp_path):
     proc = run_main([f"hydra.run.dir={out}", "task=tens_tool", "rollout.multi_turn.enable=true",
                      "rollout.multi_turn.parser=bare", "rollout.multi_turn.call_stop=['<tool_call>']",
                      "rollout.multi_turn.max_turns=2", "batch.max_response_length=12", "run.steps=2",
-                     "eval.interval=0", "batch.train_batch_size=8", "batch.ppo_mini_batch_size=8"],
+                     "eval.interval=0", "batch.train_batch_size=8", "batch.ppo_mini_batch_size=8", "rollout.n=4"],
                     timeout=300, cwd=ROOT, scratch=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -81,3 +82,7 @@ def test_a_real_runs_metrics_row_has_the_multi_turn_metrics(tmp_path):
         assert r["multi_turn/tool_errors"] == 0 and r["multi_turn/tool_timeouts"] == 0
         assert r["multi_turn/tool_tokens"] > 0
         assert r["multi_turn/model_tokens"] + r["multi_turn/tool_tokens"] == pytest.approx(r["response_length"], abs=1e-9)
+        # per tool: totals over the step's 32 samples, and the mean latency of a call
+        assert r["tool/calculator/calls"] == pytest.approx(r["multi_turn/tool_calls"] * 32, abs=1e-9)
+        assert r["tool/calculator/errors"] == r["tool/calculator/timeouts"] == 0
+        assert 0 < r["tool/calculator/latency_s"] < 5

@@ -50,7 +50,7 @@ def test_product_task_is_solved_with_the_tool_only():
             gen = mt.generate([e.prompt_ids for e in val], 1, 1.0, 1.0, 24, [tok.eos_token_id], seed=0)
         finally:
             mt.shutdown()
-        assert sum(task.reward(e, ids) for e, ids in zip(val, gen.token_ids)) / len(val) == want
+        assert sum(task.reward(e, ids, t) for e, ids, t in zip(val, gen.token_ids, gen.trajectories)) / len(val) == want
         if use_tool:
             assert gen.extra["multi_turn"]["turns"] == [2] * len(val)
             assert tok.decode(gen.token_ids[0]).count("<tool>") == 1
