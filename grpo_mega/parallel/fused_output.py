@@ -21,7 +21,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.parallel.vocab_parallel import _chunks, _group_rank_size, combine, finish, local_grads, local_stats, shard_columns
+from grpo_mega.parallel.vocab_parallel import (
+    _chunks,
+    _group_rank_size,
+    combine,
+    finish,
+    local_grads,
+    local_stats,
+    shard_columns,
+)
 
 CHUNK_BYTES = 256 * 2**20
 """Without a chunk size: as many tokens per chunk as make one fp32 [chunk, V/tp] tensor at most this."""
@@ -68,7 +76,7 @@ class _FusedOutputStats(torch.autograd.Function):
             z = _logits(hidden[lo:hi], weight, n)
             ref_z = _logits(ref_hidden[lo:hi], ref_weight, n) if with_ref else None
             local[:, lo:hi] = local_stats(z, ref_z, target_local[lo:hi] if target_local is not None else None,
-                                          temperature)
+                                          temperature, overwrite=not keep)
             if keep:  # the whole input is one chunk: its logits are kept for the backward, not made again
                 kept = (z, ref_z) if with_ref else (z,)
             del z, ref_z
@@ -122,7 +130,7 @@ class _FusedOutputStats(torch.autograd.Function):
                 g_logprob[lo:hi] if g_logprob is not None else None,
                 g_entropy[lo:hi] if g_entropy is not None else None,
                 g_kl[lo:hi] if g_kl is not None else None,
-                need_ref_grad=False, overwrite_ref=True,  # the reference's chunk logits are this op's own
+                need_ref_grad=False, overwrite_ref=True, overwrite_logits=True,  # the chunk's logits are ours
             )
             del z, ref_z
             g = g.to(weight.dtype)  # the logit gradient in the logits' dtype, as the unfused path hands it on
@@ -171,7 +179,8 @@ def fused_output_stats(
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: expected [..., h] and [V/tp, h]")
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: expected [..., h] and "
+                         "[V/tp, h]")
     if (ref_hidden is None) != (ref_weight is None):
         raise ValueError("the full KL needs both ref_hidden and ref_weight (or neither)")
     if ref_hidden is not None:

@@ -94,7 +94,8 @@ def _rank(sp: bool):
             loss1.backward()
             gw1 = (w1.main_grad - 0.25) if main_grad else w1.grad
             out[name] = dict(
-                values=[(a.detach(), b.detach()) for a, b in [(lp0, lp1), (ent0, ent1)] + ([(kl0, kl1)] if with_ref else [])],
+                values=[(a.detach(), b.detach())
+                        for a, b in [(lp0, lp1), (ent0, ent1)] + ([(kl0, kl1)] if with_ref else [])],
                 grad_hidden=(x0.grad, x1.grad), grad_weight=(out0.weight.grad, gw1),
                 weight_grad_left_none=w1.grad is None, kl_none=kl1 is None,
             )
