@@ -1,7 +1,7 @@
 """Benchmark: the loss side's peak memory and time, fused output layer (grpo_mega/parallel/fused_output.py) against
 the output layer's logits followed by the vocab-parallel op; and the SmolLM2-135M CPU update with each. Writes JSON.
 
-    python tools/bench_fused_output.py [--tokens 4096] [--loss-steps 1] [--steps 5] [--out bench_results/fused_output.json]
+    python tools/bench_fused_output.py [--tokens 4096] [--loss-steps 1] [--steps 5] [--out PATH]
 
 Loss side (one process, TP1, fp32 on the CPU, SmolLM2-135M's shapes: padded vocabulary 49152, hidden 576): hidden
 states [T, h] and the output weight [V, h] (and, with the full KL, the reference's), forward and backward of
