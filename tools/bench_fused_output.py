@@ -16,7 +16,11 @@ tensor (chunk = T unfused).
 
 Update: tools/bench_step.py's SmolLM2-135M CPU update (2 prompts x 4 responses of 32 + 32 tokens, one mini-batch,
 fp32, random weights) with batch.fused_output off and on, alternating step by step in this one process; the
-median of --steps timed steps after one warm-up each. On a shared machine the load average is recorded.
+median of --steps timed steps after one warm-up each.
+
+Time is given twice: wall seconds, and the CPU seconds of this process. On a shared, loaded machine (the load
+average is recorded) wall time measures the other processes as much as this one; with --threads 1 (the default)
+the process's CPU time is the work done, whatever else runs.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ import bench_common
 sys.path.insert(0, str(bench_common.REPO))
 
 MODEL = "smollm2-135m"
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of fn()."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def profiled_peak(fn) -> int:
@@ -91,15 +102,12 @@ def loss_side(tokens: int, steps: int) -> list[dict]:
 
         step()  # warm-up
         peak = profiled_peak(step)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        wall, cpu = zip(*[timed(step) for _ in range(steps)])
         unit = 4 * (tokens if impl == "unfused" else chunk) * v
         return dict(impl=impl, full_kl=with_ref, chunk=chunk if impl == "fused" else None, tokens=tokens,
                     peak_mib=peak / 2**20, peak_in_fp32_chunk_vocab=peak / unit,
-                    fp32_chunk_vocab_mib=unit / 2**20, seconds=statistics.median(times))
+                    fp32_chunk_vocab_mib=unit / 2**20, seconds=statistics.median(wall),
+                    cpu_seconds=statistics.median(cpu))
 
     rows = []
     for with_ref in (False, True):
@@ -107,7 +115,8 @@ def loss_side(tokens: int, steps: int) -> list[dict]:
             row = run(impl, chunk, with_ref)
             rows.append(row)
             print(f"{impl:>8} full_kl={with_ref!s:>5} chunk={str(row['chunk']):>5}: peak {row['peak_mib']:8.1f} MiB "
-                  f"({row['peak_in_fp32_chunk_vocab']:.2f} x fp32 [chunk, V]), {row['seconds']:.3f} s", flush=True)
+                  f"({row['peak_in_fp32_chunk_vocab']:.2f} x fp32 [chunk, V]), {row['seconds']:.2f} s wall, "
+                  f"{row['cpu_seconds']:.2f} s CPU", flush=True)
     o_tokens = dict(hidden_grad_mib=4 * tokens * h / 2**20, per_token_stats_mib=4 * tokens * 13 / 2**20)
     return rows, dict(padded_vocab=v, hidden=h, vocab_size=cfg.vocab_size, auto_chunk=auto, o_tokens=o_tokens)
 
@@ -136,19 +145,23 @@ def update_times(steps: int) -> dict:
     for fused in (False, True):  # the same weights: the same logprobs either way
         actor.batch = batches[fused]
         logp[fused] = actor.logprobs(rb, 1.0)
-    times = {False: [], True: []}
+    wall, cpu = {False: [], True: []}, {False: [], True: []}
     for i in range(steps + 1):  # alternating, so load from other processes falls on both alike
         for fused in (False, True):
             actor.batch = batches[fused]
-            t0 = time.perf_counter()
-            actor.update(rb, 1.0)
+            w, c = timed(lambda: actor.update(rb, 1.0))
             if i:  # the first of each is a warm-up
-                times[fused].append(time.perf_counter() - t0)
+                wall[fused].append(w)
+                cpu[fused].append(c)
     tokens = int((rb.prompt_lens + rb.response_lens).sum())
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     return dict(model=MODEL, tokens_per_step=tokens, loss_positions=int(rb.loss_mask().sum()),
-                threads=torch.get_num_threads(), unfused_seconds=times[False], fused_seconds=times[True],
+                threads=torch.get_num_threads(), unfused_seconds=wall[False], fused_seconds=wall[True],
+                unfused_cpu_seconds=cpu[False], fused_cpu_seconds=cpu[True],
                 unfused_median_s=med[False], fused_median_s=med[True], fused_over_unfused=med[True] / med[False],
+                unfused_median_cpu_s=med_cpu[False], fused_median_cpu_s=med_cpu[True],
+                fused_over_unfused_cpu=med_cpu[True] / med_cpu[False],
                 logprob_max_abs_diff=float((logp[True] - logp[False]).abs().max()))
 
 
@@ -157,8 +170,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens through the loss side")
     ap.add_argument("--loss-steps", type=int, default=1, help="timed loss-side repetitions (the median is reported)")
     ap.add_argument("--steps", type=int, default=5, help="timed update steps of each (the median is reported)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--out", default=bench_common.out_path("fused_output"))
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     from grpo_mega.parallel import cpu_compat
 
     cpu_compat.apply()
@@ -166,8 +183,9 @@ def main() -> int:
     rows, shapes = loss_side(args.tokens, args.loss_steps)
     with cpu_compat.cpu_device_mode():
         update = update_times(args.steps)
-    print(f"update: unfused {update['unfused_median_s']:.3f} s, fused {update['fused_median_s']:.3f} s "
-          f"({update['fused_over_unfused']:.3f}x)")
+    print(f"update: unfused {update['unfused_median_s']:.3f} s, fused {update['fused_median_s']:.3f} s wall "
+          f"({update['fused_over_unfused']:.3f}x); CPU {update['unfused_median_cpu_s']:.3f} s vs "
+          f"{update['fused_median_cpu_s']:.3f} s ({update['fused_over_unfused_cpu']:.3f}x)")
     result = dict(
         what="loss side (output layer + logprob/entropy/KL, forward + backward) peak memory and time, fused vs "
              "unfused; and the SmolLM2-135M CPU update with each",
@@ -176,8 +194,10 @@ def main() -> int:
                                      loadavg_end=os.getloadavg()),
         memory="peak of torch's CPU allocations minus frees during one forward + backward, above the start "
                "(torch.profiler memory events), MiB; also in units of one fp32 [chunk, V] (chunk = tokens unfused)",
-        time="median over --loss-steps (loss side) or --steps (update) repetitions after a warm-up, seconds; a "
-             "shared, loaded machine (load averages above)",
+        time="median over --loss-steps (loss side) or --steps (update) repetitions after a warm-up: wall seconds "
+             "(seconds, *_median_s) and this process's CPU seconds (cpu_seconds, *_cpu_s); a shared, loaded "
+             "machine (load averages above): with one thread the CPU seconds are the work done",
+        threads=args.threads,
         loss_side=rows, update=update,
     )
     bench_common.write_json(args.out, result)

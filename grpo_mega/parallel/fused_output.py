@@ -113,7 +113,10 @@ class _FusedOutputStats(torch.autograd.Function):
 
         grad_h = torch.zeros_like(hidden) if need_h else None
         # The weight gradient: into megatron DDP's fp32 main_grad directly (as its output layer does under
-        # gradient_accumulation_fusion), else an fp32 sum returned as the parameter's .grad.
+        # gradient_accumulation_fusion), else an fp32 sum returned as the parameter's .grad. DDP's per-parameter
+        # hook then has nothing of ours to add (with tied embeddings it still adds the embedding's .grad); it
+        # would also mark the parameter ready for an overlapped reduction, which builder.build_actor leaves off
+        # (overlap_grad_reduce=False: the reduction starts after the last micro-batch's backward).
         main = getattr(weight, "main_grad", None) if need_w else None
         acc = None
         if need_w:
