@@ -35,7 +35,7 @@ import bench_common
 
 sys.path.insert(0, str(bench_common.REPO))
 
-MODEL = "smollm2-135m"
+MODEL = "smollm2-135m"  # the default --model
 
 
 def timed(fn) -> tuple[float, float]:
@@ -61,7 +61,7 @@ def profiled_peak(fn) -> int:
     return peak
 
 
-def loss_side(tokens: int, steps: int) -> list[dict]:
+def loss_side(model: str, tokens: int, steps: int) -> list[dict]:
     """Peak and time of the loss side's forward + backward, per configuration."""
     import torch
 
@@ -69,7 +69,7 @@ def loss_side(tokens: int, steps: int) -> list[dict]:
     from grpo_mega.parallel.fused_output import auto_chunk_size, fused_output_stats
     from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
 
-    cfg = load_model_config(MODEL)
+    cfg = load_model_config(model)
     v, h = cfg.padded_vocab_size, cfg.hidden_size
     g = torch.Generator().manual_seed(0)
     hidden0 = torch.randn(tokens, h, generator=g)
@@ -121,7 +121,7 @@ def loss_side(tokens: int, steps: int) -> list[dict]:
     return rows, dict(padded_vocab=v, hidden=h, vocab_size=cfg.vocab_size, auto_chunk=auto, o_tokens=o_tokens)
 
 
-def update_times(steps: int) -> dict:
+def update_times(model: str, steps: int) -> dict:
     """bench_step's SmolLM2-135M CPU update, fused off and on, alternating in this process."""
     import dataclasses
 
@@ -134,7 +134,7 @@ def update_times(steps: int) -> dict:
 
     bench_step._single_process_env()
     init_distributed(tp=1, pp=1, seed=1234)
-    cfg = load_model_config(MODEL)
+    cfg = load_model_config(model)
     groups, n, prompt_len, response_len = 2, 4, 32, 32
     c = bench_step._configs(groups, n, response_len, micro=groups * n, dtype="fp32")
     actor = Actor(cfg, ParallelConfig(), **c)  # one actor, the switch flipped between steps
@@ -156,7 +156,7 @@ def update_times(steps: int) -> dict:
     tokens = int((rb.prompt_lens + rb.response_lens).sum())
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    return dict(model=MODEL, tokens_per_step=tokens, loss_positions=int(rb.loss_mask().sum()),
+    return dict(model=model, tokens_per_step=tokens, loss_positions=int(rb.loss_mask().sum()),
                 threads=torch.get_num_threads(), unfused_seconds=wall[False], fused_seconds=wall[True],
                 unfused_cpu_seconds=cpu[False], fused_cpu_seconds=cpu[True],
                 unfused_median_s=med[False], fused_median_s=med[True], fused_over_unfused=med[True] / med[False],
@@ -167,6 +167,7 @@ def update_times(steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=MODEL, help="model_configs name (its shapes and its update)")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens through the loss side")
     ap.add_argument("--loss-steps", type=int, default=1, help="timed loss-side repetitions (the median is reported)")
     ap.add_argument("--steps", type=int, default=5, help="timed update steps of each (the median is reported)")
@@ -180,16 +181,16 @@ def main() -> int:
 
     cpu_compat.apply()
     load_start = os.getloadavg()
-    rows, shapes = loss_side(args.tokens, args.loss_steps)
+    rows, shapes = loss_side(args.model, args.tokens, args.loss_steps)
     with cpu_compat.cpu_device_mode():
-        update = update_times(args.steps)
+        update = update_times(args.model, args.steps)
     print(f"update: unfused {update['unfused_median_s']:.3f} s, fused {update['fused_median_s']:.3f} s wall "
           f"({update['fused_over_unfused']:.3f}x); CPU {update['unfused_median_cpu_s']:.3f} s vs "
           f"{update['fused_median_cpu_s']:.3f} s ({update['fused_over_unfused_cpu']:.3f}x)")
     result = dict(
         what="loss side (output layer + logprob/entropy/KL, forward + backward) peak memory and time, fused vs "
              "unfused; and the SmolLM2-135M CPU update with each",
-        model=MODEL, shapes=shapes,
+        model=args.model, shapes=shapes,
         machine=bench_common.machine(backend="none (one process)", loadavg_start=load_start,
                                      loadavg_end=os.getloadavg()),
         memory="peak of torch's CPU allocations minus frees during one forward + backward, above the start "
