@@ -411,7 +411,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
         num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=True,
         layer_spec="transformer_engine" if te else "local",
-        logprob_chunk_size=c["batch"].logprob_chunk_size,
+        logprob_chunk_size=c["batch"].logprob_chunk_size, fused_output=c["batch"].fused_output,
     ))
     pg = plan.stages[0].gib
     planned = dict(parameters_and_gradients=pg["parameters"] + pg["gradients"], reference=pg["reference"],

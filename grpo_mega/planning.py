@@ -35,6 +35,12 @@ REFERENCE = ("gpu", "offload", "none")
 FP32_LOSS_COPIES = 3
 """fp32 [tokens, V/tp] temporaries of the vocab-parallel logprob/entropy op (bench_results/vocab_parallel.json:
 about 3.5 with the reference's logits as well, so 3 without them)."""
+FUSED_CHUNK_BYTES = 256 * 2**20
+"""grpo_mega.parallel.fused_output.CHUNK_BYTES (kept here without importing torch; a test holds them equal)."""
+FUSED_TOKEN_BYTES = 64
+"""Per token, the fused op's fp32 per-token vectors besides the hidden-state gradient (its [7, T] shard statistics,
+[2, T] maxima and [5, T] sums, the saved [T] global statistics, the outputs and their upstream gradients):
+measured 43-48 bytes on the CPU (tests/test_plan.py)."""
 
 
 # ---- parameters ---------------------------------------------------------------------------------------
@@ -285,18 +291,54 @@ def moe_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int
 
 
 def loss_buffer_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                      chunk_size: Optional[int], backward: bool = True) -> float:
-    """The last stage's output side for one micro-batch: the final norm's and the output layer's inputs,
-    the logits [s*b, V/tp] in bf16 (megatron's transposed contiguous copy, kept by the loss; with `backward`
-    also their gradient and the gradient before the transpose), and the fp32 temporaries of the
-    vocab-parallel op over `chunk_size` tokens at a time (grpo_mega/parallel/vocab_parallel.py)."""
+                      chunk_size: Optional[int], backward: bool = True, fused: bool = False, full_kl: bool = False,
+                      act_bytes: int = 2) -> float:
+    """The last stage's output side for one micro-batch.
+
+    Unfused: the final norm's and the output layer's inputs, the logits [s*b, V/tp] in bf16 (megatron's
+    transposed contiguous copy, kept by the loss; with `backward` also their gradient and the gradient before
+    the transpose), and the fp32 temporaries of the vocab-parallel op over `chunk_size` tokens at a time
+    (grpo_mega/parallel/vocab_parallel.py). Fused (batch.fused_output, grpo_mega/parallel/fused_output.py): the
+    final norm's input (/tp under SP) and the op's input (GPTModel's transposed copy of the gathered hidden
+    states, whole on every TP rank) kept for the backward, and `fused_loss_peak_bytes`: one chunk of logits and
+    their temporaries at a time, no [s*b, V/tp] tensor. `act_bytes`: 2 with bf16 weights, 4 with fp32."""
     tokens = seq * micro_batch
     sp = tp if sequence_parallel else 1
     vocab = model.padded_vocab_size / tp
+    if fused:
+        chunk = min(tokens, chunk_size or fused_auto_chunk(model.padded_vocab_size // tp))
+        kept = (2 / sp + 2) * model.hidden_size * tokens if backward else 0
+        return kept + fused_loss_peak_bytes(tokens, vocab, model.hidden_size, chunk, act_bytes, full_kl and backward,
+                                            backward)
     hidden = (2 + 2) * model.hidden_size / sp * tokens if backward else 0
     logits = tokens * vocab * 2 * (3 if backward else 2)
     work = min(tokens, chunk_size or tokens) * vocab * 4 * FP32_LOSS_COPIES
     return hidden + logits + work
+
+
+def fused_auto_chunk(local_vocab: int) -> int:
+    """grpo_mega.parallel.fused_output.auto_chunk_size: tokens per chunk without batch.logprob_chunk_size."""
+    return max(1, FUSED_CHUNK_BYTES // (4 * max(1, local_vocab)))
+
+
+def fused_loss_peak_bytes(tokens: int, local_vocab: float, hidden: int, chunk: int, act_bytes: int, full_kl: bool,
+                          backward: bool = True) -> float:
+    """The fused op's peak above its inputs over its forward and backward (grpo_mega/parallel/fused_output.py,
+    vocab_parallel.local_stats / local_grads), per element of one [chunk, V/tp] chunk:
+      bf16 weights: forward z 2 + its fp32 scaled copy 4 + exp 4 (the reference's z 2 alongside, its fp32 copy
+        taking the first's place); backward z 2 + log p 4 + gradient 4 (+ the reference's z 2 and log q 4):
+        10 bytes, 16 with the full KL; the weight gradient's bf16 GEMM output [V/tp, h] is made beside the
+        chunk's bf16 gradient (2 bytes) before it is added into main_grad.
+      fp32 weights: z is scaled in place: 8 bytes, 12 with the full KL; 4 more when the input is one chunk (its
+        logits kept for the backward are not overwritten in the forward).
+    Plus per token the hidden-state gradient (act_bytes x h, with `backward`) and FUSED_TOKEN_BYTES."""
+    if act_bytes == 2:
+        work = chunk * local_vocab * (16 if full_kl else 10)
+        if backward:
+            work = max(work, chunk * local_vocab * 2 + local_vocab * hidden * 2)
+    else:
+        work = chunk * local_vocab * ((12 if full_kl else 8) + (4 if backward and chunk >= tokens else 0))
+    return work + tokens * ((act_bytes * hidden if backward else 0) + FUSED_TOKEN_BYTES)
 
 
 # ---- the plan -----------------------------------------------------------------------------------------
@@ -335,6 +377,11 @@ class PlanInput:
     """The layers the actor is built with: 'transformer_engine' (GPUs with TE) or megatron-core's 'local' spec
     (no TE: torch norms, SDPA attention, unfused SwiGLU), whose activations are `local_layer_activation_bytes`."""
     logprob_chunk_size: Optional[int] = None
+    fused_output: bool = True
+    """batch.fused_output: the output layer fused into the loss op (`loss_buffer_bytes`)."""
+    full_kl: bool = False
+    """The full-vocabulary KL in the loss (algo.kl_estimator=full): the fused op's chunk holds the reference's
+    logits too (the unfused term does not count them)."""
 
     def __post_init__(self):
         if self.reference not in REFERENCE:
@@ -412,7 +459,8 @@ class Plan:
             recompute=inp.parallel.recompute, micro_batch_size=inp.micro_batch_size, seq_length=inp.seq_length,
             num_microbatches=inp.num_microbatches, params_dtype=inp.params_dtype, fp8=inp.fp8,
             distributed_optimizer=inp.distributed_optimizer, reference=inp.reference, engine_gib=inp.engine_gib,
-            flash_attention=inp.flash_attention, layer_spec=inp.layer_spec, gpu_gib=inp.gpu_gib, margin=inp.margin,
+            flash_attention=inp.flash_attention, layer_spec=inp.layer_spec, fused_output=inp.fused_output,
+            full_kl=inp.full_kl, gpu_gib=inp.gpu_gib, margin=inp.margin,
             usable_gib=inp.usable_gib,
             worst_stage=worst.stage, per_gpu_gib=dict(worst.gib), total_gib=self.total_gib,
             headroom_gib=inp.usable_gib - self.total_gib, fits=self.fits, reason=self.reason,
@@ -475,8 +523,9 @@ def plan(inp: PlanInput) -> Plan:
                                                               inp.layer_spec, mlp=False) + moe_kept)
             acts += rebuilt
         last = sp_.stage == pp - 1
+        loss_kw = dict(fused=inp.fused_output, full_kl=inp.full_kl, act_bytes=2 if bf16 else 4)
         logits = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
-                                   inp.logprob_chunk_size) if last else 0.0
+                                   inp.logprob_chunk_size, **loss_kw) if last else 0.0
         ref_weights = n * (2 if bf16 else 4)
         gib = dict(
             engine=inp.engine_gib,
@@ -490,7 +539,7 @@ def plan(inp: PlanInput) -> Plan:
         ref_forward = 0.0
         if inp.reference == "offload":
             fwd = loss_buffer_bytes(model, inp.seq_length, inp.micro_batch_size, tp, parallel.sequence_parallel,
-                                    inp.logprob_chunk_size, backward=False) if last else 0.0
+                                    inp.logprob_chunk_size, backward=False, **loss_kw) if last else 0.0
             fwd += layer_activation_bytes(model, inp.seq_length, inp.micro_batch_size, tp, False, "selective",
                                           inp.flash_attention, inp.fp8, inp.layer_spec)  # one layer's temporaries
             states = sum(gib[k] for k in ("engine", "parameters", "gradients", "optimizer"))

@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--local-spec", action="store_true",
                     help="megatron-core's local layers (no Transformer Engine): torch norms, SDPA attention, unfused SwiGLU")
     ap.add_argument("--logprob-chunk", type=int, help="tokens per chunk of the vocab-parallel loss op")
+    ap.add_argument("--unfused-output", action="store_true",
+                    help="batch.fused_output=false: the output layer's whole logits, then the loss op")
+    ap.add_argument("--full-kl", action="store_true", help="algo.kl_estimator=full (the reference's logits in the loss)")
     ap.add_argument("--suggest", type=int, default=5, help="layouts to suggest when this one does not fit")
     ap.add_argument("--verify", action="store_true", help="compare parameter bytes with the meta-device build")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -200,6 +203,8 @@ def from_launch_script(args, ap) -> tuple[argparse.Namespace, dict]:
     args.last_stage_layers = par.num_layers_in_last_pipeline_stage
     args.micro_batch, args.seq_len = batch.micro_batch_size, batch.max_prompt_length + batch.max_response_length
     args.logprob_chunk = batch.logprob_chunk_size
+    args.unfused_output = args.unfused_output or not batch.fused_output
+    args.full_kl = args.full_kl or (c["algo"].kl_estimator == "full" and c["algo"].kl_coef != 0)
     args.precision = "fp8" if prec.fp8 else prec.params_dtype
     args.distributed_optimizer = c["optim"].use_distributed_optimizer
     if c["algo"].kl_coef == 0 and not c["algo"].kl_in_reward:
@@ -295,6 +300,7 @@ def main() -> int:
             engine_gib=engine_gib(args.engine_mem, args.gpu_gib), gpu_gib=args.gpu_gib, margin=args.margin,
             flash_attention=not args.unfused_attention,
             layer_spec="local" if args.local_spec else "transformer_engine", logprob_chunk_size=args.logprob_chunk,
+            fused_output=not args.unfused_output, full_kl=args.full_kl,
         )
         if args.dp and args.dp != inp.dp:
             raise ValueError(f"--dp={args.dp} but {world} GPUs at tp={args.tp} pp={args.pp} give dp={inp.dp}")

@@ -525,7 +525,12 @@ class BatchConfig:
     max_response_length: int = 256
     """Longest response in tokens (DrGRPO's constant)."""
     logprob_chunk_size: Optional[int] = None
-    """Tokens per chunk in the vocab-parallel logprob/entropy/KL op (null: whole micro-batch)."""
+    """Tokens per chunk in the vocab-parallel logprob/entropy/KL op (null: with fused_output, as many as make one
+    fp32 [chunk, vocab/tp] tensor 256 MiB; without, the whole micro-batch)."""
+    fused_output: bool = True
+    """The output layer fused into the logprob/entropy/KL op (grpo_mega/parallel/fused_output.py): logits made
+    and reduced chunk by chunk, made again in the backward, so no [tokens, vocab/tp] tensor beyond one chunk
+    exists; false: the output layer's whole logits, then the op. Same results either way."""
     response_only_logits: bool = True
     """Only the positions the loss reads (those predicting a response token) go through the output layer and
     the logprob/entropy/KL op; false: every position, prompts and padding included. Same gradient either way."""
@@ -541,6 +546,8 @@ class BatchConfig:
     def __post_init__(self):
         for f in ("train_batch_size", "ppo_mini_batch_size", "micro_batch_size", "max_prompt_length", "max_response_length"):
             _positive(f"batch.{f}", getattr(self, f))
+        if self.logprob_chunk_size is not None:
+            _positive("batch.logprob_chunk_size", self.logprob_chunk_size)
         if self.max_tokens_per_micro_batch is not None:
             _positive("batch.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
             longest = self.max_prompt_length + self.max_response_length

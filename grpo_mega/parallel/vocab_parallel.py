@@ -54,6 +54,7 @@ def local_stats(
     ref_z: Optional[torch.Tensor],
     target_local: Optional[torch.Tensor],
     temperature: float,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """Per-token statistics of one shard's real columns, each relative to the shard's own max.
 
@@ -66,7 +67,8 @@ def local_stats(
       6  mean_b  sum_v e_v (b_v - m_b) / s_a
     (rows 4-6 are 0 without ref). Keeping every quantity relative to a max keeps fp32 exact for logits of
     any magnitude: nothing of the size of the logits is ever subtracted from something of that size.
-    An empty shard (n == 0) gives m = -inf and s = 0.
+    An empty shard (n == 0) gives m = -inf and s = 0. With `overwrite`, fp32 z and ref_z are used as scratch
+    (the caller's own temporaries) instead of copied.
     """
     c, n = z.shape
     out = torch.zeros(7, c, dtype=torch.float32, device=z.device)
@@ -74,7 +76,7 @@ def local_stats(
         out[0] = _NEG_INF
         out[4] = _NEG_INF
         return out
-    a = _scaled(z, temperature)
+    a = z.div_(temperature) if overwrite and z.dtype == torch.float32 else _scaled(z, temperature)
     if target_local is not None:
         here = target_local >= 0
         out[3] = torch.where(here, a.gather(1, target_local.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
@@ -82,13 +84,13 @@ def local_stats(
     a.sub_(out[0].unsqueeze(1))  # a - m_a, in place
     e = a.exp()
     out[1] = e.sum(dim=1)
-    out[2] = torch.linalg.vecdot(e, a) / out[1]
+    out[2] = a.mul_(e).sum(dim=1) / out[1]  # in place: no third [c, n] tensor
+    del a
     if ref_z is not None:
-        del a
-        b = _scaled(ref_z, temperature)
+        b = ref_z.div_(temperature) if overwrite and ref_z.dtype == torch.float32 else _scaled(ref_z, temperature)
         out[4] = b.amax(dim=1)
         b.sub_(out[4].unsqueeze(1))
-        out[6] = torch.linalg.vecdot(e, b) / out[1]
+        out[6] = e.mul_(b).sum(dim=1) / out[1]
         del e
         out[5] = b.exp_().sum(dim=1)
     return out
@@ -149,6 +151,7 @@ def local_grads(
     g_kl: Optional[torch.Tensor],
     need_ref_grad: bool,
     overwrite_ref: bool = False,
+    overwrite_logits: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gradients w.r.t. one shard's real columns (fp32), from its logits and the global [c] statistics.
 
@@ -157,7 +160,8 @@ def local_grads(
       d H / d a_v       = -p_v (log p_v + H)
       d KL / d a_v      = p_v (log p_v - log q_v - KL)        d KL / d b_v = q_v - p_v
     and d/dz = d/da / T. z, ref_z: [c, n]; g_*: [c] upstream gradients (None: unused output). With
-    `overwrite_ref` (and no ref grad), an fp32 ref_z is turned into log q in place instead of copied.
+    `overwrite_ref` (and no ref grad), an fp32 ref_z is turned into log q in place instead of copied; with
+    `overwrite_logits`, an fp32 z into log p.
     Returns (grad_z [c, n] fp32, grad_ref_z [c, n] fp32 or None).
     """
     c = z.shape[0]
@@ -166,7 +170,8 @@ def local_grads(
     g_h = zeros if g_entropy is None else g_entropy.float()
     g_k = zeros if (g_kl is None or ref_z is None) else g_kl.float()
 
-    logp = _scaled(z, temperature).sub_(stats["g_a"].unsqueeze(1)).sub_(stats["log_s_a"].unsqueeze(1))
+    logp = z.div_(temperature) if overwrite_logits and z.dtype == torch.float32 else _scaled(z, temperature)
+    logp.sub_(stats["g_a"].unsqueeze(1)).sub_(stats["log_s_a"].unsqueeze(1))
     # p * (coef * logp - g_k * logq + const): the entropy and KL terms share p and log p.
     grad = logp * (g_k - g_h).unsqueeze(1)
     const = -g_lp - g_h * stats["entropy"]

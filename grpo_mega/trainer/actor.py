@@ -24,6 +24,7 @@ from grpo_mega import algo
 from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from grpo_mega.models.builder import build_actor, build_reference, copy_weights, move_module
 from grpo_mega.parallel import comm
+from grpo_mega.parallel.fused_output import fused_output_stats
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
 from grpo_mega.trainer.batch import RolloutBatch, micro_batches, unpack
 
@@ -207,21 +208,24 @@ def _with_positions(mb: dict, batch: BatchConfig) -> dict:
 
 def _forward(model, mb: dict) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last stage (hidden states elsewhere); with mb["out_positions"] (K of
-    them, see `_with_positions`) logits [1, K, V/tp] at those positions alone. A packed row ([1, S])
+    them, see `_with_positions`) logits [1, K, V/tp] at those positions alone; with mb["output_weights"]
+    (`_with_fused_output`) the output layer's input instead of its logits, [b, s, h] or [1, K, h]. A packed row ([1, S])
     reaches the model as THD with cu_seqlens under Transformer Engine; on megatron-core's local spec its
     cu_seqlens go where the attention mask would (SDPACoreAttention attends within each sequence) and RoPE
     positions restart per sequence. With mb["routes"] the MoE
     layers route to the rollout engine's experts (grpo_mega.models.routing_replay)."""
-    from grpo_mega.models.builder import set_output_positions
+    from grpo_mega.models.builder import set_output_hidden, set_output_positions
     from grpo_mega.models.routing_replay import set_routes
 
     gpt = _unwrap(model)
     set_output_positions(gpt, mb.get("out_positions"))
+    set_output_hidden(gpt, "output_weights" in mb)
     set_routes(gpt, mb.get("routes"), gpt.config.sequence_parallel)  # the engine's experts (routing replay)
     try:
         return _forward_rows(model, gpt, mb)
     finally:
         set_output_positions(gpt, None)
+        set_output_hidden(gpt, False)
         set_routes(gpt, None)
 
 
@@ -253,7 +257,8 @@ def _lockstep_forward(model, ref_gpt, mb: dict) -> tuple[torch.Tensor, Optional[
     rows first, then the reference's. The schedule has handed the received tensor to the actor
     (set_input_tensor); it is split here, the reference's half detached, so its gradient is zero and the
     backward pass stops there. Returns (actor logits [b, s, V/tp], reference logits [b, s, V/tp]) on the last
-    stage, else (the [s, 2b, h] tensor to send on, None)."""
+    stage (with the fused output layer both models' output-layer inputs, [b, s, h]), else (the [s, 2b, h]
+    tensor to send on, None)."""
     ps = _ps()
     b = mb["tokens"].shape[0]
     gpt = _unwrap(model)
@@ -275,21 +280,55 @@ def _token_stats(logits: torch.Tensor, mb: dict, model_cfg: ModelConfig, batch: 
     layout, from vocab-parallel logits (a packed row's per-token results gathered back through
     `unpack_index`; with mb["out_positions"], logits [1, K, V/tp] at those positions, placed back through
     `out_mask`: 0 at every other position, as the loss masks them anyway). `ref_logits` (the reference's, for the full KL) are given up: the backward pass writes
-    the gradient of `logits` into their memory."""
+    the gradient of `logits` into their memory. With mb["output_weights"] (`_with_fused_output`), `logits` and
+    `ref_logits` are the output layer's inputs [..., h] and the fused op makes the logits chunk by chunk."""
     labels = mb["labels"]
     if "out_positions" in mb:  # logits [1, K, V/tp] at the loss's positions only
         seq, row = mb["out_positions"]
         labels = labels[row, seq].unsqueeze(0)
-    logp, entropy, kl = vocab_parallel_stats(
-        logits, labels, _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
-        temperature=temperature, vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
-        donate_ref_logits=ref_logits is not None and logits.requires_grad,
-    )
+    if "output_weights" in mb:
+        logp, entropy, kl = _fused_token_stats(logits, labels, mb["output_weights"], model_cfg, batch, temperature,
+                                               ref_logits)
+    else:
+        logp, entropy, kl = vocab_parallel_stats(
+            logits, labels, _ps().get_tensor_model_parallel_group(), ref_logits=ref_logits,
+            temperature=temperature, vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
+            donate_ref_logits=ref_logits is not None and logits.requires_grad,
+        )
     if "out_positions" in mb:
         place = partial(_place, mb["out_mask"])
     else:
         place = partial(unpack, mb)
     return place(logp), place(entropy), (place(kl) if kl is not None else None)
+
+
+# ---- the fused output layer (batch.fused_output; grpo_mega/parallel/fused_output.py) -----------------------
+
+
+def _with_fused_output(mb: dict, batch: BatchConfig, model, ref_gpt=None) -> dict:
+    """With batch.fused_output: the micro-batch carries mb["output_weights"], (this stage's output weight, the
+    reference's or None; None off the last stage): `_forward` then has the models return the output layer's
+    input instead of logits, and `_token_stats` runs the fused op with these weights."""
+    if not batch.fused_output:
+        return mb
+    from grpo_mega.models.builder import output_weight
+
+    ref = output_weight(ref_gpt) if ref_gpt is not None else None
+    return {**mb, "output_weights": (output_weight(_unwrap(model)), ref)}
+
+
+def _fused_token_stats(hidden: torch.Tensor, labels: torch.Tensor, weights: tuple, model_cfg: ModelConfig,
+                       batch: BatchConfig, temperature: float, ref_hidden: Optional[torch.Tensor]):
+    """`_token_stats`' vocab-parallel op, fused with the output layer: hidden (and ref_hidden) [..., h]."""
+    weight, ref_weight = weights
+    return fused_output_stats(
+        hidden, weight, labels, _ps().get_tensor_model_parallel_group(), ref_hidden=ref_hidden,
+        ref_weight=ref_weight if ref_hidden is not None else None, temperature=temperature,
+        vocab_size=model_cfg.vocab_size, chunk_size=batch.logprob_chunk_size,
+    )
+
+
+# -----------------------------------------------------------------------------------------------------------
 
 
 def _place(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -314,7 +353,7 @@ def forward_logprobs(module, model_cfg: ModelConfig, parallel: ParallelConfig, b
         return torch.zeros((), device=logits.device), {"logp": lp, "rows": mb["rows"]}
 
     def forward_step(data_iterator, model):
-        mb = _with_positions(_on_device(next(data_iterator)), batch)
+        mb = _with_fused_output(_with_positions(_on_device(next(data_iterator)), batch), batch, model)
         return _forward(model, mb), partial(loss_func, mb)
 
     with torch.no_grad():
@@ -482,7 +521,7 @@ class Actor:
               ref_logits: Optional[torch.Tensor], logits: torch.Tensor):
         """The micro-batch's scaled policy loss (`algo.policy_loss`, grpo_mega.algo.POLICY_LOSSES) and its
         metric sums. logits, ref_logits: [b, s, V/tp] (the reference's only with the full KL in the loss,
-        without grad)."""
+        without grad); with batch.fused_output the output layer's inputs [b, s, h] (`_with_fused_output`)."""
         logp, entropy, full_kl = _token_stats(logits, mb, self.model_cfg, self.batch, temperature, ref_logits)
         on_policy = "old_logp" not in mb
         if on_policy:  # the exactly on-policy step: the old logprobs are this forward's, detached (ratio 1)
@@ -547,6 +586,7 @@ class Actor:
 
         def forward_step(data_iterator, model):
             mb = _with_positions(_on_device(next(data_iterator)), self.batch)
+            mb = _with_fused_output(mb, self.batch, model, reference.built.gpt if reference is not None else None)
             if reference is None:
                 return _forward(model, mb), partial(self._loss, mb, normaliser.float(), scale, temperature, None)
             out, ref_logits = _lockstep_forward(model, reference.built.gpt, mb)

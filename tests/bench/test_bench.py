@@ -139,3 +139,21 @@ def test_bench_vs_trl_without_the_trl_environment_says_how_to_make_it(tmp_path):
            "--out", str(tmp_path / "x.json")]
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "make bench-trl" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bench_fused_output_writes_json(tmp_path):
+    """The fused output layer's bench at the tiny model's shapes: every configuration's peak and times, the
+    fused chunks' peak a few fp32 [chunk, V] (tests/test_plan.py holds it to the plan), and the update's
+    logprobs equal with the switch off and on."""
+    out = tmp_path / "fo.json"
+    cmd = [sys.executable, "-m", "bench.fused_output", "--model", "tiny", "--tokens", "512",
+           "--steps", "1", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    data = json.loads(out.read_text())
+    rows = {(r["impl"], r["full_kl"], r["chunk"]) for r in data["loss_side"]}
+    auto = data["shapes"]["auto_chunk"]
+    assert rows == {(i, kl, c) for kl in (False, True) for i, c in (("unfused", None), ("fused", auto), ("fused", 256))}
+    for r in data["loss_side"]:
+        assert r["peak_mib"] > 0 and r["seconds"] > 0 and r["cpu_seconds"] > 0
+    u = data["update"]
+    assert u["logprob_max_abs_diff"] <= 1e-6 and len(u["fused_seconds"]) == len(u["unfused_seconds"]) == 1

@@ -452,3 +452,77 @@ def test_moe_layers_count_router_and_this_ranks_experts():
     assert stage.expert == 48 * experts
     rows = planning.compare_with_meta(model, ParallelConfig(tp=2, ep=4, sequence_parallel=True), 16)
     assert rows[0]["planner_numel"] == rows[0]["meta_numel"] == stage.total
+
+
+# ---- the fused loss side, measured --------------------------------------------------------------------
+
+
+def _fused_peak(tokens, vocab, hidden, chunk, full_kl):
+    """The fused op's forward + backward in fp32 on the CPU (weight with a main_grad, as under megatron DDP): its
+    peak above the inputs from torch.profiler's memory events (tools/bench_fused_output.py's profiled_peak)."""
+    import torch
+
+    from grpo_mega.parallel.fused_output import fused_output_stats
+
+    spec = importlib.util.spec_from_file_location("bench_fused_output", REPO / "tools" / "bench_fused_output.py")
+    sys.path.insert(0, str(REPO / "tools"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
+    ref_h = torch.randn(tokens, hidden, generator=g)
+    w = torch.nn.Parameter(torch.randn(vocab, hidden, generator=g) * 0.1)
+    w.main_grad = torch.zeros(vocab, hidden)
+    ref_w = torch.randn(vocab, hidden, generator=g) * 0.1
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    up = torch.randn(3, tokens, generator=g)
+
+    def step():
+        lp, ent, kl = fused_output_stats(h, w, target, ref_hidden=ref_h if full_kl else None,
+                                         ref_weight=ref_w if full_kl else None, vocab_size=vocab, chunk_size=chunk)
+        (up[0] * lp + up[1] * ent + (up[2] * kl if full_kl else 0)).sum().backward()
+        h.grad = None
+
+    step()
+    return bench.profiled_peak(step)
+
+
+@pytest.mark.parametrize("tokens,chunk,full_kl", [(600, 128, False), (600, 128, True), (1200, 256, False),
+                                                   (100, 128, False)], ids=["chunks", "chunks-full-kl",
+                                                                            "more-tokens", "one-chunk"])
+def test_fused_loss_side_peak_is_what_the_plan_says(tokens, chunk, full_kl):
+    """planning.fused_loss_peak_bytes (fp32 weights: the CPU's case) against the fused op's measured peak: the
+    plan is never below it and at most 2% above (its per-token allowance, FUSED_TOKEN_BYTES, is rounded up from
+    the measured 43-48 bytes). The chunk's terms are exact: 8 bytes per element of [chunk, V] (z scaled in place
+    and its exponential, or in the backward log p and the gradient), 12 with the full KL, 4 more for one chunk
+    kept whole; the hidden-state gradient 4h per token. The unfused op over the same tokens keeps [T, V] tensors."""
+    vocab, hidden = 4096, 64
+    measured = _fused_peak(tokens, vocab, hidden, chunk, full_kl)
+    planned = planning.fused_loss_peak_bytes(tokens, vocab, hidden, min(chunk, tokens), 4, full_kl)
+    print(f"tokens {tokens} chunk {chunk} full_kl {full_kl}: measured {measured} B, planned {planned:.0f} B")
+    assert measured <= planned <= 1.02 * measured, (measured, planned)
+
+
+def test_fused_plan_chunk_and_size():
+    import torch  # noqa: F401 (fused_output imports it)
+
+    from grpo_mega.parallel import fused_output
+
+    assert planning.FUSED_CHUNK_BYTES == fused_output.CHUNK_BYTES
+    for v in (1, 4096, 49152, 151936 // 4, 10**9):
+        assert planning.fused_auto_chunk(v) == fused_output.auto_chunk_size(v)
+    # Qwen2.5-1.5B at TP1, 4 x 1024 tokens, bf16: the unfused loss side holds [4096, V] tensors, the fused one chunk
+    m = load_model_config("qwen2.5-1.5b")
+    unfused = planning.loss_buffer_bytes(m, 1024, 4, 1, False, None)
+    fused = planning.loss_buffer_bytes(m, 1024, 4, 1, False, None, fused=True)
+    chunk = planning.fused_auto_chunk(m.padded_vocab_size)
+    assert chunk == 441  # 256 MiB of fp32 [chunk, 151936]
+    hidden = (2 + 2) * m.hidden_size * 4096 + 2 * m.hidden_size * 4096 + 64 * 4096
+    wgrad = chunk * m.padded_vocab_size * 2 + m.padded_vocab_size * m.hidden_size * 2
+    assert fused == hidden + max(10 * chunk * m.padded_vocab_size, wgrad)
+    assert unfused > 10 * fused
+    p = planning.PlanInput(model=m, parallel=ParallelConfig(), world_size=1, micro_batch_size=4, seq_length=1024)
+    assert planning.plan(p).stages[0].gib["logits"] == pytest.approx(fused / planning.GIB)
+    off = planning.plan(planning.PlanInput(model=m, parallel=ParallelConfig(), world_size=1, micro_batch_size=4,
+                                           seq_length=1024, fused_output=False))
+    assert off.stages[0].gib["logits"] == pytest.approx(unfused / planning.GIB)
