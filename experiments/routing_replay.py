@@ -56,6 +56,27 @@ def _used_experts(gpt):
     return counts, handles
 
 
+def add_router_noise(engine, std: float, seed: int = 0) -> None:
+    """Every router of the engine's model picks the top-k of its logits plus Gaussian noise of this std, weighted
+    by the router's own probabilities of those experts (renormalised as the router does). The hooks go before the
+    engine's recording hook (prepend), which so records the noisy choice."""
+    import torch
+
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+
+    def hook(router, inputs, output):
+        logits, weights, _ = output
+        noisy = logits.float() + std * torch.randn(logits.shape, generator=gen, device=logits.device)
+        index = torch.topk(noisy, router.top_k, dim=-1).indices
+        top = torch.softmax(logits.float(), dim=-1).gather(1, index)  # the chosen experts' own weights
+        if router.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top.to(weights.dtype), index
+
+    for router in engine.routers:
+        router.register_forward_hook(hook, prepend=True)
+
+
 def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int = 2, n: int = 4,
             max_new: int = 12, seed: int = 0, update: bool = True, engine_dtype: str = "float32", pp: int = 1,
             tp: int = 1) -> dict:
@@ -90,7 +111,8 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
             if engine_dtype != "float32":
                 engine = EmbeddedEngine(engine.model, getattr(torch, engine_dtype))
             engine.enable_routing_record()
-            engine.router_noise = noise
+            if noise:
+                add_router_noise(engine, noise)
         sync_weights(actor.built.gpt, cfg, engine, version=1)
         g = torch.Generator().manual_seed(seed)
         prompt_ids = [torch.randint(3, cfg.vocab_size, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()

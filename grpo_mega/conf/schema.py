@@ -706,7 +706,7 @@ class RolloutConfig:
     """The SGLang engine's tensor-parallel size (its own; the trainer's parallel.tp need not match)."""
     gpu_memory_fraction: Optional[float] = None
     """SGLang's mem_fraction_static: the share of each GPU the colocated engine keeps (weights + KV cache);
-    null: SGLang's default. tools/plan.py counts it against the trainer's memory."""
+    null: SGLang's default. grpo-mega-plan counts it against the trainer's memory."""
     num_engines: int = 1
     """Rollout engines, on global ranks 0, W/k, 2W/k, ...: each samples a contiguous share of the prompts
     (the samples do not depend on k). On a cluster, one per node (with engine_tp = GPUs per node)."""
@@ -810,7 +810,7 @@ class CheckpointConfig:
     USR1, before a time limit or preemption, and requeues the job; the restart loses nothing)."""
     export_hf: bool = False
     """Also write the actor as an HF directory (`hf/`, loadable by transformers/SGLang) into every checkpoint.
-    Any checkpoint can be exported later: tools/convert_mcore_to_hf.py --ckpt DIR/step_XXXXXXXX."""
+    Any checkpoint can be exported later: grpo-mega-convert-to-hf --ckpt DIR/step_XXXXXXXX."""
     lock_stale_s: float = 300.0
     """The run holding `dir` heartbeats its lock from a thread every lock_stale_s / 10; a lock on another host
     without a heartbeat for this long is taken over (a holder on this host or in this Slurm job is checked

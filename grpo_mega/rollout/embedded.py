@@ -71,10 +71,6 @@ class EmbeddedEngine(RolloutEngine):
         if record_routing and not self.routers:
             raise ValueError(f"routing replay: the engine's model ({type(self.model).__name__}) has no MoE router")
         self.record_routing = record_routing
-        self.router_noise = 0.0
-        """Test hook (tools/routing_replay.py): Gaussian noise of this std added to every router's logits for its
-        top-k choice, a stand-in for the kernel and precision differences that make engines route differently."""
-        self._noise_gen = torch.Generator(device=device).manual_seed(0)
         self._routes: list = []  # per forward call: [M] of [b, s, k]
         for r in self.routers:
             r.register_forward_hook(self._router_hook)
@@ -118,23 +114,10 @@ class EmbeddedEngine(RolloutEngine):
         self.record_routing = True
 
     def _router_hook(self, router, inputs, output):
-        """Records the layer's top-k ([tokens, k]); with router_noise, picks the top-k of noisy logits instead,
-        weighted by the router's own probabilities of those experts (renormalised as the router does)."""
-        if not (self.record_routing or self.router_noise):
-            return None
-        logits, weights, index = output
-        if self.router_noise:
-            noisy = logits.float() + self.router_noise * torch.randn(logits.shape, generator=self._noise_gen,
-                                                                     device=logits.device)
-            index = torch.topk(noisy, router.top_k, dim=-1).indices
-            top = torch.softmax(logits.float(), dim=-1).gather(1, index)  # the chosen experts' own weights
-            if router.norm_topk_prob:
-                top = top / top.sum(-1, keepdim=True)
-            weights = top.to(weights.dtype)
-            output = (logits, weights, index)
+        """Records the layer's top-k ([tokens, k]) as the router chose it (after any hook registered before this
+        one, with prepend=True, changed the choice)."""
         if self.record_routing:
-            self._routes.append(index.detach().to(torch.int16))  # on the model's device until generate() ends
-        return output if self.router_noise else None
+            self._routes.append(output[2].detach().to(torch.int16))  # on the model's device until generate() ends
 
     # ---- generation -------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ layout on resume), every rank's RNG states, and the loop's own state (step, weig
 resolved config), sealed by the CheckpointStore so that only complete checkpoints are ever loaded.
 
 Layout of `step_XXXXXXXX/`: `model/` (the distributed checkpoint, with grpo_mega.json so that
-tools/convert_mcore_to_hf.py can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
+grpo-mega-convert-to-hf can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
 `checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang),
 `rollout_routes.safetensors` when an in-flight batch carries routed experts (algo.routing_replay=rollout or measure;
 `save_routes`), and the store's manifest.json over all of them.

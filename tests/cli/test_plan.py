@@ -459,7 +459,7 @@ def test_moe_layers_count_router_and_this_ranks_experts():
 
 def _fused_peak(tokens, vocab, hidden, chunk, full_kl):
     """The fused op's forward + backward in fp32 on the CPU (weight with a main_grad, as under megatron DDP): its
-    peak above the inputs from torch.profiler's memory events (tools/bench_fused_output.py's profiled_peak)."""
+    peak above the inputs from torch.profiler's memory events (bench/fused_output.py's profiled_peak)."""
     import torch
 
     from grpo_mega.parallel.fused_output import fused_output_stats
