@@ -3,7 +3,8 @@
     python -m bench.response_only [--model smollm2-135m] [--groups 2] [--n 4] [--prompt-len 64]
         [--response-len 64] [--steps 3] [--warmup 1] [--threads 2] [--out bench_results/response_only.json]
 
-One process, TP1, fp32, random weights, packed rows (`--micro-batch` sequences per row). One actor; its
+With batch.fused_output=false: the fused output layer (the default) never makes the logits whole, so this
+measures the switch where it changes memory. One process, TP1, fp32, random weights, packed rows (`--micro-batch` sequences per row). One actor; its
 update (grpo_mega.trainer.actor.Actor.update on one mini-batch: forward, the GRPO loss with the k3 KL and an
 entropy bonus, backward, optimizer step) and its logprob pass (Actor.logprobs) are timed with the switch off
 and on, alternated step by step so that load from other processes falls on both alike; the median of
@@ -38,7 +39,8 @@ def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, mic
     init_distributed(tp=1, pp=1, seed=1234)
     cfg = load_model_config(model)
     batch = BatchConfig(train_batch_size=groups, ppo_mini_batch_size=groups, micro_batch_size=micro,
-                        max_prompt_length=prompt_len, max_response_length=response_len)
+                        max_prompt_length=prompt_len, max_response_length=response_len,
+                        fused_output=False)  # the switch's effect on the output layer's whole logits
     actor = Actor(cfg, ParallelConfig(), precision=PrecisionConfig(params_dtype="fp32"),
                   optim=OptimConfig(lr=0.0, weight_decay=0.0, clip_grad=1.0),  # weights stay put
                   algo_cfg=AlgoConfig(kl_coef=0.01, kl_estimator="k3", entropy_coef=0.01, loss_agg_mode="token-mean"),

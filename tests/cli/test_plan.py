@@ -464,10 +464,7 @@ def _fused_peak(tokens, vocab, hidden, chunk, full_kl):
 
     from grpo_mega.parallel.fused_output import fused_output_stats
 
-    spec = importlib.util.spec_from_file_location("bench_fused_output", REPO / "tools" / "bench_fused_output.py")
-    sys.path.insert(0, str(REPO / "tools"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import fused_output as bench
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
     ref_h = torch.randn(tokens, hidden, generator=g)
