@@ -26,7 +26,7 @@ def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, s
         "qwen2": lambda: (Qwen2Config(**kw), Qwen2ForCausalLM),
         "qwen3": lambda: (Qwen3Config(head_dim=32, **kw), Qwen3ForCausalLM),
         # 8 experts, top-2, renormalised top-k (as Qwen3-30B-A3B), layer 2 dense: both MLP kinds
-        "qwen3_moe": lambda: (Qwen3MoeConfig(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        "qwen3_moe": lambda: (Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                              norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers), **kw), Qwen3MoeForCausalLM),
     }[family]()
     torch.manual_seed(seed)
