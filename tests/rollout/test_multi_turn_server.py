@@ -87,6 +87,7 @@ def _args(out, url, *extra):
             "rollout.multi_turn.enable=true", "rollout.multi_turn.parser=bare",
             "rollout.multi_turn.call_stop=['<tool_call>']", "rollout.multi_turn.max_turns=3",
             "rollout.multi_turn.tools=['tests.rollout.test_multi_turn_server:LoggedCalculator']",
+            f"rollout.multi_turn.tool_env=[{TOOL_LOG}]",  # tool workers start with a scrubbed environment
             "batch.max_response_length=12", "batch.train_batch_size=8", "batch.ppo_mini_batch_size=8", *extra]
 
 
