@@ -4,7 +4,6 @@ builds one: the toy successor task (make demo) or prompt files in verl's schema 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -83,7 +82,7 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
                     stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state,
                     tools_kwargs=getattr(t, "tools_kwargs", None))
-    from grpo_mega.data.dataset import PromptStream, load_prompts, tools_kwargs_lookup
+    from grpo_mega.data.dataset import PromptFile, PromptStream, ToolsKwargs, load_prompts
     from grpo_mega.rewards.scoring import PromptReward
 
     tools = None
@@ -91,23 +90,29 @@ def build_task(cfg: TrainConfig, tok) -> Task:
         from grpo_mega.toolcalls import build_tools
 
         tools = {name: t.schema() for name, t in build_tools(cfg.rollout.multi_turn.tools).items()}
-    train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length, tools)
+    cache = cfg.data.cache_dir or None
+    train = PromptFile(cfg.data.train_files, tok, batch.max_prompt_length, tools, cache)  # indexed, read when drawn
+    checked, _, dropped = train.check_head()
     if cfg.data.val_files:
-        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length, tools)[0]
+        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length, tools, cache)[0]
     else:  # a bounded, fixed sample of the training prompts, in file order (all of them when few)
-        keep = sorted(random.Random(seed).sample(range(len(train)), min(cfg.eval.max_prompts, len(train))))
-        val = [train[i] for i in keep]
-    if dropped:
+        val = train.sample(cfg.eval.max_prompts, seed)
+    if checked < len(train):
+        print(f"{cfg.data.train_files}: {len(train)} rows, the first {checked} checked now, the others when drawn")
+    elif dropped:
         print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
-    stream = PromptStream(train, seed)
+    lookup = None
+    if tools is not None:  # the multi-turn engine finds a prompt's tools_kwargs by its ids
+        lookup = ToolsKwargs(cfg.data.train_files)
+        for e in val:
+            lookup.add(e, pin=True)
+    stream = PromptStream(train, seed, on_draw=lookup.add if lookup is not None else None)
     kwargs = {k: getattr(rew, k) for k in ("weights", "path") if getattr(rew, k)}
     if rew.name == "reward_model":
         reward = _reward_model(rew, tok, None)
     else:
         reward = PromptReward(tok, rew.name, kwargs, on_error=rew.on_error, num_workers=rew.num_workers,
                               timeout_s=rew.timeout_s, start_method=rew.start_method, max_memory_mb=rew.max_memory_mb)
-
-    lookup = tools_kwargs_lookup(train + val, cfg.data.train_files) if tools is not None else None
     return Task(train_batch=stream.next_batch, validation=lambda: val, reward=reward,
                 stop_token_ids=[tok.eos_token_id], get_state=stream.get_state, set_state=stream.set_state,
                 save_files=getattr(reward, "save_files", None), load_files=getattr(reward, "load_files", None),
