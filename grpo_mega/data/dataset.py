@@ -33,7 +33,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 
 HEAD_ROWS = 1024
 """Rows checked (and tokenised) at start-up; the rest when drawn."""
-_SCAN_BYTES = 16 << 20
+_SCAN_BYTES = 4 << 20
+"""The read size of the scans (newlines, the content hash): what start-up holds beyond the index."""
+_ARROW_BATCH_ROWS = 1 << 16
+"""Rows per record batch of a parquet file's Arrow copy (a row group is read in batches of at most this many)."""
 
 
 class DataError(ValueError):
@@ -55,6 +58,7 @@ class PromptExample:
     data_source: str = ""
     extra_info: dict = field(default_factory=dict)
     index: int = 0
+    """The row's number in its file, from 0 (a .jsonl's row i is its line i + 1)."""
 
 
 class _JsonlRows:
@@ -63,15 +67,30 @@ class _JsonlRows:
 
     def __init__(self, path: Path):
         self.path = path
-        size = path.stat().st_size
         parts, base = [np.zeros(1, dtype=np.int64)], 0
-        with open(path, "rb") as f:
-            while chunk := f.read(_SCAN_BYTES):
-                parts.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10).astype(np.int64) + (base + 1))
-                base += len(chunk)
+        buf = bytearray(_SCAN_BYTES)
+        with open(path, "rb", buffering=0) as f:
+            while got := f.readinto(buf):
+                chunk = np.frombuffer(buf, dtype=np.uint8, count=got)
+                parts.append(np.flatnonzero(chunk == 10).astype(np.int64) + (base + 1))
+                base += got
         starts = np.concatenate(parts)
-        self.starts = starts if starts[-1] == size else np.append(starts, size)
+        self.starts = starts if starts[-1] == base else np.append(starts, base)  # a last line without a newline
         self.fd = os.open(path, os.O_RDONLY)
+        self.indexed = self._stamp()
+
+    def _stamp(self) -> tuple[int, int]:
+        st = os.fstat(self.fd)
+        return st.st_size, st.st_mtime_ns
+
+    def _error(self, i: int, what: str) -> DataError:
+        """A malformed line i + 1; or, when the file was written to since it was indexed, that (the index no
+        longer finds its lines)."""
+        if self._stamp() != self.indexed:
+            return DataError(f"{self.path}:{i + 1}: the file was changed after it was indexed at start-up (its size "
+                             f"or time differs); leave the training file alone while a run reads it, or write a new "
+                             f"file and restart the run with it")
+        return DataError(f"{self.path}:{i + 1}: {what}")
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -87,21 +106,26 @@ class _JsonlRows:
         try:
             line = raw.decode("utf-8-sig" if i == 0 else "utf-8")  # a BOM only starts a file
         except UnicodeDecodeError as e:
-            raise DataError(f"{self.path}:{i + 1}: not UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of "
-                            f"the line); save the file as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+            raise self._error(i, f"not UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line); save the "
+                                 f"file as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
         if not line.strip():
             return None
         try:
             return json.loads(line)
         except (ValueError, RecursionError) as e:
-            raise DataError(f"{self.path}:{i + 1}: not valid JSON ({getattr(e, 'msg', e)}); expected one JSON object "
-                            f"per line") from None
+            raise self._error(i, f"not valid JSON ({getattr(e, 'msg', e)}); expected one JSON object per "
+                                 f"line") from None
 
     def __getstate__(self):  # a worker process opens its own descriptor
         return {k: v for k, v in self.__dict__.items() if k != "fd"}
 
     def __setstate__(self, state):
         self.__dict__.update(state, fd=os.open(state["path"], os.O_RDONLY))
+
+    def __del__(self):
+        fd = self.__dict__.pop("fd", None)
+        if fd is not None:
+            os.close(fd)
 
 
 def default_cache_dir() -> Path:
@@ -112,16 +136,19 @@ def default_cache_dir() -> Path:
 def file_hash(path: Path) -> str:
     """blake2b of the file's bytes, 32 hex digits."""
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(_SCAN_BYTES):
-            h.update(chunk)
+    buf = bytearray(_SCAN_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buf):
+            h.update(view[:got])
     return h.hexdigest()
 
 
 class _ParquetRows:
     """A .parquet file's rows by number, from its copy in Arrow's IPC format (uncompressed, memory-mapped: a row
     costs the pages it touches, shared by every rank of the node). The copy is written once per file content in
-    `cache_dir`, a row group at a time, under a lock that the node's other ranks wait on."""
+    `cache_dir` (named by the content hash, so an edited file gets a new copy), row group by row group in batches
+    of at most _ARROW_BATCH_ROWS rows, under a lock that the node's other ranks wait on; they then map the copy."""
 
     def __init__(self, path: Path, cache_dir: Optional[Path] = None):
         try:
@@ -136,34 +163,77 @@ class _ParquetRows:
             raise DataError(f"{path}: not a readable parquet file ({e})") from None
         cache = Path(cache_dir) if cache_dir else default_cache_dir()
         self.arrow = cache / f"{path.stem}-{file_hash(path)}.arrow"
+        self.wrote = False  # whether this process wrote the copy
         if not self.arrow.is_file():
             self._convert(cache)
-        self.reader = pa.ipc.open_file(pa.memory_map(str(self.arrow)))
-        rows = [self.reader.get_batch(b).num_rows for b in range(self.reader.num_record_batches)]
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(self.arrow)))
+            self.batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]  # views of the map
+            rows = [b.num_rows for b in self.batches]
+        except Exception as e:  # noqa: BLE001 - a damaged copy: say which file to delete
+            raise DataError(f"{self.arrow}: the Arrow copy of {path} cannot be read ({e}); delete it and start again "
+                            f"(it is written anew)") from None
         self.starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
 
     def _convert(self, cache: Path) -> None:
         import fcntl
 
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        cache.mkdir(parents=True, exist_ok=True)
-        with open(self.arrow.with_suffix(".lock"), "w") as lock:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            lock = open(self.arrow.with_suffix(".lock"), "w")
+        except OSError as e:
+            raise DataError(f"data.cache_dir: cannot write the Arrow copy of {self.path} in {cache} ({e}); set "
+                            f"data.cache_dir to a writable directory") from None
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other ranks wait here, then find the copy made
             if self.arrow.is_file():
                 return
+            for stale in cache.glob(f".{self.arrow.name}.*"):  # a writer that died (its lock went with it)
+                stale.unlink(missing_ok=True)
             tmp = self.arrow.with_name(f".{self.arrow.name}.{os.getpid()}")
             try:
-                pf = pq.ParquetFile(self.path)
-                schema = _plain_schema(pf.schema_arrow)
-                with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                    for g in range(pf.num_row_groups):
-                        writer.write_table(pf.read_row_group(g).cast(schema))
+                self._write(tmp)
                 os.replace(tmp, self.arrow)
-            except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            finally:
                 tmp.unlink(missing_ok=True)
-                raise DataError(f"{self.path}: not a readable parquet file ({e})") from None
+            self.wrote = True
+
+    def _write(self, tmp: Path) -> None:
+        """The Arrow copy into `tmp`: a DataError naming the parquet file for what cannot be read from it, naming
+        `tmp` for what cannot be written."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(self.path)
+            schema = _plain_schema(pf.schema_arrow)
+            batches = pf.iter_batches(batch_size=_ARROW_BATCH_ROWS)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise DataError(f"{self.path}: not a readable parquet file ({e})") from None
+        sink = None
+        try:
+            sink = pa.OSFile(str(tmp), "wb")
+            writer = pa.ipc.new_file(sink, schema)
+        except Exception as e:  # noqa: BLE001
+            if sink is not None:
+                sink.close()
+            raise DataError(f"data.cache_dir: cannot write {tmp} ({e}); set data.cache_dir to a writable directory "
+                            f"with room for an uncompressed copy of {self.path}") from None
+        with sink, writer:
+            while True:
+                try:
+                    batch = next(batches, None)
+                    if batch is None:
+                        break
+                    batch = pa.Table.from_batches([batch]).cast(schema)
+                except Exception as e:  # noqa: BLE001
+                    raise DataError(f"{self.path}: not a readable parquet file ({e})") from None
+                try:
+                    writer.write_table(batch)
+                except Exception as e:  # noqa: BLE001 - a full disk, most likely
+                    raise DataError(f"data.cache_dir: cannot write {tmp} ({e}); free space there or set "
+                                    f"data.cache_dir to a directory with room for an uncompressed copy of "
+                                    f"{self.path}") from None
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -175,7 +245,7 @@ class _ParquetRows:
     def row(self, i: int) -> Any:
         b = int(np.searchsorted(self.starts, i, side="right")) - 1
         try:
-            return self.reader.get_batch(b).slice(i - int(self.starts[b]), 1).to_pylist()[0]
+            return self.batches[b].slice(i - int(self.starts[b]), 1).to_pylist()[0]
         except UnicodeDecodeError as e:
             raise DataError(f"{self.path}:{i + 1}: a string column is not UTF-8 ({e.reason}); rewrite the file with "
                             f"its strings as UTF-8") from None
@@ -379,26 +449,43 @@ class PromptStream:
     """Shuffled batches of prompts, epoch after epoch, reproducible from a seed and a cursor: epoch e is one
     permutation of the source's rows (numpy's PCG64 seeded with (seed, e), made once per epoch: 4 bytes a row),
     the cursor counts the rows drawn, prompts skipped (too long, blank lines) included, so that a resume draws the
-    same prompts. `source`: a PromptFile, or a list of PromptExamples; `on_draw(example)` sees every prompt drawn."""
+    same prompts. `source`: a PromptFile, or a list of PromptExamples.
+    Its state (get_state, what a checkpoint keeps) is {"cursor": rows drawn, "rows": the source's row count}."""
 
-    def __init__(self, source, seed: int, on_draw: Optional[Callable[[PromptExample], None]] = None):
+    def __init__(self, source, seed: int):
         self.source = source if hasattr(source, "example") else _InMemory(source)
-        self.seed, self.cursor, self.on_draw = seed, 0, on_draw
+        self.seed, self.cursor = seed, 0
         self._epoch, self._perm = -1, None
         self.skipped_this_epoch = 0
+        self.permutations = 0  # made in this process (one per epoch drawn from)
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             n = len(self.source)
             perm = np.random.default_rng([self.seed % (1 << 63), epoch]).permutation(n)
             self._perm, self._epoch = perm.astype(np.int32 if n < (1 << 31) else np.int64), epoch
+            self.permutations += 1
         return self._perm
 
-    def get_state(self) -> int:
-        return self.cursor
+    def get_state(self) -> dict:
+        return {"cursor": self.cursor, "rows": len(self.source)}
 
-    def set_state(self, cursor: int) -> None:
-        self.cursor = int(cursor)
+    def set_state(self, state) -> None:
+        """A checkpoint's get_state(). The same file resumes exactly; a file with another row count since (or a
+        checkpoint from before the per-epoch permutation: a bare count of prompts drawn) resumes at the same count
+        of rows drawn, in another order, with a warning."""
+        rows = len(self.source)
+        if isinstance(state, dict):
+            self.cursor, saved = int(state["cursor"]), int(state.get("rows", rows))
+            if saved != rows:
+                log.warning("the training data has %d rows, the checkpoint's had %d: the run goes on after %d rows "
+                            "drawn, but not in the order it would have had", rows, saved, self.cursor)
+        else:
+            self.cursor = int(state)
+            log.warning("the checkpoint's data cursor (%d prompts drawn) is from before the per-epoch permutation of "
+                        "rows: the run goes on after as many rows, in another order than it would have had",
+                        self.cursor)
+        self.skipped_this_epoch = 0
 
     def next_batch(self, size: int) -> list[PromptExample]:
         out, n, misses = [], len(self.source), 0
@@ -416,8 +503,6 @@ class PromptStream:
             else:
                 misses = 0
                 out.append(example)
-                if self.on_draw is not None:
-                    self.on_draw(example)
             if self.cursor % n == 0 and self.skipped_this_epoch:
                 log.info("epoch %d: %d of %d rows skipped (prompts longer than batch.max_prompt_length, blank lines; "
                          "counted since this process started the epoch)", epoch, self.skipped_this_epoch, n)
