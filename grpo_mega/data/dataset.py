@@ -196,6 +196,9 @@ class _ParquetRows:
                 os.replace(tmp, self.arrow)
             finally:
                 tmp.unlink(missing_ok=True)
+                import pyarrow as pa
+
+                pa.default_memory_pool().release_unused()  # the row groups' buffers, kept by the pool otherwise
             self.wrote = True
 
     def _write(self, tmp: Path) -> None:
@@ -349,6 +352,26 @@ class PromptFile:
     def example(self, i: int) -> Optional[PromptExample]:
         """Row i as a PromptExample; None for a blank line or a prompt longer than max_prompt_length (counted in
         `too_long`). A DataError naming the file and line for a malformed row."""
+        return self.examples([i])[0]
+
+    def examples(self, rows: Sequence[int]) -> list[Optional[PromptExample]]:
+        """example(i) for each of `rows`, in order (a malformed row raises when its turn comes, before any row after
+        it is read); the prompts rendered and tokenised in one call of the tokenizer where the rows offer no tools."""
+        todo = [self._rendered(i) for i in rows]  # (i, row, msgs, truth, kw) or None
+        ids = {}
+        batch = [t for t in todo if t is not None and not t[4]]
+        if len(batch) > 1:
+            try:
+                out = self.tokenizer.apply_chat_template([t[2] for t in batch], add_generation_prompt=True, tokenize=True)
+                out = out["input_ids"] if hasattr(out, "keys") else out
+                ids = {t[0]: out[k] for k, t in enumerate(batch)}
+            except Exception:  # noqa: BLE001 - template errors come in many types: found row by row below
+                ids = {}
+        return [None if t is None else self._example(t, ids.get(t[0])) for t in todo]
+
+    def _rendered(self, i: int):
+        """Row i read and checked: None (a blank line, or more text than max_prompt_length tokens can spell: not
+        tokenised), else (i, row, messages, ground truth, the template's keyword arguments)."""
         row = self.rows.row(i)
         if row is None:
             return None
@@ -358,17 +381,26 @@ class PromptFile:
         if self.tools is not None:
             kw = {"tools": row_tools(row, where, self.tools)[0]}
         limit, per_token = self.max_prompt_length, self.per_token
-        try:
-            if per_token and sum(len(m["content"]) for m in msgs) > per_token * limit and len(
-                    self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
-            ) > per_token * limit:  # (rendered: a template may leave a message out)
-                return self._too_long(where, None)  # more text than max_prompt_length tokens can spell: not tokenised
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
-        except Exception as e:  # noqa: BLE001 - template errors come in many types
-            raise DataError(f"{where}: the tokenizer's chat template failed on this prompt ({e})") from None
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        if len(ids) > limit:
+        if per_token and sum(len(m["content"]) for m in msgs) > per_token * limit:
+            try:
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
+            except Exception as e:  # noqa: BLE001 - template errors come in many types
+                raise DataError(f"{where}: the tokenizer's chat template failed on this prompt ({e})") from None
+            if len(text) > per_token * limit:  # (rendered: a template may leave a message out)
+                return self._too_long(where, None)  # more text than max_prompt_length tokens can spell
+        return i, row, msgs, truth, kw
+
+    def _example(self, todo, ids) -> Optional[PromptExample]:
+        i, row, msgs, truth, kw = todo
+        where = f"{self.path}:{i + 1}"
+        if ids is None:
+            try:
+                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
+            except Exception as e:  # noqa: BLE001 - template errors come in many types
+                raise DataError(f"{where}: the tokenizer's chat template failed on this prompt ({e})") from None
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        if len(ids) > self.max_prompt_length:
             return self._too_long(where, len(ids))
         return PromptExample(prompt_ids=list(ids), ground_truth=truth, data_source=str(row.get("data_source", "")),
                              extra_info=dict(row.get("extra_info") or {}), index=i)
@@ -386,7 +418,7 @@ class PromptFile:
         malformed one; when they are the whole file, also for a file without prompts or without one that fits."""
         n = min(rows, len(self))
         before = self.too_long
-        fit = sum(self.example(i) is not None for i in range(n))
+        fit = sum(e is not None for start in range(0, n, 512) for e in self.examples(range(start, min(n, start + 512))))
         dropped = self.too_long - before
         if n == len(self):
             if fit + dropped == 0:
@@ -405,13 +437,11 @@ class PromptFile:
         data.val_files), in file order; all of them when the file has no more."""
         n = len(self)
         candidates = random.Random(seed).sample(range(n), min(n, max(4 * k, HEAD_ROWS)))
-        out = []
-        for i in candidates:
-            e = self.example(i)
-            if e is not None:
-                out.append(e)
-                if len(out) == k:
-                    break
+        out, at = [], 0
+        while len(out) < k and at < len(candidates):  # the first k that fit, read k - len(out) at a time
+            chunk = candidates[at:at + k - len(out)]
+            at += len(chunk)
+            out += [e for e in self.examples(chunk) if e is not None]
         return sorted(out, key=lambda e: e.index)
 
 
@@ -433,13 +463,13 @@ class _InMemory:
     """A list of PromptExamples as a PromptStream's source."""
 
     def __init__(self, examples: Sequence[PromptExample]):
-        self.examples = examples
+        self.items = examples
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.items)
 
-    def example(self, i: int) -> PromptExample:
-        return self.examples[i]
+    def examples(self, rows: Sequence[int]) -> list[PromptExample]:
+        return [self.items[i] for i in rows]
 
     def nothing_fits(self) -> DataError:
         return DataError("no prompts")
@@ -453,7 +483,7 @@ class PromptStream:
     Its state (get_state, what a checkpoint keeps) is {"cursor": rows drawn, "rows": the source's row count}."""
 
     def __init__(self, source, seed: int):
-        self.source = source if hasattr(source, "example") else _InMemory(source)
+        self.source = source if hasattr(source, "examples") else _InMemory(source)
         self.seed, self.cursor = seed, 0
         self._epoch, self._perm = -1, None
         self.skipped_this_epoch = 0
@@ -491,20 +521,24 @@ class PromptStream:
         out, n, misses = [], len(self.source), 0
         if n == 0:
             raise self.source.nothing_fits()
-        while len(out) < size:
-            epoch, pos = divmod(self.cursor, n)
-            example = self.source.example(int(self._order(epoch)[pos]))
-            self.cursor += 1
-            if example is None:
-                misses += 1
-                self.skipped_this_epoch += 1
-                if misses >= n:  # a whole epoch's worth of rows in a row, none usable
-                    raise self.source.nothing_fits()
-            else:
-                misses = 0
-                out.append(example)
-            if self.cursor % n == 0 and self.skipped_this_epoch:
-                log.info("epoch %d: %d of %d rows skipped (prompts longer than batch.max_prompt_length, blank lines; "
-                         "counted since this process started the epoch)", epoch, self.skipped_this_epoch, n)
-                self.skipped_this_epoch = 0
+        while len(out) < size:  # the rows still needed, read and tokenised together; again for those skipped
+            rows = []
+            for k in range(size - len(out)):
+                epoch, pos = divmod(self.cursor + k, n)
+                rows.append(int(self._order(epoch)[pos]))
+            for example in self.source.examples(rows):
+                epoch = self.cursor // n
+                self.cursor += 1
+                if example is None:
+                    misses += 1
+                    self.skipped_this_epoch += 1
+                    if misses >= n:  # a whole epoch's worth of rows in a row, none usable
+                        raise self.source.nothing_fits()
+                else:
+                    misses = 0
+                    out.append(example)
+                if self.cursor % n == 0 and self.skipped_this_epoch:
+                    log.info("epoch %d: %d of %d rows skipped (prompts longer than batch.max_prompt_length, blank "
+                             "lines; counted since this process started the epoch)", epoch, self.skipped_this_epoch, n)
+                    self.skipped_this_epoch = 0
         return out

@@ -44,9 +44,15 @@ def _jsonl(path: Path, n: int, bad: dict[int, str] | None = None) -> Path:
 
 
 def _counting(tok, monkeypatch) -> list:
+    """Every prompt the chat template renders (tokenize: True or False), one entry per conversation."""
     calls = []
     real = tok.apply_chat_template
-    monkeypatch.setattr(tok, "apply_chat_template", lambda m, **kw: calls.append(kw["tokenize"]) or real(m, **kw))
+
+    def counted(m, **kw):
+        calls.extend([kw["tokenize"]] * (len(m) if isinstance(m[0], list) else 1))
+        return real(m, **kw)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
     return calls
 
 
@@ -261,3 +267,38 @@ def test_a_jsonl_edited_while_the_run_reads_it_is_named_as_such(tmp_path, tok):
     stream = PromptStream(f, seed=0)
     with pytest.raises(DataError, match=r"d\.jsonl:\d+: the file was changed after it was indexed at start-up"):
         stream.next_batch(2000)
+
+
+def test_a_batch_tokenised_together_equals_transformers_row_by_row(tmp_path):
+    """The rows of a draw go through the chat template in one call; each one's ids are what transformers'
+    apply_chat_template gives that row alone (SmolLM2's tokenizer and template; contents of every length, with
+    special-token text and non-ASCII)."""
+    from transformers import AutoTokenizer
+
+    from tests.models.hf_fixtures import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    contents = ["What is 2+2?", "", " leading space", "<|im_end|> not an end", "naïve café 日本語 🙂",
+                "x" * 300, "a\nb\n\nc", "<|im_start|>assistant\nhi"]
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": c}],
+             "reward_model": {"ground_truth": str(i)}} for i, c in enumerate(contents)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    f = PromptFile(str(path), tok, 4096)
+    got = f.examples(range(len(rows)))
+    for r, e in zip(rows, got):
+        want = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        assert e.prompt_ids == list(want)
+    assert [e.prompt_ids for e in got] == [f.example(i).prompt_ids for i in range(len(rows))]
+
+
+def test_a_template_failure_in_a_batch_names_its_row(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m['role'] == 'bad' %}"
+                        "{{ raise_exception('no bad roles') }}{% endif %}{{ m['content'] }}{% endfor %}>")
+    path = _jsonl(tmp_path / "d.jsonl", 6, bad={4: json.dumps({"prompt": [{"role": "bad", "content": "1"}],
+                                                               "reward_model": {"ground_truth": "2"}}) + "\n"})
+    f = PromptFile(str(path), tok, 16)
+    assert [e.index for e in f.examples([0, 1])] == [0, 1]
+    with pytest.raises(DataError, match=r"d\.jsonl:4: the tokenizer's chat template failed on this prompt \(no bad roles"):
+        f.examples(range(6))
