@@ -8,14 +8,15 @@ malformed row (bytes that are not UTF-8, a wrong-typed column, a null ground tru
 file, the line and what to do.
 
 Nothing is read whole and nothing is tokenised ahead (`PromptFile`): at start-up a .jsonl is indexed by the byte
-offset of each line (one scan for newlines, 8 bytes a row), and a .parquet is copied once, row group by row group,
+offset of each line (one scan for newlines, 8 bytes a row; a file edited after that is named as such when a row
+no longer parses), and a .parquet is copied once, row group by row group in batches of at most _ARROW_BATCH_ROWS,
 into Arrow's IPC format in a cache directory (keyed by the file's content hash; several ranks of a node wait on
 one lock and the first one writes it) and memory-mapped (its index is its batches' row counts). A row is read,
-checked, rendered and tokenised when it is drawn; `PromptStream` draws from one seeded permutation per epoch. So
-start-up is a scan, memory is the index and one epoch's permutation whatever the row count, and a 512-prompt
-batch costs 512 rows (bench/data.py). The first HEAD_ROWS rows are checked at start-up (a wrong schema, or every
-prompt of a small file too long, stops the run before any model is built); a malformed row further on stops the
-run when it is drawn, with the same error.
+checked, rendered and tokenised when it is drawn (a draw's rows through the chat template in one call);
+`PromptStream` draws from one seeded permutation per epoch. So start-up is a scan, memory is the index and one
+epoch's permutation whatever the row count, and a 512-prompt batch costs 512 rows (bench/data.py). The first
+HEAD_ROWS rows are checked at start-up (a wrong schema, or every prompt of a small file too long, stops the run
+before any model is built); a malformed row further on stops the run when it is drawn, with the same error.
 
 Multi-turn rows (rollout.multi_turn, verl's fields): `extra_info.tools_kwargs` ({tool name: {"create_kwargs":
 {...}, "execute_kwargs": {...}}}) names the tools the row offers (their schemas go to the chat template's
