@@ -163,6 +163,7 @@ SUPPLEMENTS = {
     "moe_demo.json": "the MoE demo runs, by hand",
     "tool_task_lookup_attempts.json": "tool_task's earlier attempts, by hand",
     "tool_task_tens.json": "tool_task on task=tens_tool",
+    "data_10m.json": "bench.data on 10M jsonl rows",
 }
 
 
