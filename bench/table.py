@@ -88,6 +88,17 @@ def _fuzz(d):
             + ("healthy, weights unchanged after" if ok else "SERVER CHANGED"))
 
 
+def _data(d):
+    at = {(r["format"], r["rows"], r["run"]): r for r in d["results"]}
+    n = max(rows for fmt, rows, run in at if fmt == "jsonl")
+    j, batch = at[("jsonl", n, "first")], d["settings"]["batch"]
+    out = (f"{n:,} jsonl rows: start-up {j['startup_s']:.1f} s, +{j['startup_anon_growth_mib']:.0f} MiB own RSS (index "
+           f"{j['index_bytes'] / 2**20:.1f} MiB), a {batch}-prompt batch {j['batch_s']:.2f} s")
+    p = at.get(("parquet", n, "cached"))
+    return out + (f"; parquet: {at[('parquet', n, 'first')]['startup_s']:.1f} s with its Arrow copy written, "
+                  f"{p['startup_s']:.1f} s cached" if p else "")
+
+
 ROWS = [
     Row("packed vs padded micro-batches", "packing.json", "python -m bench.packing",
         lambda d: f"{_x(d['speedup'])} faster ({d['padded']['seconds']['total']:.1f} s -> "
@@ -138,6 +149,7 @@ ROWS = [
         _routing_replay),
     Row("the stand-in server under malformed requests", "server_fuzz.json", "python -m experiments.fuzz_server",
         _fuzz),
+    Row("prompt data at scale (index, draw)", "data.json", "python -m bench.data", _data),
 ]
 
 # Results in bench_results/ that no row shows, each with the reason (docs/benchmarks.md discusses them); a test
@@ -151,6 +163,7 @@ SUPPLEMENTS = {
     "moe_demo.json": "the MoE demo runs, by hand",
     "tool_task_lookup_attempts.json": "tool_task's earlier attempts, by hand",
     "tool_task_tens.json": "tool_task on task=tens_tool",
+    "data_10m.json": "bench.data on 10M jsonl rows",
 }
 
 

@@ -115,6 +115,29 @@ def test_a_row_naming_an_unregistered_tool_is_refused_at_start_up(tmp_path):
                    r"rollout\.multi_turn\.tools \(calculator\)")
 
 
+def test_a_malformed_row_beyond_the_checked_head_stops_the_run_when_drawn(tmp_path):
+    """A training file is checked at start-up only in its first HEAD_ROWS rows; a bad row further on stops the
+    run in the step that draws it, with the same one-line error naming the file and the line (exit 2)."""
+    import numpy as np
+
+    from grpo_mega.data.dataset import HEAD_ROWS
+    from tests.models.hf_fixtures import smollm2_dir
+
+    n = HEAD_ROWS + 100
+    while not (np.random.default_rng([1234, 0]).permutation(n)[:8] >= HEAD_ROWS).any():
+        n += 1  # a row past the head among step 1's first 8 prompts (run.seed=1234, epoch 0)
+    bad = int(next(i for i in np.random.default_rng([1234, 0]).permutation(n)[:8] if i >= HEAD_ROWS))
+    rows = [_row(f"What is {i}+2?", str(i + 2)) for i in range(n)]
+    rows[bad] = "{'prompt': oops"
+    data = _write_rows(tmp_path / "far.jsonl", rows)
+    val = _write_rows(tmp_path / "val.jsonl", [_row()])
+    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}",
+                f"data.val_files={val}", "batch.max_prompt_length=128", "run.seed=1234", "eval.interval=0",
+                "run.steps=1", fork=True)
+    assert f"far.jsonl: {n} rows, the first {HEAD_ROWS} checked now, the others when drawn" in proc.stdout
+    _refused(proc, rf"error: \S*far\.jsonl:{bad + 1}: not valid JSON .*expected one JSON object per line\n")
+
+
 # ---- configuration: batch sizes, layouts, models, options -----------------------------------------------------
 
 CONFIG_CASES = {

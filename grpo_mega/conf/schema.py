@@ -862,6 +862,9 @@ class DataConfig:
     """A .jsonl or .parquet file of prompts."""
     val_files: str = ""
     """Validation prompts ('': eval.max_prompts prompts sampled from the training file)."""
+    cache_dir: str = ""
+    """Where a .parquet file's Arrow copy is written once (keyed by its content hash) and memory-mapped by every
+    rank ('': $GRPO_MEGA_CACHE/data, GRPO_MEGA_CACHE defaulting to ~/.cache/grpo_mega); a .jsonl needs none."""
 
 
 @dataclass(kw_only=True)

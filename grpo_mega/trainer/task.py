@@ -4,7 +4,6 @@ builds one: the toy successor task (make demo) or prompt files in verl's schema 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -81,7 +80,7 @@ def build_task(cfg: TrainConfig, tok) -> Task:
             t = (ProductTask if cfg.task == "product_tool" else TensDigitTask)(tok, seed=seed)
         return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
                     stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state)
-    from grpo_mega.data.dataset import PromptStream, load_prompts
+    from grpo_mega.data.dataset import PromptFile, PromptStream, load_prompts
     from grpo_mega.rewards.scoring import PromptReward
 
     tools = None
@@ -92,13 +91,16 @@ def build_task(cfg: TrainConfig, tok) -> Task:
 
         tools = {name: t.schema() for name, t in build_tools(cfg.rollout.multi_turn.tools).items()}
         check_tools_shown(tok, list(tools.values()), f" of {cfg.model}")
-    train, dropped = load_prompts(cfg.data.train_files, tok, batch.max_prompt_length, tools)
+    cache = cfg.data.cache_dir or None
+    train = PromptFile(cfg.data.train_files, tok, batch.max_prompt_length, tools, cache)  # indexed, read when drawn
+    checked, _, dropped = train.check_head()
     if cfg.data.val_files:
-        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length, tools)[0]
+        val = load_prompts(cfg.data.val_files, tok, batch.max_prompt_length, tools, cache)[0]
     else:  # a bounded, fixed sample of the training prompts, in file order (all of them when few)
-        keep = sorted(random.Random(seed).sample(range(len(train)), min(cfg.eval.max_prompts, len(train))))
-        val = [train[i] for i in keep]
-    if dropped:
+        val = train.sample(cfg.eval.max_prompts, seed)
+    if checked < len(train):
+        print(f"{cfg.data.train_files}: {len(train)} rows, the first {checked} checked now, the others when drawn")
+    elif dropped:
         print(f"dropped {dropped} prompts longer than batch.max_prompt_length={batch.max_prompt_length}")
     stream = PromptStream(train, seed)
     kwargs = {k: getattr(rew, k) for k in ("weights", "path") if getattr(rew, k)}

@@ -157,3 +157,23 @@ def test_bench_fused_output_writes_json(tmp_path):
         assert r["peak_mib"] > 0 and r["seconds"] > 0 and r["cpu_seconds"] > 0
     u = data["update"]
     assert u["logprob_max_abs_diff"] <= 1e-6 and len(u["fused_seconds"]) == len(u["unfused_seconds"]) == 1
+
+
+def test_bench_data_writes_json(tmp_path):
+    """The data path at toy sizes: per format and row count, start-up, memory and the batch times; a parquet's
+    Arrow copy written by the first process and found by the second."""
+    out = tmp_path / "data.json"
+    cmd = [sys.executable, "-m", "bench.data", "--rows", "2000", "--batch", "64", "--batches", "2",
+           "--val", "16", "--tokenizer", "toy", "--dir", str(tmp_path), "--out", str(out)]
+    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    data = json.loads(out.read_text())
+    got = {(r["format"], r["rows"], r["run"]): r for r in data["results"]}
+    assert set(got) == {(f, n, run) for n in (2000,) for f, run in
+                        (("jsonl", "first"), ("parquet", "first"), ("parquet", "cached"))}
+    for (fmt, n, run), r in got.items():
+        assert r["startup_s"] > 0 and r["first_batch_s"] > 0 and r["batch_s"] > 0 and r["tokenizer"] == "toy"
+        assert r["permutation_bytes"] == 4 * n and r["head_rows_checked"] == min(n, 1024)
+        assert r["wrote_cache"] == (fmt == "parquet" and run == "first")
+    assert got[("jsonl", 2000, "first")]["index_bytes"] == 8 * 2001
+    assert data["settings"]["batch"] == 64 and "cpu_model" in data["machine"]
+    assert list(tmp_path.iterdir()) == [out]  # the data files and the cache are removed
