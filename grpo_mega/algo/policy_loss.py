@@ -83,6 +83,10 @@ class Objective:
     """GSPO's eps_low on the sequence ratio s_i (Zheng et al. 2025, sec. 5.1: 3e-4)."""
     gspo_clip_high: float = 4e-4
     """GSPO's eps_high on s_i (the paper's 4e-4)."""
+    seq_log_ratio_cap: float = 10.0
+    """Upper cap on a sequence-level log-ratio (GSPO's log s_i, GMPO's clipped mean): exp(min(log s_i, cap)), no
+    gradient above it (verl caps GSPO-token's log s_i,t at 10). Bounds the loss of a negative advantage by
+    |A| e^cap."""
     cispo_eps_low: float = 1.0
     """CISPO: the IS weight is clipped below at 1 - eps_low (MiniMax-M1 sets no lower bound: 1.0)."""
     cispo_eps_high: float = 4.0
@@ -98,6 +102,8 @@ class Objective:
         if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
             raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
                              f"must be >= 0")
+        if not self.seq_log_ratio_cap > 0:
+            raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
 
     @property
     def correction(self) -> Optional[Correction]:
@@ -275,17 +281,23 @@ AGG_MODES_OF = {"gspo": SEQUENCE_LEVEL_AGG, "gspo_token": SEQUENCE_LEVEL_AGG}
 """The aggregation modes a policy loss is defined with, where it does not take them all."""
 
 
+DUAL_CLIP_LOSSES = ("ppo_clip", "gspo", "gspo_token")
+"""The losses that define the dual clip: min(L, -c A) for A < 0 on PPO's token surrogate, or on GSPO's
+sequence surrogate (where the sequence ratio s_i takes the token ratio's place)."""
+
+
 def check_settings(policy_loss: str, loss_agg_mode: str, dual_clip: Optional[float] = None) -> None:
     """Refuse a policy loss with settings it does not define: GSPO with a token-level aggregation, and the
-    dual clip (ppo_clip's, on the token surrogate) with another loss. One-line ValueErrors."""
+    dual clip with a loss outside DUAL_CLIP_LOSSES. One-line ValueErrors."""
     modes = AGG_MODES_OF.get(policy_loss)
     if modes is not None and loss_agg_mode not in modes:
         raise ValueError(f"algo.policy_loss={policy_loss!r} needs algo.loss_agg_mode={' or '.join(modes)} "
                          f"(got {loss_agg_mode!r}): GSPO's objective is the mean over responses of one sequence-level "
                          f"term each (Zheng et al. 2025, eq. 5); {loss_agg_mode} would weight responses by length")
-    if dual_clip is not None and policy_loss != "ppo_clip":
-        raise ValueError(f"algo.dual_clip={dual_clip} is ppo_clip's (token surrogate, negative advantages); "
-                         f"algo.policy_loss={policy_loss!r} does not define it: set algo.dual_clip=null")
+    if dual_clip is not None and policy_loss not in DUAL_CLIP_LOSSES:
+        raise ValueError(f"algo.dual_clip={dual_clip} bounds a clipped ratio surrogate for negative advantages "
+                         f"({', '.join(DUAL_CLIP_LOSSES)}); algo.policy_loss={policy_loss!r} does not define it: "
+                         f"set algo.dual_clip=null")
 
 
 def _with_terms(obj: Objective, pg: torch.Tensor, kl: Optional[torch.Tensor], entropy: torch.Tensor,
@@ -300,16 +312,24 @@ def _with_terms(obj: Objective, pg: torch.Tensor, kl: Optional[torch.Tensor], en
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log s_i = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)) over response i's valid tokens (each log-ratio
-    clamped to [-20, 20]); 0 for a response without valid tokens. [B, T] -> [B], with grad."""
+    """log s_i = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)) over response i's valid tokens, the token log-ratios
+    not clamped (as verl: a clamp per token would cut the gradient of the tokens beyond it, which gspo_token's
+    per-token form keeps); 0 for a response without valid tokens. [B, T] -> [B], with grad. The callers cap the
+    mean (Objective.seq_log_ratio_cap) before any exp."""
     m = mask.to(logp.dtype)
-    return (log_ratio(logp, old_logp) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    return ((logp - old_logp) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
 
 
-def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                   dual_clip: Optional[float] = None):
+    """-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A), and with dual_clip=c, min(that, -c A) where A < 0;
+    returns (loss, where the clipped branch was taken)."""
     unclipped = -adv * s
     clipped = -adv * s.clamp(1.0 - eps_low, 1.0 + eps_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return loss, clipped > unclipped
 
 
 def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w):
@@ -330,10 +350,13 @@ def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantag
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7): the clip acts on the response's
     length-normalised sequence ratio
 
-        s_i = exp((1/|y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t))),
+        s_i = exp(min((1/|y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t)), cap)),
         J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
 
-    eps = (gspo_clip_low, gspo_clip_high), the paper's 3e-4 / 4e-4. The loss is -J, with the same KL and entropy
+    eps = (gspo_clip_low, gspo_clip_high), the paper's 3e-4 / 4e-4; cap = seq_log_ratio_cap (verl's 10: without it
+    a negative advantage's loss -A s_i grows as e^(log s_i), unbounded; above the cap s_i has no gradient). With
+    dual_clip = c the loss of A_i < 0 is further bounded by -c A_i (PPO's dual clip on the sequence ratio). The
+    loss is -J, with the same KL and entropy
     terms and token weights (rollout correction, DAPO scale) as ppo_clip, per token; aggregated by
     seq-mean-token-mean only (one term per response: a response's -min(...) sits on each of its tokens, and the
     mean over its tokens gives it back, value and gradient). Arguments and return as `ppo_clip`; advantages [B].
@@ -344,8 +367,8 @@ def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantag
                          f"use gspo_token for per-token advantages")
     kl = kl_term(obj, logp, ref_logp, full_kl)
     w = token_weights(obj, mask, old_logp, engine_logp)
-    s = sequence_log_ratio(logp, old_logp, mask).exp()
-    pg_seq, clipped_seq = _sequence_clip(s, advantages, obj.gspo_clip_low, obj.gspo_clip_high)
+    s = sequence_log_ratio(logp, old_logp, mask).clamp(max=obj.seq_log_ratio_cap).exp()
+    pg_seq, clipped_seq = _sequence_clip(s, advantages, obj.gspo_clip_low, obj.gspo_clip_high, obj.dual_clip)
     pg = pg_seq.unsqueeze(-1).expand_as(logp)
     clipped = clipped_seq.unsqueeze(-1).expand_as(logp)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
@@ -363,15 +386,17 @@ def gspo_token(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, ad
         s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)],
         J = (1/G) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t),
 
-    which allows per-token advantages ([B] or [B, T]); with A_i,t = A_i it equals `gspo` in value and gradient.
+    which allows per-token advantages ([B] or [B, T]); log s_i,t is capped at seq_log_ratio_cap as gspo's log s_i
+    (verl's clamp(max=10)), and dual_clip acts as in gspo, so with A_i,t = A_i it equals `gspo` in value and
+    gradient, at any log-ratio.
     Aggregated by seq-mean-token-mean only (the (1/G)(1/|y_i|) above). Arguments and return as `ppo_clip`."""
     check_settings("gspo_token", obj.loss_agg_mode)
     kl = kl_term(obj, logp, ref_logp, full_kl)
     w = token_weights(obj, mask, old_logp, engine_logp)
     log_s = sequence_log_ratio(logp, old_logp, mask).detach().unsqueeze(-1)
-    s_t = (log_s + logp - logp.detach()).exp()
+    s_t = (log_s + logp - logp.detach()).clamp(max=obj.seq_log_ratio_cap).exp()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high)
+    pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high, obj.dual_clip)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
     return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
 

@@ -393,11 +393,15 @@ class AlgoConfig:
     clip_ratio_high: float = 0.2
     """eps_high; > clip_ratio_low is DAPO's clip-higher."""
     dual_clip: Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages, or null (ppo_clip only)."""
+    """Dual-clip constant c > 1 for negative advantages (the loss of A < 0 is at most -c A), or null: off (verl
+    always applies c = 3, its clip_ratio_c; docs/verl.md). ppo_clip, gspo and gspo_token."""
     gspo_clip_low: float = 3e-4
     """GSPO: eps_low on the sequence ratio s_i = exp(mean_t log(pi/pi_old)) (Zheng et al. 2025: 3e-4)."""
     gspo_clip_high: float = 4e-4
     """GSPO: eps_high on s_i (the paper's 4e-4)."""
+    seq_log_ratio_cap: float = 10.0
+    """Upper cap on a sequence-level log-ratio before its exp (gspo, gspo_token; verl's GSPO caps at 10): bounds a
+    negative advantage's loss by |A| e^cap; no gradient above the cap."""
     cispo_eps_low: float = 1.0
     """CISPO: the IS weight is clipped below at 1 - cispo_eps_low (1.0: no lower bound, as MiniMax-M1)."""
     cispo_eps_high: float = 4.0
@@ -493,6 +497,8 @@ class AlgoConfig:
         if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
             raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
                              f"must be >= 0")
+        if not self.seq_log_ratio_cap > 0:
+            raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
 
     @property
     def records_routes(self) -> bool:

@@ -421,6 +421,7 @@ def objective(a: AlgoConfig) -> algo.Objective:
         rollout_correction=a.rollout_correction, rollout_correction_mode=a.rollout_correction_mode,
         rollout_correction_low=a.rollout_correction_low, rollout_correction_high=a.rollout_correction_high,
         early_stop_imp_ratio=a.early_stop_imp_ratio, gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high,
+        seq_log_ratio_cap=a.seq_log_ratio_cap,
         cispo_eps_low=a.cispo_eps_low, cispo_eps_high=a.cispo_eps_high,
     )
 
