@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from grpo_mega.algo.advantages import group_advantages, kl_in_reward, nonuniform_groups
+from grpo_mega.algo.advantages import ADV_ESTIMATORS, advantages, kl_in_reward, nonuniform_groups
 from grpo_mega.algo.kl import KL_ESTIMATORS, kl_penalty
 
 OVERLONG_MODES = ("keep", "zero", "mask")
@@ -47,8 +47,10 @@ class StepShaping:
     """algo.kl_coef: beta of the KL in the reward."""
     kl_estimator: str = "k3"
     """algo.kl_estimator for the KL in the reward (a sampled-token estimator: not 'full')."""
+    adv_estimator: str = "grpo"
+    """algo.adv_estimator (grpo_mega.algo.advantages.ADV_ESTIMATORS)."""
     norm_adv_by_std: bool = True
-    """algo.norm_adv_by_std: divide advantages by the group std (false: DrGRPO)."""
+    """algo.norm_adv_by_std: divide advantages by the group std (false: DrGRPO); grpo and grpo_passk."""
     global_adv_norm: bool = False
     """algo.global_adv_norm: divide advantages by their std over the whole batch."""
     dynamic_sampling: bool = False
@@ -62,6 +64,7 @@ class StepShaping:
         if self.n < 2:
             raise ValueError(f"rollout.n={self.n} must be >= 2 for GRPO: a group of one has no baseline")
         KL_ESTIMATORS.get(self.kl_estimator)
+        ADV_ESTIMATORS.get(self.adv_estimator)
         if self.kl_in_reward and self.kl_estimator == "full":
             raise ValueError("algo.kl_estimator='full' with algo.kl_in_reward=true: the reward's KL is estimated "
                              "from the sampled tokens' logprobs; use k1, abs, k2 or k3")
@@ -76,7 +79,7 @@ class ShapedStep:
     scores: torch.Tensor
     """The rewards the advantages come from: `rewards`, less beta * KL with kl_in_reward."""
     advantages: torch.Tensor
-    """GRPO group advantages of `scores`, one per response."""
+    """The advantages of `scores` (algo.adv_estimator; GRPO's group advantages by default), one per response."""
     in_loss: torch.Tensor
     """bool: rows that count in the loss (not masked as overlong, not in a uniform group under dynamic sampling)."""
 
@@ -107,12 +110,12 @@ def loss_rows(scores: torch.Tensor, overlong: torch.Tensor, n: int, overlong_mod
 def shape_step(shaping: StepShaping, rewards: torch.Tensor, overlong: torch.Tensor,
                old_logp: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
                response_mask: Optional[torch.Tensor] = None) -> ShapedStep:
-    """Shape one step: overlong zeroing, KL in the reward, group advantages, the rows in the loss.
+    """Shape one step: overlong zeroing, KL in the reward, the advantages (algo.adv_estimator), the rows in the loss.
 
     rewards: [B] the task's scores, group-contiguous; overlong: [B] bool, the responses cut at
     max_response_length. With `shaping.kl_in_reward`: old_logp, ref_logp: [B, L] log-probabilities of the
     sampled tokens under the old policy and the reference, and response_mask: [B, L] bool (1 on response
-    positions); each response's score becomes score - kl_coef * sum_t KL_t (grpo_mega.algo.kl_in_reward).
+    positions; also the lengths reinforce_plus_plus_baseline whitens with); each response's score becomes score - kl_coef * sum_t KL_t (grpo_mega.algo.kl_in_reward).
     The dynamic-sampling filter looks at the shaped scores.
     """
     if overlong.shape != rewards.shape:
@@ -126,6 +129,8 @@ def shape_step(shaping: StepShaping, rewards: torch.Tensor, overlong: torch.Tens
                              "runs only with algo.kl_coef != 0")
         kl = kl_penalty(old_logp, ref_logp, shaping.kl_estimator)
         scores = kl_in_reward(rewards, kl, response_mask, shaping.kl_coef)[1]
-    advantages = group_advantages(scores, shaping.n, shaping.norm_adv_by_std, shaping.global_adv_norm)
+    lengths = response_mask.sum(dim=-1) if response_mask is not None else None
+    adv = advantages(shaping.adv_estimator, scores, shaping.n, lengths=lengths, norm_by_std=shaping.norm_adv_by_std,
+                     global_norm=shaping.global_adv_norm)
     in_loss = loss_rows(scores, overlong, shaping.n, shaping.overlong, shaping.dynamic_sampling)
-    return ShapedStep(rewards=rewards, scores=scores, advantages=advantages, in_loss=in_loss)
+    return ShapedStep(rewards=rewards, scores=scores, advantages=adv, in_loss=in_loss)

@@ -417,10 +417,14 @@ class AlgoConfig:
     """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
     dapo_token_scale: bool = False
     """Scale each token's loss by 1 / (valid tokens of its response)."""
+    adv_estimator: str = "grpo"
+    """The advantage estimator (grpo_mega.algo.advantages.ADV_ESTIMATORS): 'grpo' (group mean and std),
+    'rloo' (leave-one-out mean), 'reinforce_plus_plus_baseline' (group mean, then whitened over the batch's tokens),
+    'grpo_passk' (only each group's best response, by its margin over the second best)."""
     norm_adv_by_std: bool = True
-    """Divide advantages by the group std (false: DrGRPO)."""
+    """Divide advantages by the group std (false: DrGRPO); read by adv_estimator grpo and grpo_passk only."""
     global_adv_norm: bool = False
-    """Divide advantages by their std over the whole batch."""
+    """Divide advantages by their std over the whole batch (after any adv_estimator)."""
     early_stop_imp_ratio: Optional[float] = None
     """Skip a mini-batch with an importance ratio above this (or below its inverse); null: never."""
     ref_update_interval: Optional[int] = None
@@ -466,7 +470,10 @@ class AlgoConfig:
         from grpo_mega.algo.loss import AGG_MODES
         from grpo_mega.algo.policy_loss import POLICY_LOSSES, check_settings
 
+        from grpo_mega.algo.advantages import ADV_ESTIMATORS
+
         POLICY_LOSSES.get(self.policy_loss)
+        ADV_ESTIMATORS.get(self.adv_estimator)
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
         check_settings(self.policy_loss, self.loss_agg_mode, self.dual_clip)
@@ -1115,7 +1122,8 @@ class TrainConfig:
 
         a = self.algo
         return StepShaping(n=self.rollout.n, overlong=self.reward.overlong, kl_in_reward=a.kl_in_reward,
-                           kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, norm_adv_by_std=a.norm_adv_by_std,
+                           kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, adv_estimator=a.adv_estimator,
+                           norm_adv_by_std=a.norm_adv_by_std,
                            global_adv_norm=a.global_adv_norm, dynamic_sampling=bool(a.dynamic_sampling))
 
 
