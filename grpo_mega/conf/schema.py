@@ -384,8 +384,10 @@ class AlgoConfig:
 
     policy_loss: str = "ppo_clip"
     """The policy loss, by name (grpo_mega.algo.POLICY_LOSSES): 'ppo_clip' (the clipped surrogate, with
-    clip-higher and dual-clip), 'gspo' / 'gspo_token' (GSPO's sequence-level ratio and clip; need
-    loss_agg_mode=seq-mean-token-mean), 'cispo' (MiniMax-M1's clipped, stop-gradient IS weight on log pi)."""
+    clip-higher and dual-clip), 'gspo' / 'gspo_token' (GSPO's sequence-level ratio and clip), 'cispo' (MiniMax-M1's
+    clipped, stop-gradient IS weight on log pi), 'geo_mean' (GMPO: geometric mean of log-clipped token ratios),
+    'sapo' (SAPO's smooth gate), 'gpg' (plain -A log pi), 'clip_cov' / 'kl_cov' (PPO with the gradient cut, or a KL
+    added, on high-covariance tokens). gspo, gspo_token, geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -406,6 +408,25 @@ class AlgoConfig:
     """CISPO: the IS weight is clipped below at 1 - cispo_eps_low (1.0: no lower bound, as MiniMax-M1)."""
     cispo_eps_high: float = 4.0
     """CISPO: the IS weight is clipped above at 1 + cispo_eps_high."""
+    gmpo_clip_low: float = 0.4
+    """geo_mean (GMPO): each token's log-ratio is clipped below at -gmpo_clip_low (the paper's ratio range
+    (e^-0.4, e^0.4); verl reads clip_ratio_low here)."""
+    gmpo_clip_high: float = 0.4
+    """geo_mean: each token's log-ratio is clipped above at gmpo_clip_high."""
+    sapo_tau_pos: float = 1.0
+    """sapo: the gate's temperature for tokens with A > 0 (verl's tau_pos)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: the gate's temperature for tokens with A <= 0 (verl's tau_neg)."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: the share of a micro-batch's valid tokens whose policy-gradient term is dropped (at least 1)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a token is a candidate when its advantage/log-prob covariance is in (clip_cov_lb, clip_cov_ub)."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: the candidates' covariance upper bound."""
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: the share of a micro-batch's valid tokens (largest covariance, at least 1) given the KL term."""
+    kl_cov_coef: float = 0.1
+    """kl_cov: the coefficient of |log r_t| on those tokens (verl's ppo_kl_coef)."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
@@ -506,6 +527,16 @@ class AlgoConfig:
                              f"must be >= 0")
         if not self.seq_log_ratio_cap > 0:
             raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
+        self.objective()  # the loss's own checks (grpo_mega.algo.policy_loss.Objective), at start-up
+
+    def objective(self):
+        """The policy loss's settings (grpo_mega.algo.policy_loss.Objective): every field of it read from the
+        field of the same name here, the one place the loss reads the config."""
+        from dataclasses import fields
+
+        from grpo_mega.algo.policy_loss import Objective
+
+        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective)})
 
     @property
     def records_routes(self) -> bool:

@@ -249,7 +249,7 @@ def test_gspo_token_takes_per_token_advantages():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_gspo_refuses_aggregations_it_does_not_define(name, mode):
     with pytest.raises(ValueError, match=rf"algo\.policy_loss='{name}' needs algo\.loss_agg_mode=seq-mean-token-mean "
-                                         rf"\(got '{mode}'\): GSPO's objective is the mean over responses"):
+                                         rf"\(got '{mode}'\): its objective is the mean over responses"):
         check_settings(name, mode)
     x = _inputs(0, 1e-3)
     with pytest.raises(ValueError, match="needs algo.loss_agg_mode=seq-mean-token-mean"):
