@@ -974,6 +974,12 @@ class RewardConfig:
     rule / dotted path. With a learned reward model, a rule judges the policy rather than the model."""
     overlong: str = "keep"
     """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
+    overlong_buffer_len: Optional[int] = None
+    """DAPO's soft overlong punishment (verl's reward.overlong_buffer.len): a response longer than
+    batch.max_response_length - overlong_buffer_len gets a penalty growing linearly to -overlong_penalty_factor at
+    max_response_length, added to the score the advantages come from; null: off."""
+    overlong_penalty_factor: float = 1.0
+    """The soft overlong penalty at max_response_length (verl's reward.overlong_buffer.penalty_factor)."""
     num_workers: Optional[int] = None
     """Reward worker processes per rank; null: the node's cores divided among its ranks (at least 1)."""
     timeout_s: float = 30.0
@@ -992,6 +998,10 @@ class RewardConfig:
     """The steps max_error_fraction is measured over (fewer at the start: step 1 alone is a window)."""
 
     def __post_init__(self):
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len < 1:
+            raise ValueError(f"reward.overlong_buffer_len={self.overlong_buffer_len} must be >= 1 tokens (null: off)")
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"reward.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0")
         if self.max_memory_mb is not None and self.max_memory_mb < 0:
             raise ValueError(f"reward.max_memory_mb={self.max_memory_mb} must be >= 0 (0 or null: no limit)")
         if not 0 <= self.max_error_fraction <= 1:
@@ -1076,6 +1086,9 @@ class TrainConfig:
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)
+        if self.reward.overlong_buffer_len is not None and self.reward.overlong_buffer_len > self.batch.max_response_length:
+            raise ValueError(f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be <= "
+                             f"batch.max_response_length={self.batch.max_response_length} (the buffer is its last tokens)")
         if self.reward.rm_train.interval and self.algo.ref_update_interval is None:
             # Iterative RL (Algorithm 1): the reference follows the reward model's updates.
             self.algo.ref_update_interval = self.reward.rm_train.interval
@@ -1153,6 +1166,9 @@ class TrainConfig:
 
         a = self.algo
         return StepShaping(n=self.rollout.n, overlong=self.reward.overlong, kl_in_reward=a.kl_in_reward,
+                           overlong_buffer_len=self.reward.overlong_buffer_len,
+                           overlong_penalty_factor=self.reward.overlong_penalty_factor,
+                           max_response_length=self.batch.max_response_length,
                            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, adv_estimator=a.adv_estimator,
                            norm_adv_by_std=a.norm_adv_by_std,
                            global_adv_norm=a.global_adv_norm, dynamic_sampling=bool(a.dynamic_sampling))
