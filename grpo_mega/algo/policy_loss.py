@@ -7,7 +7,7 @@ computes the token statistics from the logits (vocab-parallel logprobs, entropy,
 normaliser over micro-batches and ranks, and scales the loss for Megatron; a new loss is a new function
 registered in `POLICY_LOSSES`, not a branch in the trainer (verl `core_algos.py`, `@register_policy_loss`):
 `ppo_clip` (GRPO/DAPO), `gspo` and `gspo_token` (Zheng et al. 2025), `cispo` (MiniMax-M1), `geo_mean` (GMPO),
-`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025). The rollout
+`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025), `dppo_tv` and `dppo_kl` (DPPO). The rollout
 correction against the engine's logprobs (grpo_mega.algo.correction) weights every loss's tokens the same way.
 Pure tensor math: the settings arrive as an `Objective` of plain values.
 
@@ -111,6 +111,12 @@ class Objective:
     """KL-Cov: the share of a micro-batch's valid tokens (the largest covariances, at least 1) given the KL term."""
     kl_cov_coef: float = 0.1
     """KL-Cov: the coefficient of |log r_t| on those tokens (verl's ppo_kl_coef)."""
+    dppo_div_low: float = 0.2
+    """DPPO: the divergence threshold for tokens with A <= 0 (TV: p - p_old >= -low; KL: binary KL <= low)."""
+    dppo_div_high: float = 0.2
+    """DPPO: the divergence threshold for tokens with A > 0 (TV: p - p_old <= high; KL: binary KL <= high)."""
+    dppo_is_cap: float = 20.0
+    """DPPO: the stop-gradient IS weight min(r_t, cap) on every kept token (verl's clip_ratio_c fallback 20)."""
 
     def __post_init__(self):
         KL_ESTIMATORS.get(self.kl_estimator)
@@ -137,6 +143,9 @@ class Objective:
             raise ValueError(f"algo.clip_cov_lb={self.clip_cov_lb} must be < algo.clip_cov_ub={self.clip_cov_ub}")
         if self.kl_cov_coef < 0:
             raise ValueError(f"algo.kl_cov_coef={self.kl_cov_coef} must be >= 0")
+        if self.dppo_div_low < 0 or self.dppo_div_high < 0 or not self.dppo_is_cap > 0:
+            raise ValueError(f"algo.dppo_div_low={self.dppo_div_low} and algo.dppo_div_high={self.dppo_div_high} must "
+                             f"be >= 0 and algo.dppo_is_cap={self.dppo_is_cap} > 0")
 
     @property
     def correction(self) -> Optional[Correction]:
@@ -632,3 +641,60 @@ def kl_cov(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advant
     pg = torch.where(top, pg + obj.kl_cov_coef * lr.abs(), pg)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
     return _finish(obj, token_loss, pg, top, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+# ---- DPPO ---------------------------------------------------------------------------------------------------
+
+
+def _dppo(obj: Objective, keep: torch.Tensor, *, logp, old_logp, advantages, mask, normaliser, entropy, ref_logp,
+          full_kl, engine_logp):
+    """L_t = -A_t sg(min(r_t, dppo_is_cap)) log pi(y_t) * keep_t (keep: no gradient), with ppo_clip's KL and entropy
+    terms and token weights; clipped_sum counts the dropped tokens."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    adv = _token_adv(advantages)
+    r = log_ratio(logp, old_logp).detach().exp()
+    pg = -adv * r.clamp(max=obj.dppo_is_cap) * logp * keep.to(logp.dtype)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, ~keep, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def dppo_tv(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+            mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+            ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+            engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"): the trust region
+    is a bound on the sampled token's probability change (the total variation of the binary distribution
+    {y_t, not y_t}), not on the ratio; a token outside it leaves the update,
+
+        keep_t = (p_t - p_old,t <= high) if A_t > 0 else (p_t - p_old,t >= -low),   p = exp(log pi),
+        L_t = -A_t sg(min(r_t, dppo_is_cap)) log pi(y_t) keep_t,
+
+    (low, high) = (dppo_div_low, dppo_div_high); r_t = exp(log-ratio clamped to +-20). Aggregated by
+    `loss_agg_mode`. Arguments and return as `ppo_clip`."""
+    p, p_old = logp.detach().exp(), old_logp.exp()
+    keep = torch.where(_token_adv(advantages) > 0, p - p_old <= obj.dppo_div_high, p - p_old >= -obj.dppo_div_low)
+    return _dppo(obj, keep, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, normaliser=normaliser,
+                 entropy=entropy, ref_logp=ref_logp, full_kl=full_kl, engine_logp=engine_logp)
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def dppo_kl(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+            mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+            ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+            engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL (Qi et al. 2026): as `dppo_tv` with the binary KL as the divergence,
+
+        D_t = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)),
+        keep_t = (D_t <= high or p_t <= p_old,t) if A_t > 0 else (D_t <= low or p_t >= p_old,t)
+
+    (a token moving against its advantage's push is always kept); L_t as dppo_tv. Arguments and return as
+    `ppo_clip`."""
+    lp, lp_old = logp.detach(), old_logp
+    p, p_old = lp.exp(), lp_old.exp()
+    d = p_old * (lp_old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    keep = torch.where(_token_adv(advantages) > 0, (d <= obj.dppo_div_high) | (p <= p_old),
+                       (d <= obj.dppo_div_low) | (p >= p_old))
+    return _dppo(obj, keep, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, normaliser=normaliser,
+                 entropy=entropy, ref_logp=ref_logp, full_kl=full_kl, engine_logp=engine_logp)

@@ -387,7 +387,8 @@ class AlgoConfig:
     clip-higher and dual-clip), 'gspo' / 'gspo_token' (GSPO's sequence-level ratio and clip), 'cispo' (MiniMax-M1's
     clipped, stop-gradient IS weight on log pi), 'geo_mean' (GMPO: geometric mean of log-clipped token ratios),
     'sapo' (SAPO's smooth gate), 'gpg' (plain -A log pi), 'clip_cov' / 'kl_cov' (PPO with the gradient cut, or a KL
-    added, on high-covariance tokens). gspo, gspo_token, geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
+    added, on high-covariance tokens), 'dppo_tv' / 'dppo_kl' (DPPO: tokens outside a probability-divergence trust
+    region leave the update). gspo, gspo_token, geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -427,6 +428,12 @@ class AlgoConfig:
     """kl_cov: the share of a micro-batch's valid tokens (largest covariance, at least 1) given the KL term."""
     kl_cov_coef: float = 0.1
     """kl_cov: the coefficient of |log r_t| on those tokens (verl's ppo_kl_coef)."""
+    dppo_div_low: float = 0.2
+    """dppo_tv / dppo_kl: the divergence threshold for tokens with A <= 0 (verl reads clip_ratio_low here)."""
+    dppo_div_high: float = 0.2
+    """dppo_tv / dppo_kl: the divergence threshold for tokens with A > 0 (verl reads clip_ratio_high here)."""
+    dppo_is_cap: float = 20.0
+    """dppo_tv / dppo_kl: the cap of the stop-gradient IS weight on kept tokens (verl's clip_ratio_c, default 20 there)."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"

@@ -19,6 +19,8 @@ CONFIGS = {
     "gpg": ["algo.policy_loss=gpg"],
     "clip_cov": ["algo.policy_loss=clip_cov", "algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=0.0"],
     "kl_cov": ["algo.policy_loss=kl_cov", "algo.kl_cov_ratio=0.05"],
+    "dppo_tv": ["algo.policy_loss=dppo_tv", "algo.dppo_div_high=0.05"],
+    "dppo_kl": ["algo.policy_loss=dppo_kl", "algo.dppo_div_high=0.01"],
     "gspo_dual": ["algo.policy_loss=gspo", SEQ, "algo.dual_clip=3", "algo.seq_log_ratio_cap=1"],
     "rloo": ["algo.adv_estimator=rloo"],
     "rpp_baseline": ["algo.adv_estimator=reinforce_plus_plus_baseline"],

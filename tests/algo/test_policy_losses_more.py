@@ -1,4 +1,4 @@
-"""geo_mean (GMPO), sapo (SAPO), gpg (GPG), clip_cov and kl_cov (Cui et al. 2025) against dense references written
+"""geo_mean (GMPO), sapo (SAPO), gpg (GPG), clip_cov and kl_cov (Cui et al. 2025), dppo_tv and dppo_kl (DPPO) against dense references written
 here from the published formulas (and verl's conventions where the papers leave a choice: its micro-batch covariance
 means, GMPO's sign trick), token by token in Python loops over float64 scalars (nothing from grpo_mega.algo is
 called for the expected values). Loss and gradient to 1e-6 relative to the loss's scale (float64 sums of O(10)
@@ -131,6 +131,24 @@ def ref_kl_cov(x, ratio, coef):
     return pg
 
 
+def ref_dppo(x, kind, low=0.2, high=0.2, cap=20.0):
+    """DPPO-Binary-TV/KL: -A sg(min(r, cap)) log pi * keep; keep from the sampled token's probability change: TV
+    p - p_old <= high (A > 0) or >= -low (A <= 0); KL: the binary KL D <= high or p <= p_old (A > 0), D <= low or
+    p >= p_old (A <= 0), D = p_old log(p_old/p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))."""
+    def pg(i, t, logp):
+        a = float(x["adv"][i])
+        lv, lo = float(logp[i, t].detach()), float(x["old"][i, t])
+        p, po = math.exp(lv), math.exp(lo)
+        if kind == "tv":
+            keep = (p - po <= high) if a > 0 else (p - po >= -low)
+        else:
+            d = po * (lo - lv) + (1 - po) * math.log((1 - po + 1e-8) / (1 - p + 1e-8))
+            keep = (d <= high or p <= po) if a > 0 else (d <= low or p >= po)
+        w = min(math.exp(max(min(lv - lo, 20.0), -20.0)), cap)
+        return -a * w * logp[i, t] * float(keep)
+    return pg
+
+
 CORR = ("token", "truncate", 0.0, 1.5)
 CASES = {  # name -> (Objective settings, reference pg, aggregation)
     "geo_mean": (dict(loss_agg_mode=SEQ), lambda x: ref_geo_mean(x), SEQ),
@@ -142,6 +160,12 @@ CASES = {  # name -> (Objective settings, reference pg, aggregation)
     "gpg_seq": (dict(loss_agg_mode=SEQ), lambda x: ref_gpg(x), SEQ),
     "kl_cov": (dict(kl_cov_ratio=0.1, kl_cov_coef=0.5), lambda x: ref_kl_cov(x, 0.1, 0.5), "token-mean"),
     "kl_cov_default": (dict(), lambda x: ref_kl_cov(x, 2e-4, 0.1), "token-mean"),
+    "dppo_tv": (dict(), lambda x: ref_dppo(x, "tv"), "token-mean"),
+    "dppo_tv_narrow": (dict(dppo_div_low=0.02, dppo_div_high=0.05, dppo_is_cap=1.3),
+                       lambda x: ref_dppo(x, "tv", 0.02, 0.05, 1.3), "token-mean"),
+    "dppo_kl": (dict(), lambda x: ref_dppo(x, "kl"), "token-mean"),
+    "dppo_kl_narrow": (dict(dppo_div_low=0.01, dppo_div_high=0.03, dppo_is_cap=1.3),
+                       lambda x: ref_dppo(x, "kl", 0.01, 0.03, 1.3), "token-mean"),
 }
 
 
@@ -154,13 +178,19 @@ def _normaliser(x, agg):
 @pytest.mark.parametrize("scale", [0.3, "extreme"])
 def test_loss_matches_the_formula(case, kl_coef, ent_coef, corr, scale):
     name = case.split("_narrow")[0].split("_taus")[0].split("_seq")[0].split("_default")[0]
+    assert name in POLICY_LOSSES
     settings, ref, agg = CASES[case]
     x = _inputs(7, 0.3 if scale == "extreme" else scale)
     if scale == "extreme":  # +-25 log-ratios, a zero-advantage row, all-masked rows, a one-token row
         g = torch.Generator().manual_seed(13)
         big = torch.rand(B, T, generator=g, dtype=torch.float64) < 0.25
         sign = torch.where(torch.rand(B, T, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0)
-        x["logp"] = torch.where(big, x["old"] + 25.0 * sign, x["logp"])
+        # +25: old = logp - 25; -25: logp = old - 25 (both log-probabilities stay <= 0, as DPPO's p = e^logp needs)
+        x["logp"] = torch.where(big & (sign > 0), -x["logp"].abs() - 0.01, x["logp"])  # <= 0, no ties
+        drift = x["engine"] - x["old"]  # the engine stays near old (rho's own +-20 clamp is not under test here)
+        x["old"] = torch.where(big & (sign > 0), x["logp"] - 25.0, x["old"])
+        x["engine"] = x["old"] + drift
+        x["logp"] = torch.where(big & (sign < 0), x["old"] - 25.0, x["logp"])
         x["adv"][4] = 0.0
         x["mask"][5] = False
         x["mask"][6] = False
@@ -229,6 +259,8 @@ def test_sequence_level_losses_refuse_token_aggregation(name):
     (dict(clip_cov_lb=5.0), r"algo\.clip_cov_lb=5\.0 must be < algo\.clip_cov_ub=5\.0"),
     (dict(kl_cov_coef=-1.0), r"algo\.kl_cov_coef=-1\.0 must be >= 0"),
     (dict(seq_log_ratio_cap=0.0), r"algo\.seq_log_ratio_cap=0\.0 must be > 0"),
+    (dict(dppo_is_cap=0.0), r"algo\.dppo_div_low=0\.2 and algo\.dppo_div_high=0\.2 must be >= 0 and "
+                            r"algo\.dppo_is_cap=0\.0 > 0"),
 ])
 def test_bad_loss_settings_are_one_line_errors(kw, message):
     from grpo_mega.conf.schema import AlgoConfig
@@ -252,4 +284,4 @@ def test_every_loss_setting_is_an_algo_field_with_the_same_default():
         if f.name != "kl_coef":
             assert getattr(cfg, f.name) == f.default, f.name
     assert cfg.objective() == Objective(**{f.name: getattr(cfg, f.name) for f in fields(Objective)})
-    assert set(POLICY_LOSSES.names()) >= {"geo_mean", "sapo", "gpg", "clip_cov", "kl_cov"}
+    assert set(POLICY_LOSSES.names()) >= {"geo_mean", "sapo", "gpg", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl"}
