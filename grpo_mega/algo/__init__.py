@@ -1,4 +1,5 @@
-"""GRPO math as pure tensor functions: advantages (registry `ADV_ESTIMATORS`), KL estimators, the clipped surrogate, entropy bonus, loss
+"""GRPO math as pure tensor functions: advantages (registry `ADV_ESTIMATORS`), KL estimators, the clipped
+surrogate, entropy bonus, loss
 aggregation, DAPO's valid-token scale and dynamic-sampling filter, early stop and KL-in-reward shaping; the
 rollout correction against the engine's logprobs (token, sequence, geometric; truncate or mask);
 one step's shaping (`shape_step`) and the registry of whole policy losses (`POLICY_LOSSES`).

@@ -586,7 +586,8 @@ def clip_cov(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, adva
              mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
              ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
              engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"): ppo_clip's surrogate (clip_ratio_low/high, dual_clip not defined), with the gradient cut on a few
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models"): ppo_clip's surrogate (clip_ratio_low/high, dual_clip not defined), with the gradient cut on a few
     tokens of high covariance between advantage and log-probability (the tokens that drive entropy collapse):
     among the valid tokens that PPO's clip did not clip and whose Cov_t (`token_covariance`) lies in
     (clip_cov_lb, clip_cov_ub), max(1, floor(clip_cov_ratio * valid tokens)) are drawn at random and their

@@ -144,7 +144,8 @@ def shape_step(shaping: StepShaping, rewards: torch.Tensor, overlong: torch.Tens
     rewards: [B] the task's scores, group-contiguous; overlong: [B] bool, the responses cut at
     max_response_length. With `shaping.kl_in_reward`: old_logp, ref_logp: [B, L] log-probabilities of the
     sampled tokens under the old policy and the reference, and response_mask: [B, L] bool (1 on response
-    positions; also the lengths reinforce_plus_plus_baseline whitens with); each response's score becomes score - kl_coef * sum_t KL_t (grpo_mega.algo.kl_in_reward).
+    positions; also the lengths reinforce_plus_plus_baseline whitens with); each response's score becomes
+    score - kl_coef * sum_t KL_t (grpo_mega.algo.kl_in_reward).
     With `shaping.overlong_buffer_len`: response_lengths: [B] each response's tokens (all it generated, tool
     results included: what counts against max_response_length); its soft overlong penalty is added to the score.
     The dynamic-sampling filter looks at the shaped scores.

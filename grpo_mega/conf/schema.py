@@ -433,7 +433,7 @@ class AlgoConfig:
     dppo_div_high: float = 0.2
     """dppo_tv / dppo_kl: the divergence threshold for tokens with A > 0 (verl reads clip_ratio_high here)."""
     dppo_is_cap: float = 20.0
-    """dppo_tv / dppo_kl: the cap of the stop-gradient IS weight on kept tokens (verl's clip_ratio_c, default 20 there)."""
+    """dppo_tv / dppo_kl: the cap of the stop-gradient IS weight on kept tokens (verl's clip_ratio_c, 20 there)."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
@@ -1093,9 +1093,11 @@ class TrainConfig:
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)
-        if self.reward.overlong_buffer_len is not None and self.reward.overlong_buffer_len > self.batch.max_response_length:
+        buffer = self.reward.overlong_buffer_len
+        if buffer is not None and buffer > self.batch.max_response_length:
             raise ValueError(f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be <= "
-                             f"batch.max_response_length={self.batch.max_response_length} (the buffer is its last tokens)")
+                             f"batch.max_response_length={self.batch.max_response_length} (the buffer is its last "
+                             f"tokens)")
         if self.reward.rm_train.interval and self.algo.ref_update_interval is None:
             # Iterative RL (Algorithm 1): the reference follows the reward model's updates.
             self.algo.ref_update_interval = self.reward.rm_train.interval

@@ -1,4 +1,5 @@
-"""geo_mean (GMPO), sapo (SAPO), gpg (GPG), clip_cov and kl_cov (Cui et al. 2025), dppo_tv and dppo_kl (DPPO) against dense references written
+"""geo_mean (GMPO), sapo (SAPO), gpg (GPG), clip_cov and kl_cov (Cui et al. 2025), dppo_tv and dppo_kl (DPPO)
+against dense references written
 here from the published formulas (and verl's conventions where the papers leave a choice: its micro-batch covariance
 means, GMPO's sign trick), token by token in Python loops over float64 scalars (nothing from grpo_mega.algo is
 called for the expected values). Loss and gradient to 1e-6 relative to the loss's scale (float64 sums of O(10)
@@ -73,8 +74,7 @@ def ref_sapo(x, tau_pos=1.0, tau_neg=1.05):
         a = float(x["adv"][i])
         tau = tau_pos if a > 0 else tau_neg
         lr = logp[i, t] - x["old"][i, t]
-        r = torch.exp(lr) if abs(float(lr.detach())) <= 20 else torch.tensor(math.exp(math.copysign(20, float(lr.detach()))),
-                                                                     dtype=torch.float64)
+        r = _ratio(x, i, t, logp)
         return -(4.0 / tau) * torch.sigmoid(tau * (r - 1.0)) * a
     return pg
 
@@ -85,8 +85,8 @@ def ref_gpg(x):
 
 def _ratio(x, i, t, logp):
     lr = logp[i, t] - x["old"][i, t]
-    return torch.exp(lr) if abs(float(lr.detach())) <= 20 else torch.tensor(math.exp(math.copysign(20, float(lr.detach()))),
-                                                                     dtype=torch.float64)
+    v = float(lr.detach())
+    return torch.exp(lr) if abs(v) <= 20 else torch.tensor(math.exp(math.copysign(20, v)), dtype=torch.float64)
 
 
 def _cov(x):

@@ -177,7 +177,8 @@ def test_soft_overlong_penalty_is_dapos():
         assert (got.scores - want_scores).abs().max() <= 1e-12
         assert torch.equal(got.advantages, algo.group_advantages(got.scores, 4))
     assert sum(p != 0 for p in want_pen) == 5  # both sides of the buffer's start are exercised
-    with pytest.raises(ValueError, match=r"reward\.overlong_buffer_len=80 must be in \[1, batch\.max_response_length=64\]"):
+    with pytest.raises(ValueError,
+                       match=r"reward\.overlong_buffer_len=80 must be in \[1, batch\.max_response_length=64\]"):
         StepShaping(n=4, overlong_buffer_len=80, max_response_length=64)
     with pytest.raises(ValueError, match="needs the responses' lengths"):
         shape_step(StepShaping(n=4, overlong_buffer_len=8, max_response_length=64), rewards, lengths == 64)

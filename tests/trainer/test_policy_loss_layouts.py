@@ -1,4 +1,5 @@
-"""gspo, cispo, geo_mean (GMPO), sapo and gpg, each with a rollout correction, are the same under TP2 + sequence parallelism, PP2 and DP2 as in
+"""gspo, cispo, geo_mean (GMPO), sapo and gpg, each with a rollout correction, are the same under TP2 + sequence
+parallelism, PP2 and DP2 as in
 one process: loss, grad norm, the full gradient and the correction's metrics (tests/trainer/layouts.py).
 
 GSPO's and GMPO's sequence ratios and the sequence-level correction reduce over a whole response: this checks that every
