@@ -6,7 +6,8 @@ engine's logprobs), combines them per token and aggregates with the mini-batch n
 computes the token statistics from the logits (vocab-parallel logprobs, entropy, full KL), sums the
 normaliser over micro-batches and ranks, and scales the loss for Megatron; a new loss is a new function
 registered in `POLICY_LOSSES`, not a branch in the trainer (verl `core_algos.py`, `@register_policy_loss`):
-`ppo_clip` (GRPO/DAPO), `gspo` and `gspo_token` (Zheng et al. 2025), `cispo` (MiniMax-M1). The rollout
+`ppo_clip` (GRPO/DAPO), `gspo` and `gspo_token` (Zheng et al. 2025), `cispo` (MiniMax-M1), `geo_mean` (GMPO),
+`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025), `dppo_tv` and `dppo_kl` (DPPO). The rollout
 correction against the engine's logprobs (grpo_mega.algo.correction) weights every loss's tokens the same way.
 Pure tensor math: the settings arrive as an `Objective` of plain values.
 
@@ -35,6 +36,7 @@ from grpo_mega.algo.kl import KL_ESTIMATORS, kl_penalty
 from grpo_mega.algo.loss import (
     AGG_MODES,
     aggregate,
+    clipped_surrogate,
     entropy_bonus,
     grpo_token_loss,
     has_extreme_ratio,
@@ -83,10 +85,38 @@ class Objective:
     """GSPO's eps_low on the sequence ratio s_i (Zheng et al. 2025, sec. 5.1: 3e-4)."""
     gspo_clip_high: float = 4e-4
     """GSPO's eps_high on s_i (the paper's 4e-4)."""
+    seq_log_ratio_cap: float = 10.0
+    """Upper cap on a sequence-level log-ratio (GSPO's log s_i, GMPO's clipped mean): exp(min(log s_i, cap)), no
+    gradient above it (verl caps GSPO-token's log s_i,t at 10). Bounds the loss of a negative advantage by
+    |A| e^cap."""
     cispo_eps_low: float = 1.0
     """CISPO: the IS weight is clipped below at 1 - eps_low (MiniMax-M1 sets no lower bound: 1.0)."""
     cispo_eps_high: float = 4.0
     """CISPO: the IS weight is clipped above at 1 + eps_high."""
+    gmpo_clip_low: float = 0.4
+    """GMPO (geo_mean): each token's log-ratio is clipped below at -gmpo_clip_low (the paper's (e^-0.4, e^0.4))."""
+    gmpo_clip_high: float = 0.4
+    """GMPO: each token's log-ratio is clipped above at gmpo_clip_high."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: the gate's temperature for tokens with A > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: the gate's temperature for tokens with A <= 0."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: the share of a micro-batch's valid tokens whose gradient is cut (at least 1)."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: a token is a candidate when its covariance is in (clip_cov_lb, clip_cov_ub)."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: the candidates' covariance upper bound."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov: the share of a micro-batch's valid tokens (the largest covariances, at least 1) given the KL term."""
+    kl_cov_coef: float = 0.1
+    """KL-Cov: the coefficient of |log r_t| on those tokens (verl's ppo_kl_coef)."""
+    dppo_div_low: float = 0.2
+    """DPPO: the divergence threshold for tokens with A <= 0 (TV: p - p_old >= -low; KL: binary KL <= low)."""
+    dppo_div_high: float = 0.2
+    """DPPO: the divergence threshold for tokens with A > 0 (TV: p - p_old <= high; KL: binary KL <= high)."""
+    dppo_is_cap: float = 20.0
+    """DPPO: the stop-gradient IS weight min(r_t, cap) on every kept token (verl's clip_ratio_c fallback 20)."""
 
     def __post_init__(self):
         KL_ESTIMATORS.get(self.kl_estimator)
@@ -98,6 +128,24 @@ class Objective:
         if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
             raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
                              f"must be >= 0")
+        if not self.seq_log_ratio_cap > 0:
+            raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
+        if self.gmpo_clip_low < 0 or self.gmpo_clip_high < 0:
+            raise ValueError(f"algo.gmpo_clip_low={self.gmpo_clip_low} and algo.gmpo_clip_high={self.gmpo_clip_high} "
+                             f"must be >= 0 (bounds on the token log-ratio)")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(f"algo.sapo_tau_pos={self.sapo_tau_pos} and algo.sapo_tau_neg={self.sapo_tau_neg} must "
+                             f"be > 0 (SAPO's gate divides by them)")
+        if not (0 < self.clip_cov_ratio <= 1 and 0 < self.kl_cov_ratio <= 1):
+            raise ValueError(f"algo.clip_cov_ratio={self.clip_cov_ratio} and algo.kl_cov_ratio={self.kl_cov_ratio} "
+                             f"must be in (0, 1] (shares of the valid tokens)")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"algo.clip_cov_lb={self.clip_cov_lb} must be < algo.clip_cov_ub={self.clip_cov_ub}")
+        if self.kl_cov_coef < 0:
+            raise ValueError(f"algo.kl_cov_coef={self.kl_cov_coef} must be >= 0")
+        if self.dppo_div_low < 0 or self.dppo_div_high < 0 or not self.dppo_is_cap > 0:
+            raise ValueError(f"algo.dppo_div_low={self.dppo_div_low} and algo.dppo_div_high={self.dppo_div_high} must "
+                             f"be >= 0 and algo.dppo_is_cap={self.dppo_is_cap} > 0")
 
     @property
     def correction(self) -> Optional[Correction]:
@@ -271,21 +319,30 @@ def ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, adva
 SEQUENCE_LEVEL_AGG = ("seq-mean-token-mean",)
 """The aggregation GSPO defines: the mean over responses of one term per response (for gspo_token, of the
 mean over its tokens). The token-level and length-weighted modes would weight each response by its length."""
-AGG_MODES_OF = {"gspo": SEQUENCE_LEVEL_AGG, "gspo_token": SEQUENCE_LEVEL_AGG}
+AGG_MODES_OF = {"gspo": SEQUENCE_LEVEL_AGG, "gspo_token": SEQUENCE_LEVEL_AGG, "geo_mean": SEQUENCE_LEVEL_AGG,
+                "sapo": SEQUENCE_LEVEL_AGG}
 """The aggregation modes a policy loss is defined with, where it does not take them all."""
+_DEFINED_IN = {"gspo": "Zheng et al. 2025, eq. 5", "gspo_token": "Zheng et al. 2025, eq. 13",
+               "geo_mean": "GMPO, Zhao et al. 2025", "sapo": "SAPO, Gao et al. 2025"}
+
+
+DUAL_CLIP_LOSSES = ("ppo_clip", "gspo", "gspo_token")
+"""The losses that define the dual clip: min(L, -c A) for A < 0 on PPO's token surrogate, or on GSPO's
+sequence surrogate (where the sequence ratio s_i takes the token ratio's place)."""
 
 
 def check_settings(policy_loss: str, loss_agg_mode: str, dual_clip: Optional[float] = None) -> None:
     """Refuse a policy loss with settings it does not define: GSPO with a token-level aggregation, and the
-    dual clip (ppo_clip's, on the token surrogate) with another loss. One-line ValueErrors."""
+    dual clip with a loss outside DUAL_CLIP_LOSSES. One-line ValueErrors."""
     modes = AGG_MODES_OF.get(policy_loss)
     if modes is not None and loss_agg_mode not in modes:
         raise ValueError(f"algo.policy_loss={policy_loss!r} needs algo.loss_agg_mode={' or '.join(modes)} "
-                         f"(got {loss_agg_mode!r}): GSPO's objective is the mean over responses of one sequence-level "
-                         f"term each (Zheng et al. 2025, eq. 5); {loss_agg_mode} would weight responses by length")
-    if dual_clip is not None and policy_loss != "ppo_clip":
-        raise ValueError(f"algo.dual_clip={dual_clip} is ppo_clip's (token surrogate, negative advantages); "
-                         f"algo.policy_loss={policy_loss!r} does not define it: set algo.dual_clip=null")
+                         f"(got {loss_agg_mode!r}): its objective is the mean over responses of one term each "
+                         f"({_DEFINED_IN[policy_loss]}); {loss_agg_mode} would weight responses by length")
+    if dual_clip is not None and policy_loss not in DUAL_CLIP_LOSSES:
+        raise ValueError(f"algo.dual_clip={dual_clip} bounds a clipped ratio surrogate for negative advantages "
+                         f"({', '.join(DUAL_CLIP_LOSSES)}); algo.policy_loss={policy_loss!r} does not define it: "
+                         f"set algo.dual_clip=null")
 
 
 def _with_terms(obj: Objective, pg: torch.Tensor, kl: Optional[torch.Tensor], entropy: torch.Tensor,
@@ -300,16 +357,24 @@ def _with_terms(obj: Objective, pg: torch.Tensor, kl: Optional[torch.Tensor], en
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log s_i = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)) over response i's valid tokens (each log-ratio
-    clamped to [-20, 20]); 0 for a response without valid tokens. [B, T] -> [B], with grad."""
+    """log s_i = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)) over response i's valid tokens, the token log-ratios
+    not clamped (as verl: a clamp per token would cut the gradient of the tokens beyond it, which gspo_token's
+    per-token form keeps); 0 for a response without valid tokens. [B, T] -> [B], with grad. The callers cap the
+    mean (Objective.seq_log_ratio_cap) before any exp."""
     m = mask.to(logp.dtype)
-    return (log_ratio(logp, old_logp) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    return ((logp - old_logp) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
 
 
-def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                   dual_clip: Optional[float] = None):
+    """-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A), and with dual_clip=c, min(that, -c A) where A < 0;
+    returns (loss, where the clipped branch was taken)."""
     unclipped = -adv * s
     clipped = -adv * s.clamp(1.0 - eps_low, 1.0 + eps_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return loss, clipped > unclipped
 
 
 def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w):
@@ -330,10 +395,13 @@ def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantag
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7): the clip acts on the response's
     length-normalised sequence ratio
 
-        s_i = exp((1/|y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t))),
+        s_i = exp(min((1/|y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t)), cap)),
         J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
 
-    eps = (gspo_clip_low, gspo_clip_high), the paper's 3e-4 / 4e-4. The loss is -J, with the same KL and entropy
+    eps = (gspo_clip_low, gspo_clip_high), the paper's 3e-4 / 4e-4; cap = seq_log_ratio_cap (verl's 10: without it
+    a negative advantage's loss -A s_i grows as e^(log s_i), unbounded; above the cap s_i has no gradient). With
+    dual_clip = c the loss of A_i < 0 is further bounded by -c A_i (PPO's dual clip on the sequence ratio). The
+    loss is -J, with the same KL and entropy
     terms and token weights (rollout correction, DAPO scale) as ppo_clip, per token; aggregated by
     seq-mean-token-mean only (one term per response: a response's -min(...) sits on each of its tokens, and the
     mean over its tokens gives it back, value and gradient). Arguments and return as `ppo_clip`; advantages [B].
@@ -344,8 +412,8 @@ def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantag
                          f"use gspo_token for per-token advantages")
     kl = kl_term(obj, logp, ref_logp, full_kl)
     w = token_weights(obj, mask, old_logp, engine_logp)
-    s = sequence_log_ratio(logp, old_logp, mask).exp()
-    pg_seq, clipped_seq = _sequence_clip(s, advantages, obj.gspo_clip_low, obj.gspo_clip_high)
+    s = sequence_log_ratio(logp, old_logp, mask).clamp(max=obj.seq_log_ratio_cap).exp()
+    pg_seq, clipped_seq = _sequence_clip(s, advantages, obj.gspo_clip_low, obj.gspo_clip_high, obj.dual_clip)
     pg = pg_seq.unsqueeze(-1).expand_as(logp)
     clipped = clipped_seq.unsqueeze(-1).expand_as(logp)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
@@ -363,15 +431,17 @@ def gspo_token(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, ad
         s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)],
         J = (1/G) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t),
 
-    which allows per-token advantages ([B] or [B, T]); with A_i,t = A_i it equals `gspo` in value and gradient.
+    which allows per-token advantages ([B] or [B, T]); log s_i,t is capped at seq_log_ratio_cap as gspo's log s_i
+    (verl's clamp(max=10)), and dual_clip acts as in gspo, so with A_i,t = A_i it equals `gspo` in value and
+    gradient, at any log-ratio.
     Aggregated by seq-mean-token-mean only (the (1/G)(1/|y_i|) above). Arguments and return as `ppo_clip`."""
     check_settings("gspo_token", obj.loss_agg_mode)
     kl = kl_term(obj, logp, ref_logp, full_kl)
     w = token_weights(obj, mask, old_logp, engine_logp)
     log_s = sequence_log_ratio(logp, old_logp, mask).detach().unsqueeze(-1)
-    s_t = (log_s + logp - logp.detach()).exp()
+    s_t = (log_s + logp - logp.detach()).clamp(max=obj.seq_log_ratio_cap).exp()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high)
+    pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high, obj.dual_clip)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
     return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
 
@@ -400,3 +470,232 @@ def cispo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advanta
     clipped = (r < lo) | (r > hi)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
     return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+# ---- GMPO, SAPO, GPG, Clip-Cov, KL-Cov ---------------------------------------------------------------------
+
+
+def _token_adv(advantages: torch.Tensor) -> torch.Tensor:
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
+@POLICY_LOSSES.register("geo_mean")
+def geo_mean(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+             ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+             engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): the geometric mean of the token
+    ratios, each clipped in log space, in place of their arithmetic mean,
+
+        l_t = log(pi(y_t) / pi_old(y_t)),   l~_t = sgn(A_i) min(sgn(A_i) l_t, sgn(A_i) clip(l_t, -eps_low, eps_high)),
+        J = (1/G) sum_i A_i exp(min((1/|y_i|) sum_t l~_t, cap)),
+
+    eps = (gmpo_clip_low, gmpo_clip_high), the paper's 0.4 each; cap = seq_log_ratio_cap (as GSPO: a negative
+    advantage with a large positive l_t would otherwise grow as e^l). The loss is -J, with the KL and entropy terms
+    and token weights of ppo_clip per token; seq-mean-token-mean only (a response's term sits on each of its tokens).
+    advantages: [B]. clipped_sum counts tokens whose clipped log-ratio was taken. Arguments and return as
+    `ppo_clip`."""
+    check_settings("geo_mean", obj.loss_agg_mode)
+    if advantages.dim() != 1:
+        raise ValueError(f"geo_mean takes one advantage per response ([B]); got shape {tuple(advantages.shape)}")
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    lr = logp - old_logp
+    sgn = torch.sign(advantages).unsqueeze(-1)
+    lr_clip = lr.clamp(-obj.gmpo_clip_low, obj.gmpo_clip_high)
+    lr_min = sgn * torch.minimum(sgn * lr, sgn * lr_clip)
+    m = mask.to(logp.dtype)
+    log_s = (lr_min * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    pg_seq = -advantages * log_s.clamp(max=obj.seq_log_ratio_cap).exp()
+    pg = pg_seq.unsqueeze(-1).expand_as(logp)
+    clipped = (sgn * lr_clip < sgn * lr).detach()
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+         mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+         ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+         engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth, temperature-controlled gate
+    on the token ratio in place of the hard clip,
+
+        f(r, tau) = (4 / tau) sigmoid(tau (r - 1)),   tau = sapo_tau_pos if A > 0 else sapo_tau_neg,
+        J = (1/G) sum_i (1/|y_i|) sum_t f(r_i,t, tau) A_i,t,
+
+    r = exp(log-ratio clamped to +-20). Its gradient is sigmoid'-shaped in r, 1 * A grad log pi at r = 1 (as PPO's
+    on-policy gradient), decaying smoothly away from it. The loss is -J plus ppo_clip's KL and entropy terms and
+    token weights; seq-mean-token-mean only. advantages [B] or [B, T]. clipped_sum is 0 (nothing is clipped).
+    Arguments and return as `ppo_clip`."""
+    check_settings("sapo", obj.loss_agg_mode)
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    adv = _token_adv(advantages)
+    r = log_ratio(logp, old_logp).exp()
+    tau = torch.where(adv > 0, obj.sapo_tau_pos, obj.sapo_tau_neg).to(r.dtype)
+    pg = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+        mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+        ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+        engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG (Chu et al. 2025, "GPG: A Minimalist Policy Optimization Framework"): plain policy
+    gradient, no ratio and no clip,
+
+        L_t = -A_t log pi(y_t),
+
+    plus ppo_clip's KL and entropy terms and token weights, aggregated by `loss_agg_mode` (the paper's is
+    token-mean). Its gradient is -A_t grad log pi(y_t) at any pi_old. advantages [B] or [B, T]. clipped_sum is 0.
+    Arguments and return as `ppo_clip`."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    pg = -_token_adv(advantages) * logp
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+def token_covariance(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cov_t = (A_t - mean(A)) (log pi_t - mean(log pi)), the means over the micro-batch's valid tokens (Cui et al.
+    2025, per token; verl's micro-batch means). logp: [B, T] (detached here); adv: [B, 1] or [B, T].
+    Returns [B, T], no gradient; -inf on masked tokens."""
+    valid = mask.bool()
+    a = adv.detach().expand_as(logp)
+    lp = logp.detach()
+    if not valid.any():
+        return torch.full_like(lp, -math.inf)
+    cov = (a - a[valid].mean()) * (lp - lp[valid].mean())
+    return cov.masked_fill(~valid, -math.inf)
+
+
+def _selection_generator(old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Generator:
+    """A CPU generator seeded by the micro-batch's old logprobs: every TP/PP rank that holds the micro-batch draws
+    the same tokens, and a rerun of the step draws them again."""
+    key = float((old_logp.detach().double() * mask.double()).sum()) * 1e6
+    return torch.Generator().manual_seed(int(abs(key)) % (2 ** 62) + int(mask.sum()))
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+             ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+             engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models"): ppo_clip's surrogate (clip_ratio_low/high, dual_clip not defined), with the gradient cut on a few
+    tokens of high covariance between advantage and log-probability (the tokens that drive entropy collapse):
+    among the valid tokens that PPO's clip did not clip and whose Cov_t (`token_covariance`) lies in
+    (clip_cov_lb, clip_cov_ub), max(1, floor(clip_cov_ratio * valid tokens)) are drawn at random and their
+    policy-gradient term is dropped (loss and gradient 0; their KL and entropy terms stay). The draw is
+    seeded by the micro-batch (`_selection_generator`). clipped_sum counts PPO-clipped plus dropped tokens.
+    Arguments and return as `ppo_clip`; aggregated by `loss_agg_mode`."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    adv = _token_adv(advantages)
+    pg, ppo_clipped = clipped_surrogate(logp, old_logp, advantages, obj.clip_ratio_low, obj.clip_ratio_high)
+    valid = mask.bool()
+    cov = token_covariance(logp, adv, mask)
+    cand = valid & ~ppo_clipped & (cov > obj.clip_cov_lb) & (cov < obj.clip_cov_ub)
+    idx = torch.nonzero(cand.reshape(-1)).squeeze(-1)
+    k = min(max(int(obj.clip_cov_ratio * int(valid.sum())), 1), idx.numel())
+    drop = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    if k:
+        pick = torch.randperm(idx.numel(), generator=_selection_generator(old_logp, mask))[:k]
+        drop[idx[pick.to(idx.device)]] = True
+    drop = drop.view_as(valid)
+    pg = torch.where(drop, torch.zeros_like(pg), pg)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, ppo_clipped | drop, logp, old_logp, mask, normaliser, entropy, kl,
+                   ref_logp, w)
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+           mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+           ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+           engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui et al. 2025): the unclipped surrogate -A_t r_t on every token, plus a KL penalty
+    kl_cov_coef * |log r_t| on the max(1, floor(kl_cov_ratio * valid tokens)) valid tokens of largest Cov_t
+    (`token_covariance`),
+
+        L_t = -A_t r_t + kl_cov_coef * |log r_t| * 1[t in top-k Cov],
+
+    r_t = exp(log-ratio clamped to +-20). Plus ppo_clip's KL and entropy terms and token weights, aggregated by
+    `loss_agg_mode`. clipped_sum counts the penalised tokens. Arguments and return as `ppo_clip`."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    adv = _token_adv(advantages)
+    valid = mask.bool()
+    lr = logp - old_logp
+    pg = -adv * log_ratio(logp, old_logp).exp()
+    cov = token_covariance(logp, adv, mask).reshape(-1)
+    k = min(max(int(obj.kl_cov_ratio * int(valid.sum())), 1), int(valid.sum()))
+    top = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    if k:
+        top[torch.topk(cov, k).indices] = True
+    top = top.view_as(valid)
+    pg = torch.where(top, pg + obj.kl_cov_coef * lr.abs(), pg)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, top, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+# ---- DPPO ---------------------------------------------------------------------------------------------------
+
+
+def _dppo(obj: Objective, keep: torch.Tensor, *, logp, old_logp, advantages, mask, normaliser, entropy, ref_logp,
+          full_kl, engine_logp):
+    """L_t = -A_t sg(min(r_t, dppo_is_cap)) log pi(y_t) * keep_t (keep: no gradient), with ppo_clip's KL and entropy
+    terms and token weights; clipped_sum counts the dropped tokens."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    adv = _token_adv(advantages)
+    r = log_ratio(logp, old_logp).detach().exp()
+    pg = -adv * r.clamp(max=obj.dppo_is_cap) * logp * keep.to(logp.dtype)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    return _finish(obj, token_loss, pg, ~keep, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def dppo_tv(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+            mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+            ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+            engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"): the trust region
+    is a bound on the sampled token's probability change (the total variation of the binary distribution
+    {y_t, not y_t}), not on the ratio; a token outside it leaves the update,
+
+        keep_t = (p_t - p_old,t <= high) if A_t > 0 else (p_t - p_old,t >= -low),   p = exp(log pi),
+        L_t = -A_t sg(min(r_t, dppo_is_cap)) log pi(y_t) keep_t,
+
+    (low, high) = (dppo_div_low, dppo_div_high); r_t = exp(log-ratio clamped to +-20). Aggregated by
+    `loss_agg_mode`. Arguments and return as `ppo_clip`."""
+    p, p_old = logp.detach().exp(), old_logp.exp()
+    keep = torch.where(_token_adv(advantages) > 0, p - p_old <= obj.dppo_div_high, p - p_old >= -obj.dppo_div_low)
+    return _dppo(obj, keep, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, normaliser=normaliser,
+                 entropy=entropy, ref_logp=ref_logp, full_kl=full_kl, engine_logp=engine_logp)
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def dppo_kl(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+            mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+            ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+            engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL (Qi et al. 2026): as `dppo_tv` with the binary KL as the divergence,
+
+        D_t = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)),
+        keep_t = (D_t <= high or p_t <= p_old,t) if A_t > 0 else (D_t <= low or p_t >= p_old,t)
+
+    (a token moving against its advantage's push is always kept); L_t as dppo_tv. Arguments and return as
+    `ppo_clip`."""
+    lp, lp_old = logp.detach(), old_logp
+    p, p_old = lp.exp(), lp_old.exp()
+    d = p_old * (lp_old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    keep = torch.where(_token_adv(advantages) > 0, (d <= obj.dppo_div_high) | (p <= p_old),
+                       (d <= obj.dppo_div_low) | (p >= p_old))
+    return _dppo(obj, keep, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, normaliser=normaliser,
+                 entropy=entropy, ref_logp=ref_logp, full_kl=full_kl, engine_logp=engine_logp)

@@ -384,8 +384,11 @@ class AlgoConfig:
 
     policy_loss: str = "ppo_clip"
     """The policy loss, by name (grpo_mega.algo.POLICY_LOSSES): 'ppo_clip' (the clipped surrogate, with
-    clip-higher and dual-clip), 'gspo' / 'gspo_token' (GSPO's sequence-level ratio and clip; need
-    loss_agg_mode=seq-mean-token-mean), 'cispo' (MiniMax-M1's clipped, stop-gradient IS weight on log pi)."""
+    clip-higher and dual-clip), 'gspo' / 'gspo_token' (GSPO's sequence-level ratio and clip), 'cispo' (MiniMax-M1's
+    clipped, stop-gradient IS weight on log pi), 'geo_mean' (GMPO: geometric mean of log-clipped token ratios),
+    'sapo' (SAPO's smooth gate), 'gpg' (plain -A log pi), 'clip_cov' / 'kl_cov' (PPO with the gradient cut, or a KL
+    added, on high-covariance tokens), 'dppo_tv' / 'dppo_kl' (DPPO: tokens outside a probability-divergence trust
+    region leave the update). gspo, gspo_token, geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -393,15 +396,44 @@ class AlgoConfig:
     clip_ratio_high: float = 0.2
     """eps_high; > clip_ratio_low is DAPO's clip-higher."""
     dual_clip: Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages, or null (ppo_clip only)."""
+    """Dual-clip constant c > 1 for negative advantages (the loss of A < 0 is at most -c A), or null: off (verl
+    always applies c = 3, its clip_ratio_c; docs/verl.md). ppo_clip, gspo and gspo_token."""
     gspo_clip_low: float = 3e-4
     """GSPO: eps_low on the sequence ratio s_i = exp(mean_t log(pi/pi_old)) (Zheng et al. 2025: 3e-4)."""
     gspo_clip_high: float = 4e-4
     """GSPO: eps_high on s_i (the paper's 4e-4)."""
+    seq_log_ratio_cap: float = 10.0
+    """Upper cap on a sequence-level log-ratio before its exp (gspo, gspo_token; verl's GSPO caps at 10): bounds a
+    negative advantage's loss by |A| e^cap; no gradient above the cap."""
     cispo_eps_low: float = 1.0
     """CISPO: the IS weight is clipped below at 1 - cispo_eps_low (1.0: no lower bound, as MiniMax-M1)."""
     cispo_eps_high: float = 4.0
     """CISPO: the IS weight is clipped above at 1 + cispo_eps_high."""
+    gmpo_clip_low: float = 0.4
+    """geo_mean (GMPO): each token's log-ratio is clipped below at -gmpo_clip_low (the paper's ratio range
+    (e^-0.4, e^0.4); verl reads clip_ratio_low here)."""
+    gmpo_clip_high: float = 0.4
+    """geo_mean: each token's log-ratio is clipped above at gmpo_clip_high."""
+    sapo_tau_pos: float = 1.0
+    """sapo: the gate's temperature for tokens with A > 0 (verl's tau_pos)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: the gate's temperature for tokens with A <= 0 (verl's tau_neg)."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: the share of a micro-batch's valid tokens whose policy-gradient term is dropped (at least 1)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a token is a candidate when its advantage/log-prob covariance is in (clip_cov_lb, clip_cov_ub)."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: the candidates' covariance upper bound."""
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: the share of a micro-batch's valid tokens (largest covariance, at least 1) given the KL term."""
+    kl_cov_coef: float = 0.1
+    """kl_cov: the coefficient of |log r_t| on those tokens (verl's ppo_kl_coef)."""
+    dppo_div_low: float = 0.2
+    """dppo_tv / dppo_kl: the divergence threshold for tokens with A <= 0 (verl reads clip_ratio_low here)."""
+    dppo_div_high: float = 0.2
+    """dppo_tv / dppo_kl: the divergence threshold for tokens with A > 0 (verl reads clip_ratio_high here)."""
+    dppo_is_cap: float = 20.0
+    """dppo_tv / dppo_kl: the cap of the stop-gradient IS weight on kept tokens (verl's clip_ratio_c, 20 there)."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
@@ -413,10 +445,14 @@ class AlgoConfig:
     """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
     dapo_token_scale: bool = False
     """Scale each token's loss by 1 / (valid tokens of its response)."""
+    adv_estimator: str = "grpo"
+    """The advantage estimator (grpo_mega.algo.advantages.ADV_ESTIMATORS): 'grpo' (group mean and std),
+    'rloo' (leave-one-out mean), 'reinforce_plus_plus_baseline' (group mean, then whitened over the batch's tokens),
+    'grpo_passk' (only each group's best response, by its margin over the second best)."""
     norm_adv_by_std: bool = True
-    """Divide advantages by the group std (false: DrGRPO)."""
+    """Divide advantages by the group std (false: DrGRPO); read by adv_estimator grpo and grpo_passk only."""
     global_adv_norm: bool = False
-    """Divide advantages by their std over the whole batch."""
+    """Divide advantages by their std over the whole batch (after any adv_estimator)."""
     early_stop_imp_ratio: Optional[float] = None
     """Skip a mini-batch with an importance ratio above this (or below its inverse); null: never."""
     ref_update_interval: Optional[int] = None
@@ -462,7 +498,10 @@ class AlgoConfig:
         from grpo_mega.algo.loss import AGG_MODES
         from grpo_mega.algo.policy_loss import POLICY_LOSSES, check_settings
 
+        from grpo_mega.algo.advantages import ADV_ESTIMATORS
+
         POLICY_LOSSES.get(self.policy_loss)
+        ADV_ESTIMATORS.get(self.adv_estimator)
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
         check_settings(self.policy_loss, self.loss_agg_mode, self.dual_clip)
@@ -493,6 +532,18 @@ class AlgoConfig:
         if self.gspo_clip_low < 0 or self.gspo_clip_high < 0:
             raise ValueError(f"algo.gspo_clip_low={self.gspo_clip_low} and gspo_clip_high={self.gspo_clip_high} "
                              f"must be >= 0")
+        if not self.seq_log_ratio_cap > 0:
+            raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
+        self.objective()  # the loss's own checks (grpo_mega.algo.policy_loss.Objective), at start-up
+
+    def objective(self):
+        """The policy loss's settings (grpo_mega.algo.policy_loss.Objective): every field of it read from the
+        field of the same name here, the one place the loss reads the config."""
+        from dataclasses import fields
+
+        from grpo_mega.algo.policy_loss import Objective
+
+        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective)})
 
     @property
     def records_routes(self) -> bool:
@@ -933,6 +984,12 @@ class RewardConfig:
     rule / dotted path. With a learned reward model, a rule judges the policy rather than the model."""
     overlong: str = "keep"
     """A response cut at batch.max_response_length: 'keep' its reward, 'zero' it, or 'mask' it out of the loss."""
+    overlong_buffer_len: Optional[int] = None
+    """DAPO's soft overlong punishment (verl's reward.overlong_buffer.len): a response longer than
+    batch.max_response_length - overlong_buffer_len gets a penalty growing linearly to -overlong_penalty_factor at
+    max_response_length, added to the score the advantages come from; null: off."""
+    overlong_penalty_factor: float = 1.0
+    """The soft overlong penalty at max_response_length (verl's reward.overlong_buffer.penalty_factor)."""
     num_workers: Optional[int] = None
     """Reward worker processes per rank; null: the node's cores divided among its ranks (at least 1)."""
     timeout_s: float = 30.0
@@ -951,6 +1008,10 @@ class RewardConfig:
     """The steps max_error_fraction is measured over (fewer at the start: step 1 alone is a window)."""
 
     def __post_init__(self):
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len < 1:
+            raise ValueError(f"reward.overlong_buffer_len={self.overlong_buffer_len} must be >= 1 tokens (null: off)")
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"reward.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0")
         if self.max_memory_mb is not None and self.max_memory_mb < 0:
             raise ValueError(f"reward.max_memory_mb={self.max_memory_mb} must be >= 0 (0 or null: no limit)")
         if not 0 <= self.max_error_fraction <= 1:
@@ -1035,6 +1096,11 @@ class TrainConfig:
         if self.task == "prompts" and not self.data.train_files:
             raise ValueError("task=prompts needs data.train_files=PATH (.jsonl or .parquet in verl's schema)")
         self.batch.check_packing(self.parallel)
+        buffer = self.reward.overlong_buffer_len
+        if buffer is not None and buffer > self.batch.max_response_length:
+            raise ValueError(f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be <= "
+                             f"batch.max_response_length={self.batch.max_response_length} (the buffer is its last "
+                             f"tokens)")
         if self.reward.rm_train.interval and self.algo.ref_update_interval is None:
             # Iterative RL (Algorithm 1): the reference follows the reward model's updates.
             self.algo.ref_update_interval = self.reward.rm_train.interval
@@ -1112,7 +1178,11 @@ class TrainConfig:
 
         a = self.algo
         return StepShaping(n=self.rollout.n, overlong=self.reward.overlong, kl_in_reward=a.kl_in_reward,
-                           kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, norm_adv_by_std=a.norm_adv_by_std,
+                           overlong_buffer_len=self.reward.overlong_buffer_len,
+                           overlong_penalty_factor=self.reward.overlong_penalty_factor,
+                           max_response_length=self.batch.max_response_length,
+                           kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, adv_estimator=a.adv_estimator,
+                           norm_adv_by_std=a.norm_adv_by_std,
                            global_adv_norm=a.global_adv_norm, dynamic_sampling=bool(a.dynamic_sampling))
 
 

@@ -412,19 +412,6 @@ class Reference:
         copy_weights(actor.built.gpt, self.built.gpt)
 
 
-def objective(a: AlgoConfig) -> algo.Objective:
-    """The policy loss's settings from `algo.*`: the one place the loss reads the config."""
-    return algo.Objective(
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, dual_clip=a.dual_clip,
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-        loss_agg_mode=a.loss_agg_mode, dapo_token_scale=a.dapo_token_scale, engine_is_cap=a.engine_is_cap,
-        rollout_correction=a.rollout_correction, rollout_correction_mode=a.rollout_correction_mode,
-        rollout_correction_low=a.rollout_correction_low, rollout_correction_high=a.rollout_correction_high,
-        early_stop_imp_ratio=a.early_stop_imp_ratio, gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high,
-        cispo_eps_low=a.cispo_eps_low, cispo_eps_high=a.cispo_eps_high,
-    )
-
-
 class Actor:
     """The trainable policy: Megatron DDP + optimizer + LR schedule, and the GRPO update."""
 
@@ -436,7 +423,7 @@ class Actor:
         self.model_cfg, self.parallel, self.precision = model_cfg, parallel, precision
         self.optim, self.algo, self.batch = optim, algo_cfg, batch
         self.policy_loss = algo.POLICY_LOSSES.get(algo_cfg.policy_loss)
-        self.objective = objective(algo_cfg)
+        self.objective = algo_cfg.objective()
         self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
         self.moe = None
         if model_cfg.is_moe:

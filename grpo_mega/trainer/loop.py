@@ -54,7 +54,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
             with timer("ref_logprobs"):
                 rb.ref_logp = run.reference.logprobs(rb, temperature)
         overlong = torch.tensor([f == "length" for f in gen.finish_reasons])
-        shaped = shape_step(cfg.shaping(), rewards, overlong, rb.old_logp, rb.ref_logp, rb.response_mask())
+        shaped = shape_step(cfg.shaping(), rewards, overlong, rb.old_logp, rb.ref_logp, rb.response_mask(),
+                            rb.response_lens)
         rb.advantages, rb.in_loss = shaped.advantages, shaped.in_loss
         if cfg.rollout.dump_dir and run.rank0:  # rank 0 holds every sample
             from grpo_mega.rollout.dump import write_dump

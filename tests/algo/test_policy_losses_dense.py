@@ -158,14 +158,17 @@ def test_bad_correction_settings_are_one_line_errors(kw, message):
 
 # ---- GSPO -------------------------------------------------------------------------------------------------
 
-def dense_gspo(x, eps_low, eps_high, kl_coef, ent_coef, w=None):
+def dense_gspo(x, eps_low, eps_high, kl_coef, ent_coef, w=None, cap=10.0, dual=None):
     """-(1/G) sum_i [min(s_i A_i, clip(s_i) A_i) - (1/|y_i|) sum_t (beta k3_t - c_H H_t)], each token's part
-    times w_t; s_i = exp((1/|y_i|) sum_t (logp - old)) (Zheng et al. 2025, eq. 5-7);
-    k3 = e^(ref-logp) - (ref-logp) - 1."""
+    times w_t; s_i = exp(min((1/|y_i|) sum_t (logp - old), cap)) (Zheng et al. 2025, eq. 5-7; verl's cap of 10 on
+    log s_i); with dual = c, the pg term of A_i < 0 is min(pg, -c A_i); k3 = e^(ref-logp) - (ref-logp) - 1."""
     def per_seq(i, ts, logp):
         a = float(x["adv"][i])
-        s = torch.exp(sum(logp[i, t] - x["old"][i, t] for t in ts) / len(ts))
+        log_s = sum(logp[i, t] - x["old"][i, t] for t in ts) / len(ts)
+        s = torch.exp(log_s) if float(log_s.detach()) <= cap else torch.exp(log_s.detach() * 0 + cap)
         pg = -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+        if dual is not None and a < 0:
+            pg = torch.minimum(pg, torch.tensor(-dual * a, dtype=torch.float64))
         out = 0.0
         for t in ts:
             d = x["ref"][i, t] - logp[i, t]
@@ -246,13 +249,80 @@ def test_gspo_token_takes_per_token_advantages():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_gspo_refuses_aggregations_it_does_not_define(name, mode):
     with pytest.raises(ValueError, match=rf"algo\.policy_loss='{name}' needs algo\.loss_agg_mode=seq-mean-token-mean "
-                                         rf"\(got '{mode}'\): GSPO's objective is the mean over responses"):
+                                         rf"\(got '{mode}'\): its objective is the mean over responses"):
         check_settings(name, mode)
     x = _inputs(0, 1e-3)
     with pytest.raises(ValueError, match="needs algo.loss_agg_mode=seq-mean-token-mean"):
         _run(name, Objective(loss_agg_mode=mode), x, x["mask"].sum())
-    with pytest.raises(ValueError, match=r"algo\.dual_clip=3\.0 is ppo_clip's"):
+    with pytest.raises(ValueError, match=r"algo\.dual_clip=3\.0 bounds a clipped ratio surrogate .*"
+                                         r"algo\.policy_loss='cispo' does not define it"):
         check_settings("cispo", "token-mean", 3.0)
+    check_settings(name, "seq-mean-token-mean", 3.0)  # GSPO's sequence surrogate takes the dual clip
+
+
+GSPO_MODES = [("gspo", None), ("gspo_token", None), ("gspo", 3.0), ("gspo_token", 3.0)]
+
+
+def _one_token(log_ratio, adv):
+    """One response of one valid token (the rest of its row masked) with the given log-ratio and advantage."""
+    x = _inputs(0, 0.0)
+    x["mask"] = torch.zeros(B, T, dtype=torch.bool)
+    x["mask"][0, 0] = True
+    x["adv"] = torch.zeros(B, dtype=torch.float64)
+    x["adv"][0] = adv
+    x["logp"] = x["old"].clone()
+    x["logp"][0, 0] += log_ratio
+    return x
+
+
+@pytest.mark.parametrize("name,dual", GSPO_MODES)
+def test_gspo_is_bounded_for_a_one_token_response(name, dual):
+    """The issue's case: one token, log s_i = 12, A = -0.9. Uncapped, the loss is 0.9 e^12 = 146,479 with gradient
+    24,413; capped at verl's 10 it is 0.9 e^10 = 19,823.9 with gradient 0; with dual_clip 3 it is 2.7, gradient 0.
+    The other 6 rows have no valid token (all-masked rows), so G = 1 response of B rows: normaliser 1."""
+    x = _one_token(12.0, -0.9)
+    obj = Objective(loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, dual_clip=dual)
+    loss, grad, stats = _run(name, obj, x, torch.tensor(1.0))
+    want = 0.9 * math.exp(10.0) if dual is None else 2.7
+    assert math.isfinite(float(loss)) and abs(float(loss) - want) <= 1e-9 * want
+    assert torch.isfinite(grad).all() and float(grad.abs().max()) == 0.0
+    want_d, want_g = dense_gspo(x, 3e-4, 4e-4, 0.0, 0.0, dual=dual)
+    assert abs(float(loss - want_d * B)) <= 1e-9 * want and (grad - want_g * B).abs().max() <= TOL
+    # below the cap the gradient is the formula's s A / |y| = -0.9 e^9.5, and the loss 0.9 e^9.5
+    x = _one_token(9.5, -0.9)
+    loss, grad, _ = _run(name, Objective(loss_agg_mode="seq-mean-token-mean", kl_coef=0.0), x, torch.tensor(1.0))
+    assert abs(float(loss) - 0.9 * math.exp(9.5)) <= 1e-9 * 0.9 * math.exp(9.5)
+    assert abs(float(grad[0, 0]) - 0.9 * math.exp(9.5)) <= 1e-9 * 0.9 * math.exp(9.5)
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+@pytest.mark.parametrize("cap", [10.0, 2.0])
+def test_gspo_and_gspo_token_agree_at_extreme_log_ratios(dual, cap):
+    """Token log-ratios of +-25 (beyond the old per-token clamp of +-20), a zero-advantage row, all-masked rows
+    and one-token rows: gspo and gspo_token equal each other in value and gradient, and the float64 formula
+    (dense_gspo) to 1e-6 relative to the loss's scale; everything finite."""
+    x = _inputs(6, 0.5)
+    g = torch.Generator().manual_seed(11)
+    big = torch.rand(B, T, generator=g, dtype=torch.float64) < 0.3
+    sign = torch.where(torch.rand(B, T, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0)
+    x["logp"] = torch.where(big, x["old"] + 25.0 * sign, x["logp"])
+    x["logp"][1] = x["old"][1] + 25.0  # all of row 1's tokens at +25: log s_1 = 25 > cap
+    x["logp"][2] = x["old"][2] - 25.0  # row 2 at -25: s_2 = e^-25
+    x["adv"][1], x["adv"][2] = -0.9, 0.7
+    x["adv"][4] = 0.0  # a zero-advantage row
+    x["mask"][5] = False  # a second all-masked row (row 3 is one)
+    x["mask"][6] = False
+    x["mask"][6, 2] = True  # a one-token row
+    obj = Objective(loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, dual_clip=dual, seq_log_ratio_cap=cap)
+    a = _run("gspo", obj, x, torch.tensor(float(B)))
+    b = _run("gspo_token", obj, x, torch.tensor(float(B)))
+    want, want_grad = dense_gspo(x, 3e-4, 4e-4, 0.0, 0.0, cap=cap, dual=dual)
+    scale = max(1.0, abs(float(want)))
+    for loss, grad, _ in (a, b):
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        assert abs(float(loss - want)) <= TOL * scale and (grad - want_grad).abs().max() <= TOL * scale
+    assert abs(float(a[0] - b[0])) <= 1e-12 * scale and (a[1] - b[1]).abs().max() <= 1e-12 * scale
+    assert float(a[1][4].abs().max()) == 0.0 and float(a[1][1].abs().max()) == 0.0  # A = 0; log s_1 above the cap
 
 
 # ---- CISPO ------------------------------------------------------------------------------------------------

@@ -147,3 +147,47 @@ def test_global_adv_norm_and_result_type():
     assert isinstance(got, ShapedStep)
     assert torch.equal(got.advantages, algo.group_advantages(r, 3, True, True))
     assert math.isclose(float(got.advantages.std()), 1.0, rel_tol=1e-5)
+
+
+def _dapo_r_length(y, l_max, l_cache):
+    """DAPO eq. 13, written from the paper: 0, then a linear ramp over the last l_cache tokens, -1 beyond."""
+    if y <= l_max - l_cache:
+        return 0.0
+    if y <= l_max:
+        return ((l_max - l_cache) - y) / l_cache
+    return -1.0
+
+
+def test_soft_overlong_penalty_is_dapos():
+    """reward.overlong_buffer_len: score = reward + factor * R_length(|y|) (DAPO, Yu et al. 2025, eq. 13; verl's
+    penalty_factor), the advantages from it; the logged rewards stay the task's. 1e-12: a few float64 operations."""
+    from grpo_mega.algo.shaping import overlong_penalty
+
+    lengths = torch.tensor([10, 40, 41, 50, 60, 64, 3, 63])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.25], dtype=torch.float64)
+    for factor in (1.0, 0.5):
+        want_pen = [factor * _dapo_r_length(int(y), 64, 24) for y in lengths]
+        got_pen = overlong_penalty(lengths, 64, 24, factor)
+        assert max(abs(a - b) for a, b in zip(got_pen.tolist(), want_pen)) <= 1e-12
+        assert overlong_penalty(torch.tensor([65]), 64, 24, factor).item() == -factor
+        s = StepShaping(n=4, overlong_buffer_len=24, overlong_penalty_factor=factor, max_response_length=64)
+        got = shape_step(s, rewards, lengths == 64, response_lengths=lengths)
+        assert torch.equal(got.rewards, rewards)
+        want_scores = rewards + torch.tensor(want_pen, dtype=torch.float64)
+        assert (got.scores - want_scores).abs().max() <= 1e-12
+        assert torch.equal(got.advantages, algo.group_advantages(got.scores, 4))
+    assert sum(p != 0 for p in want_pen) == 5  # both sides of the buffer's start are exercised
+    with pytest.raises(ValueError,
+                       match=r"reward\.overlong_buffer_len=80 must be in \[1, batch\.max_response_length=64\]"):
+        StepShaping(n=4, overlong_buffer_len=80, max_response_length=64)
+    with pytest.raises(ValueError, match="needs the responses' lengths"):
+        shape_step(StepShaping(n=4, overlong_buffer_len=8, max_response_length=64), rewards, lengths == 64)
+
+
+def test_overlong_buffer_settings_reach_the_shaping():
+    from grpo_mega.conf.schema import BatchConfig, RewardConfig, TrainConfig
+
+    with pytest.raises(ValueError, match=r"reward\.overlong_buffer_len=1000 must be <= batch\.max_response_length=256"):
+        TrainConfig(reward=RewardConfig(overlong_buffer_len=1000), batch=BatchConfig(max_response_length=256))
+    s = TrainConfig(reward=RewardConfig(overlong_buffer_len=16, overlong_penalty_factor=0.5)).shaping()
+    assert (s.overlong_buffer_len, s.overlong_penalty_factor, s.max_response_length) == (16, 0.5, 256)

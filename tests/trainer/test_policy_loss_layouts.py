@@ -1,7 +1,8 @@
-"""gspo and cispo, each with a rollout correction, are the same under TP2 + sequence parallelism, PP2 and DP2 as in
+"""gspo, cispo, geo_mean (GMPO), sapo and gpg, each with a rollout correction, are the same under TP2 + sequence
+parallelism, PP2 and DP2 as in
 one process: loss, grad norm, the full gradient and the correction's metrics (tests/trainer/layouts.py).
 
-GSPO's sequence ratio and the sequence-level correction reduce over a whole response: this checks that every
+GSPO's and GMPO's sequence ratios and the sequence-level correction reduce over a whole response: this checks that every
 response reaches the loss whole (packed rows unpacked per sequence, the sequence gathered before the output layer
 under SP, the vocab-parallel ops reduced over TP, each sequence on one DP rank and on the last stage)."""
 
@@ -21,7 +22,19 @@ LOSSES = {  # name: (combo (mode, micro-batch size), AlgoConfig fields)
               dict(policy_loss="cispo", dual_clip=None, cispo_eps_low=0.2, cispo_eps_high=0.3,
                    rollout_correction="geometric", rollout_correction_mode="mask", rollout_correction_low=0.9,
                    rollout_correction_high=1.1)),
+    "geo_mean": (("seq-mean-token-mean", 1),
+                 dict(policy_loss="geo_mean", dual_clip=None, gmpo_clip_low=0.02, gmpo_clip_high=0.03,
+                      rollout_correction="sequence", rollout_correction_low=0.8, rollout_correction_high=1.2)),
+    "sapo": (("seq-mean-token-mean", 1),
+             dict(policy_loss="sapo", dual_clip=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+                  rollout_correction="geometric", rollout_correction_mode="mask", rollout_correction_low=0.9,
+                  rollout_correction_high=1.1)),
+    "gpg": (("token-mean", 1),
+            dict(policy_loss="gpg", dual_clip=None, rollout_correction="geometric", rollout_correction_mode="mask",
+                 rollout_correction_low=0.9, rollout_correction_high=1.1)),
 }
+CLIPPING = ("gspo", "cispo", "geo_mean")
+"""The losses with a clip whose both sides the reference must take (sapo's gate and gpg have none)."""
 LAYOUTS = {"TP2-SP": (2, 1, 1, True), "PP2": (1, 2, 1, False), "DP2": (1, 1, 2, False)}
 METRICS = ("is_weight_mean", "is_capped_fraction", "is_seq_capped_fraction", "clip_fraction", "pg_loss")
 
@@ -40,7 +53,8 @@ def references(tmp_path_factory):
 def test_references_exercise_the_bounds(references):
     for name, (combo, _) in LOSSES.items():
         m, _ = references[1][name][3][combo]
-        assert 0 < m["clip_fraction"] < 1 and 0 < m["is_seq_capped_fraction"] < 1, (name, {k: m[k] for k in METRICS})
+        assert 0 < m["is_seq_capped_fraction"] < 1, (name, {k: m[k] for k in METRICS})
+        assert name not in CLIPPING or 0 < m["clip_fraction"] < 1, (name, {k: m[k] for k in METRICS})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
