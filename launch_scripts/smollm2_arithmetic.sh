@@ -33,7 +33,7 @@ exec "${launcher[@]}" -m grpo_mega.train \
   parallel.tp="$TP" precision.params_dtype=fp32 \
   batch.train_batch_size=4 rollout.n=4 batch.ppo_mini_batch_size=4 batch.micro_batch_size=8 \
   batch.max_prompt_length=128 batch.max_response_length=32 \
-  optim.lr=2e-6 algo.kl_coef=0.001 rollout.temperature=1.0 \
+  optim.lr=2e-6 optim.weight_decay=0.0 algo.kl_coef=0.001 algo.clip_ratio_high=0.28 rollout.temperature=1.0 \
   run.steps="$STEPS" eval.interval="$STEPS" eval.pass_k=2 \
   checkpoint.dir="$OUT/checkpoints" checkpoint.interval=0 checkpoint.export_hf=true \
   hydra.run.dir="$OUT/run" "$@"

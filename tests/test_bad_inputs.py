@@ -95,21 +95,21 @@ DATA_CASES = {
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
 def test_bad_data_file(case, tmp_path):
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     make, pattern = DATA_CASES[case]
-    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={make(tmp_path)}",
-                "batch.max_prompt_length=128", fork=True)
+    proc = _cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={smollm2_dir()}",
+                f"data.train_files={make(tmp_path)}", "batch.max_prompt_length=128", fork=True)
     _refused(proc, pattern)
 
 
 def test_a_row_naming_an_unregistered_tool_is_refused_at_start_up(tmp_path):
     """rollout.multi_turn on: a row's extra_info.tools_kwargs naming a tool the run does not have stops the run
     before any model is built, naming the file, the line and the tool."""
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     data = _write_rows(tmp_path / "tk.jsonl", [_row(), _row(extra_info={"tools_kwargs": {"web_search": {}}})])
-    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}",
+    proc = _cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={smollm2_dir()}", f"data.train_files={data}",
                 "batch.max_prompt_length=128", "rollout.multi_turn.enable=true", fork=True)
     _refused(proc, r"tk\.jsonl:2: extra_info\.tools_kwargs names tool 'web_search', which is not in "
                    r"rollout\.multi_turn\.tools \(calculator\)")
@@ -238,7 +238,7 @@ def test_model_yaml_with_a_number_yaml_reads_as_text(tmp_path):
 
 
 def test_hf_model_with_pickle_weights_is_refused(tmp_path):
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     d = tmp_path / "pickled"
     d.mkdir()
@@ -247,7 +247,7 @@ def test_hf_model_with_pickle_weights_is_refused(tmp_path):
             shutil.copy(f, d / f.name)
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     data = _write_rows(tmp_path / "d.jsonl", [_row()])
-    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}", fork=True),
+    _refused(_cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={d}", f"data.train_files={data}", fork=True),
              r"pytorch_model\.bin: pickle files are never loaded; re-save with safe_serialization")
 
 
@@ -424,11 +424,12 @@ def test_bad_reward_model_input(case, tiny_rm_dir, tmp_path):
 @pytest.mark.parametrize("case", sorted(REWARD_CASES))
 def test_bad_reward_function(case, tmp_path):
     """With reward.on_error=raise (the default 'zero' scores the sample 0 and reports it)."""
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     name, pattern = REWARD_CASES[case]
     data = _write_rows(tmp_path / "d.jsonl", [_row(data_source="toy_arith"), _row("What is 3+4?", "7", data_source="toy_arith")])
-    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", f"reward.name={name}",
+    proc = _cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={smollm2_dir()}", f"data.train_files={data}",
+                f"reward.name={name}",
                 "reward.on_error=raise", "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2",
                 "batch.micro_batch_size=4", "batch.max_response_length=2", "eval.pass_k=1", "run.steps=1")
     _refused(proc, pattern)

@@ -105,7 +105,7 @@ def test_the_loop_runs_on_sglang(tmp_path):
 
 def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
     """SmolLM2-135M-Instruct from its HF directory, arithmetic prompts in verl's schema, math-verify reward."""
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}? Answer with just the number in \\boxed{{}}."}],
              "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy_arith"}
@@ -114,7 +114,7 @@ def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     out.mkdir()
-    proc, got = _run(out, "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", "reward.name=math",
+    proc, got = _run(out, "task=prompts", *demo_settings(), f"model={smollm2_dir()}", f"data.train_files={data}", "reward.name=math",
                      "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
                      "batch.max_response_length=24", "batch.max_prompt_length=128", "optim.lr=1e-6", "run.steps=2",
                      "eval.interval=2")
