@@ -212,9 +212,50 @@ def test_bad_configuration(case, tmp_path):
     _refused(_cli(tmp_path / "run", "run.steps=1", *overrides, fork=True), pattern)
 
 
-def test_unknown_override_key_names_the_field(tmp_path):
-    """Hydra's own check (before any of ours): a misspelt key is named with its config group."""
-    _refused(_cli(tmp_path / "run", "algo.kl_coeff=0.1", fork=False), r"Could not override 'algo.kl_coeff'[\s\S]*Key 'kl_coeff' not in 'AlgoConfig'", rc=1)
+@pytest.mark.parametrize("override,pattern", [
+    ("algo.kl_coeff=0.1", r"Could not override 'algo\.kl_coeff'; Key 'kl_coeff' not in 'AlgoConfig'"),
+    ("task=sucessor", r"In 'config': Could not find 'task/sucessor'; choose one of 'task': lookup_call, lookup_tool, product_tool, "
+                      r"prompts, successor, tens_tool"),
+    ("rollout.n=1.5", r"Error merging override rollout\.n=1\.5; Value '1\.5' of type 'float' could not be converted "
+                      r"to Integer"),
+])
+def test_an_override_hydra_cannot_apply_is_one_line(override, pattern, tmp_path):
+    """Hydra's own checks, run by the entry point before Hydra starts the run (in a new interpreter, the real entry
+    path): a misspelt key named with its config group, an unknown task with the tasks there are, a value of the
+    wrong type; one line, exit 2."""
+    proc = _cli(tmp_path / "run", override, fork=False)
+    _refused(proc, "^error: " + pattern + "\n$")
+    assert proc.stdout == "", proc.stdout
+
+
+LAYOUT_ERROR = ("error: model.num_layers=4 does not split over parallel.pp=3 stages: 4 layers remain for 3 stages "
+                "and must divide evenly")
+
+
+@pytest.mark.parametrize("launcher", ["grpo_mega.torchrun", "torch.distributed.run"])
+@pytest.mark.parametrize("override,line", [("parallel.pp=3", LAYOUT_ERROR),
+                                           ("algo.kl_coeff=0.1", "error: Could not override 'algo.kl_coeff'; Key "
+                                                                 "'kl_coeff' not in 'AlgoConfig'")])
+def test_a_bad_override_under_torchrun_is_said_once(launcher, override, line, tmp_path):
+    """`--nproc-per-node 2`, each rank a new interpreter: an override every rank refuses before torch.distributed
+    starts (a layout that cannot be; a key Hydra does not know) is said by rank 0 alone, in one line.
+    grpo_mega.torchrun (slurm/train.sbatch's and launch_scripts/' launcher) exits 2 and adds nothing; plain
+    torchrun adds its report of the failed ranks and exits 1 (it never passes a worker's status on)."""
+    proc = run_tree([sys.executable, "-m", launcher, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                     "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", override],
+                    capture_output=True, text=True, timeout=300, cwd=ROOT)
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert said == [line], proc.stderr[-3000:]
+    if launcher == "grpo_mega.torchrun":
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", line + "\n")
+    else:
+        assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+
+
+def _free_port() -> int:
+    from grpo_mega.processes import free_port
+
+    return free_port()
 
 
 def test_model_yaml_with_an_unknown_field(tmp_path):

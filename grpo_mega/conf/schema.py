@@ -1133,3 +1133,12 @@ def check_renamed(overrides: list[str]) -> None:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]}: write {RENAMED[key]}={o.split('=', 1)[1] if '=' in o else '...'}")
+
+
+def register_schema() -> None:
+    """TrainConfig in Hydra's ConfigStore as `train_schema`, the schema grpo_mega/conf/config.yaml composes against:
+    whoever composes the config (the entry point, the planner, the SGLang launcher, tests) calls this, so none of
+    them imports the entry point for it. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
