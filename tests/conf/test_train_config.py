@@ -145,8 +145,7 @@ def _compose(overrides: list[str]) -> schema.TrainConfig:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    import grpo_mega.train  # noqa: F401 - registers the schema that conf/config.yaml composes against
-
+    schema.register_schema()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
