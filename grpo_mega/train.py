@@ -1,6 +1,7 @@
 """`python -m grpo_mega.train [overrides]`: the Hydra entry point.
 
-Composes grpo_mega/conf/config.yaml with command-line overrides (`model=`, `parallel.tp=`, `rollout.n=`,
+Composes grpo_mega/conf/config.yaml (the defaults, then the task's settings: conf/task/<task>.yaml) with
+command-line overrides (`model=`, `parallel.tp=`, `rollout.n=`,
 `algo.kl_coef=`, `rollout.engine=`, `run.steps=`, ...) into one TrainConfig (grpo_mega/conf/schema.py: every
 component checks itself, the root checks the combinations, all before any model is built; docs/config.md
 lists every field), starts torch.distributed (torchrun's environment, or a single local process), builds
@@ -17,19 +18,19 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from grpo_mega.conf.schema import TrainConfig, check_renamed
+from grpo_mega.conf.schema import TrainConfig, check_renamed, register_schema
 from grpo_mega.processes import free_port
 
 
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+register_schema()
 
 
 def _input_errors() -> tuple[type, ...]:
@@ -41,6 +42,14 @@ def _input_errors() -> tuple[type, ...]:
 
 
 INPUT_ERRORS = _input_errors()
+
+EXIT_INPUT = 2
+"""Exit status of a run refused for a bad input (data, config, layout, checkpoint, reward, engine), after one line
+that names it."""
+SAY_ONCE_WAIT_S = 30.0
+"""How long a rank other than 0 holds back an error that every rank meets before torch.distributed starts (a config,
+a layout): rank 0 says it, torchrun then ends the others. Said after this wait, it was this rank's own (a model
+directory that only this node lacks), and rank 0 is waiting in the rendezvous."""
 
 EXIT_REQUEUE = 75
 """Exit status of a run ended by a transient failure (a rollout server that did not answer, or answered 5xx,
@@ -82,12 +91,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     from grpo_mega.trainer.sinks import MetricSinks
 
     _quiet_console()
-    config = TrainConfig.from_hydra(cfg)
-    model, tok, hf_dir = resolve_model(config)
-    _single_process_env()
+    try:  # every rank meets the same config and layout: an error here is said once (_said_by_rank0)
+        config = TrainConfig.from_hydra(cfg)
+        model, tok, hf_dir = resolve_model(config)
+        _single_process_env()
+        config.check_layout(model, int(os.environ["WORLD_SIZE"]))  # before any process group or model
+    except INPUT_ERRORS as e:
+        e.before_distributed = True
+        raise
     torch.set_num_threads(threads_per_rank())
     with cpu_compat.cpu_device_mode():
-        config.check_layout(model, int(os.environ["WORLD_SIZE"]))  # before any process group or model
         init_distributed(tp=config.parallel.tp, pp=config.parallel.pp, seed=config.run.seed,
                          timeout_s=config.dist.timeout_s, ep=config.parallel.ep)
         rank0 = torch.distributed.get_rank() == 0
@@ -115,14 +128,77 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     return summary
 
 
+def _fallback_note() -> None:
+    """megatron-core warns four times at import, in eight lines, that it falls back to torch's optimizers and
+    kernels without Transformer Engine and Apex. On a CPU that is the only way it runs: nothing is said. On a GPU
+    rank 0 says it once, in one line (`pip install -e .[gpu]` brings Transformer Engine)."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get("RANK", "0") != "0":
+        return
+    if importlib.util.find_spec("transformer_engine") is None and importlib.util.find_spec("apex") is None:
+        print("note: Transformer Engine and Apex are not installed: megatron-core falls back to torch's optimizers "
+              "and kernels (pip install -e .[gpu] installs Transformer Engine)", file=sys.stderr, flush=True)
+
+
 def main() -> None:
-    """Refuses a setting's old name (one line, naming the new one) before Hydra sees the overrides."""
+    """Refuses a setting's old name (one line, naming the new one) and an override Hydra cannot apply (a misspelt
+    key, a value of the wrong type, an unknown task) before Hydra starts the run: one line, exit status 2, said by
+    rank 0 alone (every rank has the same command line)."""
     try:
         check_renamed(sys.argv[1:])
+        check_overrides(sys.argv[1:])
     except ValueError as e:
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(SAY_ONCE_WAIT_S)  # rank 0 says it, and torchrun ends this rank first
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(EXIT_INPUT)
     _hydra_main()
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Composes the command line's overrides as Hydra will (grpo_mega/conf/config.yaml); Hydra's or OmegaConf's
+    error becomes a ValueError of one line. A command line with Hydra's own flags (--cfg, --help, -m, ...) is left
+    to Hydra; hydra.* overrides only place the run's files."""
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
+            compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(one_line(e)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def one_line(e: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages, with their causes', in one line: what failed and why, without
+    the full_key / object_type trailers OmegaConf adds (they repeat the override)."""
+    lines, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).split("\nConfig search path:")[0]  # where Hydra looked: its own paths, not the user's
+        head, _, options = text.partition("\nAvailable options in ")  # a config group's choices, one a line
+        if options:
+            group, _, names = options.partition(":")
+            head += f"\nchoose one of {group}: " + ", ".join(n.strip() for n in names.split() if n.strip())
+        for ln in head.splitlines():
+            ln = ln.strip().rstrip(".")
+            if ln and not ln.startswith(("full_key:", "object_type=", "reference_type=", "To append to your config")) \
+                    and "$VALUE" not in ln \
+                    and ln not in lines:
+                lines.append(ln)
+        e = e.__cause__ or e.__context__
+    return "; ".join(lines) or "invalid override"
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
@@ -131,8 +207,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     warnings.simplefilter("ignore", FutureWarning)
-    for msg in ("full scope is deprecated", ".*CUDA_DEVICE_MAX_CONNECTIONS", "The .grad attribute of a Tensor"):
+    for msg in ("full scope is deprecated", ".*CUDA_DEVICE_MAX_CONNECTIONS", "The .grad attribute of a Tensor",
+                "Transformer Engine and Apex are not installed"):  # megatron-core, once per module: see _fallback_note
         warnings.filterwarnings("ignore", message=msg)
+    _fallback_note()
     out = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run(cfg, out)
@@ -148,8 +226,10 @@ def _hydra_main(cfg: DictConfig) -> None:
             sys.exit(EXIT_REQUEUE)
         # A bad input (data, config, layout, checkpoint, reward, engine): the message names it and says what
         # was expected; a traceback through the trainer would only bury it.
-        print(f"error: {e}\n(GRPO_MEGA_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        if getattr(e, "before_distributed", False) and os.environ.get("RANK", "0") != "0":
+            time.sleep(SAY_ONCE_WAIT_S)  # rank 0 says it, and torchrun ends this rank first
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INPUT)
     if "plots" in summary and summary["steps"] == 0:
         print(f"nothing to do: the run resumed at run.steps={cfg.run.steps} (raise run.steps to train further)")
     elif "plots" in summary and summary["initial_val_reward"] is None:

@@ -25,7 +25,7 @@ fi
 launcher=("$PYTHON")
 if (( NPROC > 1 )); then
   port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  launcher+=(-m torch.distributed.run --nproc-per-node "$NPROC" --master-port "$port")
+  launcher+=(-m grpo_mega.torchrun --nproc-per-node "$NPROC" --master-port "$port")
 fi
 exec "${launcher[@]}" -m grpo_mega.train \
   task=prompts model="$MODEL" reward.name=math \
@@ -33,7 +33,7 @@ exec "${launcher[@]}" -m grpo_mega.train \
   parallel.tp="$TP" precision.params_dtype=fp32 \
   batch.train_batch_size=4 rollout.n=4 batch.ppo_mini_batch_size=4 batch.micro_batch_size=8 \
   batch.max_prompt_length=128 batch.max_response_length=32 \
-  optim.lr=2e-6 algo.kl_coef=0.001 rollout.temperature=1.0 \
+  optim.lr=2e-6 optim.weight_decay=0.0 algo.kl_coef=0.001 algo.clip_ratio_high=0.28 rollout.temperature=1.0 \
   run.steps="$STEPS" eval.interval="$STEPS" eval.pass_k=2 \
   checkpoint.dir="$OUT/checkpoints" checkpoint.interval=0 checkpoint.export_hf=true \
   hydra.run.dir="$OUT/run" "$@"

@@ -95,21 +95,21 @@ DATA_CASES = {
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
 def test_bad_data_file(case, tmp_path):
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     make, pattern = DATA_CASES[case]
-    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={make(tmp_path)}",
-                "batch.max_prompt_length=128", fork=True)
+    proc = _cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={smollm2_dir()}",
+                f"data.train_files={make(tmp_path)}", "batch.max_prompt_length=128", fork=True)
     _refused(proc, pattern)
 
 
 def test_a_row_naming_an_unregistered_tool_is_refused_at_start_up(tmp_path):
     """rollout.multi_turn on: a row's extra_info.tools_kwargs naming a tool the run does not have stops the run
     before any model is built, naming the file, the line and the tool."""
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     data = _write_rows(tmp_path / "tk.jsonl", [_row(), _row(extra_info={"tools_kwargs": {"web_search": {}}})])
-    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}",
+    proc = _cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={smollm2_dir()}", f"data.train_files={data}",
                 "batch.max_prompt_length=128", "rollout.multi_turn.enable=true", fork=True)
     _refused(proc, r"tk\.jsonl:2: extra_info\.tools_kwargs names tool 'web_search', which is not in "
                    r"rollout\.multi_turn\.tools \(calculator\)")
@@ -237,9 +237,50 @@ def test_bad_configuration(case, tmp_path):
     _refused(_cli(tmp_path / "run", "run.steps=1", *overrides, fork=True), pattern)
 
 
-def test_unknown_override_key_names_the_field(tmp_path):
-    """Hydra's own check (before any of ours): a misspelt key is named with its config group."""
-    _refused(_cli(tmp_path / "run", "algo.kl_coeff=0.1", fork=False), r"Could not override 'algo.kl_coeff'[\s\S]*Key 'kl_coeff' not in 'AlgoConfig'", rc=1)
+@pytest.mark.parametrize("override,pattern", [
+    ("algo.kl_coeff=0.1", r"Could not override 'algo\.kl_coeff'; Key 'kl_coeff' not in 'AlgoConfig'"),
+    ("task=sucessor", r"In 'config': Could not find 'task/sucessor'; choose one of 'task': lookup_call, lookup_tool, product_tool, "
+                      r"prompts, successor, tens_tool"),
+    ("rollout.n=1.5", r"Error merging override rollout\.n=1\.5; Value '1\.5' of type 'float' could not be converted "
+                      r"to Integer"),
+])
+def test_an_override_hydra_cannot_apply_is_one_line(override, pattern, tmp_path):
+    """Hydra's own checks, run by the entry point before Hydra starts the run (in a new interpreter, the real entry
+    path): a misspelt key named with its config group, an unknown task with the tasks there are, a value of the
+    wrong type; one line, exit 2."""
+    proc = _cli(tmp_path / "run", override, fork=False)
+    _refused(proc, "^error: " + pattern + "\n$")
+    assert proc.stdout == "", proc.stdout
+
+
+LAYOUT_ERROR = ("error: model.num_layers=4 does not split over parallel.pp=3 stages: 4 layers remain for 3 stages "
+                "and must divide evenly")
+
+
+@pytest.mark.parametrize("launcher", ["grpo_mega.torchrun", "torch.distributed.run"])
+@pytest.mark.parametrize("override,line", [("parallel.pp=3", LAYOUT_ERROR),
+                                           ("algo.kl_coeff=0.1", "error: Could not override 'algo.kl_coeff'; Key "
+                                                                 "'kl_coeff' not in 'AlgoConfig'")])
+def test_a_bad_override_under_torchrun_is_said_once(launcher, override, line, tmp_path):
+    """`--nproc-per-node 2`, each rank a new interpreter: an override every rank refuses before torch.distributed
+    starts (a layout that cannot be; a key Hydra does not know) is said by rank 0 alone, in one line.
+    grpo_mega.torchrun (slurm/train.sbatch's and launch_scripts/' launcher) exits 2 and adds nothing; plain
+    torchrun adds its report of the failed ranks and exits 1 (it never passes a worker's status on)."""
+    proc = run_tree([sys.executable, "-m", launcher, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                     "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", override],
+                    capture_output=True, text=True, timeout=300, cwd=ROOT)
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert said == [line], proc.stderr[-3000:]
+    if launcher == "grpo_mega.torchrun":
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", line + "\n")
+    else:
+        assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+
+
+def _free_port() -> int:
+    from grpo_mega.processes import free_port
+
+    return free_port()
 
 
 def test_model_yaml_with_an_unknown_field(tmp_path):
@@ -263,7 +304,7 @@ def test_model_yaml_with_a_number_yaml_reads_as_text(tmp_path):
 
 
 def test_hf_model_with_pickle_weights_is_refused(tmp_path):
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     d = tmp_path / "pickled"
     d.mkdir()
@@ -272,7 +313,7 @@ def test_hf_model_with_pickle_weights_is_refused(tmp_path):
             shutil.copy(f, d / f.name)
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     data = _write_rows(tmp_path / "d.jsonl", [_row()])
-    _refused(_cli(tmp_path / "run", "task=prompts", f"model={d}", f"data.train_files={data}", fork=True),
+    _refused(_cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={d}", f"data.train_files={data}", fork=True),
              r"pytorch_model\.bin: pickle files are never loaded; re-save with safe_serialization")
 
 
@@ -449,11 +490,12 @@ def test_bad_reward_model_input(case, tiny_rm_dir, tmp_path):
 @pytest.mark.parametrize("case", sorted(REWARD_CASES))
 def test_bad_reward_function(case, tmp_path):
     """With reward.on_error=raise (the default 'zero' scores the sample 0 and reports it)."""
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     name, pattern = REWARD_CASES[case]
     data = _write_rows(tmp_path / "d.jsonl", [_row(data_source="toy_arith"), _row("What is 3+4?", "7", data_source="toy_arith")])
-    proc = _cli(tmp_path / "run", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}", f"reward.name={name}",
+    proc = _cli(tmp_path / "run", "task=prompts", *demo_settings(), f"model={smollm2_dir()}", f"data.train_files={data}",
+                f"reward.name={name}",
                 "reward.on_error=raise", "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2",
                 "batch.micro_batch_size=4", "batch.max_response_length=2", "eval.pass_k=1", "run.steps=1")
     _refused(proc, pattern)

@@ -14,10 +14,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "grpo_mega"
 
-# Imports of grpo_mega.train that break the rule today and are being removed elsewhere (Hydra's schema
-# registration moves out of the entry point). Each entry must still import it: once it does not, the test says
-# to delete the entry, so the list only shrinks.
-PENDING_TRAIN_IMPORTS = {"grpo_mega/rollout/sglang_launch.py", "grpo_mega/cli/plan.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -88,7 +84,7 @@ def test_imports_follow_the_stated_direction():
     errors = []
     for rel in sorted(FILES):
         part = _part(_module_name(FILES[rel]))
-        got = PARTS[rel] - {part, "__init__.py"} - ({"train.py"} if rel in PENDING_TRAIN_IMPORTS else set())
+        got = PARTS[rel] - {part, "__init__.py"}
         if part in ALLOWED and not got <= ALLOWED[part]:
             errors.append(f"{rel} imports {sorted(got - ALLOWED[part])}: {part} may import only "
                           f"{sorted(ALLOWED[part])}")
@@ -113,9 +109,7 @@ def test_algo_and_conf_import_no_distributed_or_megatron():
 def test_nothing_imports_the_entry_point():
     importers = {rel for rel, names in USES.items() if "grpo_mega.train" in _project(names) and
                  rel != "grpo_mega/train.py"}
-    assert importers <= PENDING_TRAIN_IMPORTS, f"{sorted(importers - PENDING_TRAIN_IMPORTS)} import grpo_mega.train"
-    gone = PENDING_TRAIN_IMPORTS - importers
-    assert not gone, f"{sorted(gone)} no longer import grpo_mega.train: delete them from PENDING_TRAIN_IMPORTS"
+    assert not importers, f"{sorted(importers)} import grpo_mega.train (Hydra's schema: conf.schema.register_schema)"
 
 
 def test_no_import_cycle_at_module_level():

@@ -170,8 +170,9 @@ def compose(overrides: list[str]) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    import grpo_mega.train  # noqa: F401 - registers the schema with Hydra's ConfigStore
-    from grpo_mega.conf.schema import TrainConfig
+    from grpo_mega.conf.schema import TrainConfig, register_schema
+
+    register_schema()
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="grpo_mega.conf", version_base=None):

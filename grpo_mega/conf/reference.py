@@ -73,9 +73,11 @@ def render() -> str:
     out = ["# Configuration reference", "",
            "Generated from the dataclasses in `grpo_mega/conf/schema.py` by `python -m grpo_mega.conf.reference "
            "--write`; `tests/conf/test_train_config.py` fails when this file is stale. Every field is a command-line "
-           "override (`python -m grpo_mega.train rollout.n=8 algo.kl_coef=0.01`); `grpo_mega/conf/config.yaml` sets "
-           "the CPU demo's values over these defaults (`python -m grpo_mega.train --cfg job` prints the composed "
-           "tree). Each component checks its own fields; `TrainConfig` checks the combinations, before any model "
+           "override (`python -m grpo_mega.train rollout.n=8 algo.kl_coef=0.01`); these defaults "
+           "are what `task=prompts` (an HF model on prompt files) runs with; the demo task (`task=successor`, the "
+           "default, and the toy tool tasks) sets the CPU demo's values over them in "
+           "`grpo_mega/conf/task/successor.yaml` (`python -m grpo_mega.train [task=...] --cfg job` prints the "
+           "composed tree). Each component checks its own fields; `TrainConfig` checks the combinations, before any model "
            "is built.", "",
            "Renamed settings (the old name is refused with the new one): "
            + ", ".join(f"`{old}` -> `{new}`" for old, new in schema.RENAMED.items()) + ".", "",

@@ -1061,7 +1061,8 @@ class DistConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """The whole run, composed by Hydra (grpo_mega/conf/config.yaml + command-line overrides): every field of
+    """The whole run, composed by Hydra (grpo_mega/conf/config.yaml, the task's grpo_mega/conf/task/<task>.yaml,
+    then command-line overrides): every field of
     every component is overridable (`algo.entropy_coef=0.01`). Each component checks its own fields; the
     checks that need two of them run here, before any model is built."""
 
@@ -1071,7 +1072,9 @@ class TrainConfig:
     """'successor' (the toy demo), 'product_tool' (the toy tool task: 2-digit products, solvable with
     rollout.multi_turn's calculator), 'tens_tool' (the tens digit of such a product), 'lookup_tool' (the letter
     stored under a key, which only the tool knows; grpo_mega.data.toy_tools), 'lookup_call' (its warm-up: a
-    shaping reward for calling the tool, not a measure) or 'prompts' (data.* files scored by reward.*)."""
+    shaping reward for calling the tool, not a measure) or 'prompts' (data.* files scored by reward.*). On the command
+    line `task=` also picks the task's settings, grpo_mega/conf/task/<task>.yaml: the toy tasks run with the demo's
+    (successor.yaml), task=prompts with these defaults."""
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -1203,3 +1206,12 @@ def check_renamed(overrides: list[str]) -> None:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]}: write {RENAMED[key]}={o.split('=', 1)[1] if '=' in o else '...'}")
+
+
+def register_schema() -> None:
+    """TrainConfig in Hydra's ConfigStore as `train_schema`, the schema grpo_mega/conf/config.yaml composes against:
+    whoever composes the config (the entry point, the planner, the SGLang launcher, tests) calls this, so none of
+    them imports the entry point for it. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

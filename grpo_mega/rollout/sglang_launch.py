@@ -40,8 +40,9 @@ def training_flags_for(overrides: list[str]) -> list[str]:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    import grpo_mega.train  # noqa: F401 - registers the schema with Hydra's ConfigStore
-    from grpo_mega.conf.schema import TrainConfig
+    from grpo_mega.conf.schema import TrainConfig, register_schema
+
+    register_schema()
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="grpo_mega.conf", version_base=None):

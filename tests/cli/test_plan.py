@@ -234,8 +234,9 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    import grpo_mega.train  # noqa: F401 - registers TrainConfig with Hydra's ConfigStore
-    from grpo_mega.conf.schema import TrainConfig
+    from grpo_mega.conf.schema import TrainConfig, register_schema
+
+    register_schema()
 
     for var in _SCRIPT_VARS:
         monkeypatch.delenv(var, raising=False)

@@ -138,3 +138,81 @@ def test_moe_layout_rules():
     with pytest.raises(ValueError, match=r"parallel.ep=2 must divide the data-parallel size dp=1"):
         schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 1)
     assert schema.ParallelConfig(tp=2, ep=2).check(moe, 4) == 2  # conversion and inference layouts
+
+
+def _compose(overrides: list[str]) -> schema.TrainConfig:
+    """The TrainConfig `python -m grpo_mega.train OVERRIDES` runs with (Hydra, the real config files)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    schema.register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
+            return schema.TrainConfig.from_hydra(compose(config_name="config", overrides=overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _docs_defaults() -> dict[str, str]:
+    """{dotted field: the default docs/config.md lists} for every TrainConfig field (not the model YAML's)."""
+    text = (ROOT / "docs" / "config.md").read_text().split("## Model YAML fields")[0]
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| `")]
+    return {r[1].strip().strip("`"): r[3].strip().strip("`") for r in rows}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def _as_docs(value) -> str:
+    """A value as docs/config.md's default column writes it (grpo_mega/conf/reference.py: repr, null, true)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+PROMPTS_RUN = ["task=prompts", "model=/models/Qwen2.5-7B-Instruct", "data.train_files=/data/train.jsonl"]
+
+
+def test_task_prompts_runs_on_the_documented_defaults():
+    """`task=prompts model=DIR data.train_files=F` (the README's "train your own") gets exactly the defaults
+    docs/config.md lists, field by field: none of the demo's settings (lr 1e-3, 3-token responses, no KL, fp32)
+    leak in."""
+    got = _flat(_compose(PROMPTS_RUN).to_dict())
+    docs = _docs_defaults()
+    assert set(docs) == set(got), set(docs) ^ set(got)
+    differ = {k: (docs[k], _as_docs(v)) for k, v in got.items() if docs[k] != _as_docs(v)}
+    assert differ == {"task": ("'successor'", "'prompts'"), "model": ("'tiny'", "'/models/Qwen2.5-7B-Instruct'"),
+                      "data.train_files": ("''", "'/data/train.jsonl'")}, differ
+    assert (got["optim.lr"], got["batch.max_response_length"], got["algo.kl_coef"], got["precision.params_dtype"]) \
+        == (1e-6, 256, 0.001, "bf16")
+
+
+def test_cfg_job_of_task_prompts_shows_the_documented_defaults():
+    """What the issue's user types: `--cfg job` prints the composed tree, and it is the one composed above."""
+    import yaml
+
+    out = subprocess.run([sys.executable, "-m", "grpo_mega.train", *PROMPTS_RUN, "--cfg", "job"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tree = yaml.safe_load(out.stdout)
+    assert (tree["optim"]["lr"], tree["batch"]["max_response_length"], tree["algo"]["kl_coef"],
+            tree["precision"]["params_dtype"]) == (1e-6, 256, 0.001, "bf16")
+    assert _flat(tree) == _flat(_compose(PROMPTS_RUN).to_dict())
+
+
+def test_the_default_task_is_the_demo_and_its_settings_come_with_the_task():
+    """No task given: the demo (task=successor) with grpo_mega/conf/task/successor.yaml over the defaults; the
+    command line still wins, and the toy tool tasks start from the demo's settings too."""
+    demo = _compose([])
+    assert (demo.task, demo.model, demo.optim.lr, demo.batch.max_response_length, demo.algo.kl_coef,
+            demo.precision.params_dtype, demo.rollout.n) == ("successor", "tiny", 1e-3, 3, 0.0, "fp32", 8)
+    assert _compose(["optim.lr=0.5"]).optim.lr == 0.5
+    assert _compose(["task=successor", "precision.params_dtype=bf16"]).precision.params_dtype == "bf16"
+    for tool in ("product_tool", "tens_tool", "lookup_tool", "lookup_call"):
+        c = _compose([f"task={tool}"])
+        assert c.task == tool and c.to_dict() == {**demo.to_dict(), "task": tool}
+    tasks = sorted(p.stem for p in (ROOT / "grpo_mega" / "conf" / "task").glob("*.yaml"))
+    assert tasks == ["lookup_call", "lookup_tool", "product_tool", "prompts", "successor", "tens_tool"]

@@ -9,6 +9,22 @@ import torch
 
 from grpo_mega.cli.prepare_model import prepared_dir as smollm2_dir  # noqa: F401 - the prepared SmolLM2 directory
 
+DEMO_TASK = Path(__file__).resolve().parents[2] / "grpo_mega" / "conf" / "task" / "successor.yaml"
+
+
+def demo_settings() -> list[str]:
+    """The demo's settings (grpo_mega/conf/task/successor.yaml: fp32, lr 1e-3, no KL, 3-token responses, ...) as
+    overrides, task and model left out: a test that runs task=prompts on a small model with the numerics and
+    sizes it had when every run started from the demo (task=prompts itself starts from the documented
+    defaults). Read from the file, so the two never differ; a test's own overrides come after them and win."""
+    import yaml
+
+    def flat(d: dict, prefix: str = "") -> list[str]:
+        return [x for k, v in d.items() for x in (flat(v, f"{prefix}{k}.") if isinstance(v, dict)
+                                                    else [f"{prefix}{k}={v}"])]
+
+    return [o for o in flat(yaml.safe_load(DEMO_TASK.read_text())) if o.split("=")[0] not in ("task", "model")]
+
 
 def tiny_hf(path: Path, family: str, dtype=torch.bfloat16, tied: bool = False, seed: int = 0,
             mlp_only_layers: tuple = (2,)) -> Path:

@@ -79,8 +79,7 @@ def _train(folder: str, overrides: list[str]):
 
     from hydra import compose, initialize_config_module
 
-    import grpo_mega.train  # noqa: F401 - registers the schema that conf/config.yaml composes against
-    from grpo_mega.conf.schema import TrainConfig
+    from grpo_mega.conf.schema import TrainConfig, register_schema
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
     from grpo_mega.trainer.loop import train
@@ -92,6 +91,7 @@ def _train(folder: str, overrides: list[str]):
         module = importlib.util.module_from_spec(spec)
         _sys.modules[name] = module
         spec.loader.exec_module(module)
+    register_schema()
     with initialize_config_module("grpo_mega.conf", version_base=None):
         config = TrainConfig.from_hydra(compose("config", overrides=overrides))
     model, tok, hf_dir = resolve_model(config)

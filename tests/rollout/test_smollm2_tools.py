@@ -28,12 +28,12 @@ def _row(a: int, b: int) -> dict:
 
 @pytest.mark.slow  # one step: the plumbing is all in it (two steps took 396 s on 2 overloaded cores)
 def test_smollm2_calls_the_calculator_and_trains(tmp_path):
-    from tests.models.hf_fixtures import smollm2_dir
+    from tests.models.hf_fixtures import demo_settings, smollm2_dir
 
     data = tmp_path / "arith_tool.jsonl"
     data.write_text("".join(json.dumps(_row(a, b)) + "\n" for a, b in [(37, 58), (23, 41), (76, 19), (88, 12)]))
     out = tmp_path / "run"
-    proc = run_main([f"hydra.run.dir={out}", "task=prompts", f"model={smollm2_dir()}", f"data.train_files={data}",
+    proc = run_main([f"hydra.run.dir={out}", "task=prompts", *demo_settings(), f"model={smollm2_dir()}", f"data.train_files={data}",
                      "reward.name=math", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
                      "rollout.multi_turn.max_turns=2", "batch.train_batch_size=2", "rollout.n=4",
                      "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=8", "batch.max_response_length=48",

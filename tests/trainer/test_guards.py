@@ -15,6 +15,7 @@ from grpo_mega.trainer.guards import RewardBudget, SkipStreak
 from grpo_mega.trainer.loop import update_means
 from grpo_mega.trainer.sinks import strict_json_row
 from tests.fork_server import run_main
+from tests.models.hf_fixtures import demo_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +112,7 @@ def prompts(tmp_path_factory):
 
 def _cli(out: Path, prompts, reward: str, *extra, steps: int = 3):
     model, data = prompts
-    argv = [f"hydra.run.dir={out}", "task=prompts", f"model={model}", f"data.train_files={data}",
+    argv = [f"hydra.run.dir={out}", "task=prompts", *demo_settings(), f"model={model}", f"data.train_files={data}",
             f"reward.name=tests.trainer.test_guards:{reward}", "reward.num_workers=1", "batch.train_batch_size=2",
             "rollout.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4", "batch.max_response_length=4",
             "eval.interval=0", "optim.lr=1e-2", f"run.steps={steps}", *extra]
