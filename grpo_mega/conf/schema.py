@@ -734,7 +734,8 @@ class RolloutConfig:
     """0: each step generates, then trains. 1 (placement=dedicated): step k+1's samples are generated on the
     servers while step k trains, from the weights step k-1 trained from (one version behind; samples of step
     k >= 2 carry weight version k-2, version v being the weights after v steps); truncated importance
-    correction (algo.engine_is_cap, default 2.0 here) covers the lag."""
+    correction (algo.engine_is_cap, default 2.0 here) covers the lag. With mode=async: any k >= 1, the staleness
+    bound."""
     mode: str = "sync"
     """'sync': each step's batch is generated as one (in turn, or one step ahead with off_policy_steps=1). 'async'
     (placement=dedicated): fully asynchronous; the servers generate whole groups continuously from the prompt

@@ -15,6 +15,10 @@ the embedded engine's.
 
     python -m grpo_mega.rollout.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
+For benchmarks, `--simulate-lengths MEDIAN,SIGMA` ends each response after a lognormal number of tokens drawn
+from its seed (sampling_params.custom_params.sample_seed, else sampling_seed), less custom_params.generated (the
+tokens a continued response already has); stop tokens are then ignored.
+
 Hardened as a server on a shared network: with an API key in the environment (`--api-key-env`, default
 GRPO_MEGA_SERVER_API_KEY) every route but GET /health needs `Authorization: Bearer KEY` (401, nothing read or
 changed, without it), and without a key it binds only to a loopback address (`--host 0.0.0.0` without a key is
