@@ -88,6 +88,7 @@ class AsyncRolloutScheduler:
         self.error: Optional[tuple[str, bool]] = None
         self.closing = False
         self.workers: list[threading.Thread] = []
+        self.in_flight: dict[str, list[Group]] = {}  # url -> its worker's groups in flight (read under cond)
         self.busy = Counter()  # url -> seconds in /generate since the last step
         self.generated_tokens = 0
         self.dropped = 0  # samples dropped for staleness since the last step
@@ -120,6 +121,7 @@ class AsyncRolloutScheduler:
     def _work(self, url: str, slots: int) -> None:
         client = self.engines.local
         active: list[Group] = []
+        self.in_flight[url] = active
         try:
             while True:
                 with self.cond:
@@ -135,18 +137,18 @@ class AsyncRolloutScheduler:
                 t0 = time.perf_counter()
                 rows = client.generate_segment(url, inputs, [self._params(r) for _, r in todo])
                 seconds = time.perf_counter() - t0
-                for (g, r), (ids, lps, reason, version) in zip(todo, rows):
-                    r.tokens += ids
-                    r.logprobs += lps
-                    r.versions += [version] * len(ids)
-                    r.segments += 1
-                    if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
-                        r.finish = reason
                 with self.cond:
+                    for (g, r), (ids, lps, reason, version) in zip(todo, rows):
+                        r.tokens += ids
+                        r.logprobs += lps
+                        r.versions += [version] * len(ids)
+                        r.segments += 1
+                        if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
+                            r.finish = reason
                     self.busy[url] += seconds
                     self.generated_tokens += sum(len(x[0]) for x in rows)
                     self.done += [g for g in active if g.done]
-                    active = [g for g in active if not g.done]
+                    active[:] = [g for g in active if not g.done]
                     self.cond.notify_all()
         except Exception as e:  # noqa: BLE001 - handed to every rank by result()
             with self.cond:
@@ -232,6 +234,12 @@ class AsyncRolloutScheduler:
         self.waited += waited
         self.generated += self._metrics["async/generate_s"]
         return StepSamples(step, examples, gen, waited)
+
+    def in_flight_counts(self) -> tuple[int, int]:
+        """Rank 0: (responses begun and not finished, groups) on the servers now."""
+        with self.cond:
+            groups = [g for gs in self.in_flight.values() for g in gs]
+            return sum(0 < len(r.tokens) and r.finish is None for g in groups for r in g.responses), len(groups)
 
     def metrics(self) -> dict:
         return dict(self._metrics)
