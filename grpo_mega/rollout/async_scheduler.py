@@ -13,8 +13,8 @@ generated in one request and keeps its version (the sync waits for that request)
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
-dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size were started in all,
-v the servers' version (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only
+dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were
+started in all, v the servers' version (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only
 the long tail of a group that waits past that is dropped. A group's advantages are computed after all its samples
 are done (the batch only holds complete groups); a group may span versions.
 
@@ -92,6 +92,7 @@ class AsyncRolloutScheduler:
         self.busy = Counter()  # url -> seconds in /generate since the last step
         self.generated_tokens = 0
         self.dropped = 0  # samples dropped for staleness since the last step
+        self.dropped_groups = 0  # groups dropped for staleness, over the run
         self.mark = time.perf_counter()
         self._metrics: dict = {}
         self.waited = self.generated = 0.0
@@ -99,9 +100,10 @@ class AsyncRolloutScheduler:
     # ---- rank 0's workers -------------------------------------------------------------------------
 
     def _may_start(self) -> bool:
-        cap = (self.version + self.k + 1) * self.batch_size
+        # groups dropped for staleness are made up for: else the trainer could wait for groups that never start
+        cap = (self.version + self.k + 1) * self.batch_size + self.dropped_groups
         if self.last_step is not None:
-            cap = min(cap, self.last_step * self.batch_size)
+            cap = min(cap, self.last_step * self.batch_size + self.dropped_groups)
         return self.started < cap and not self.closing
 
     def _new_group(self) -> Group:
@@ -178,6 +180,7 @@ class AsyncRolloutScheduler:
                 stale = [g for g in self.done if g.oldest < floor]
                 if stale:
                     self.dropped += sum(len(g.responses) for g in stale)
+                    self.dropped_groups += len(stale)
                     self.done = [g for g in self.done if g.oldest >= floor]
                     self.cond.notify_all()
                 if len(self.done) >= self.batch_size:
