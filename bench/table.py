@@ -114,6 +114,10 @@ ROWS = [
                   f"{_x(d['routed_over_broadcast_seconds'])} the time"),
     Row("one step off-policy vs in turn", "overlap.json", "python -m bench.overlap",
         lambda d: f"step {d['in_turn']['step_s']:.3f} -> {d['off_policy']['step_s']:.3f} s ({_x(d['step_ratio'])})"),
+    Row("fully async (k=2) vs one step ahead, heavy-tailed lengths", "async.json", "python -m bench.async_rl",
+        lambda d: f"trained tokens/s {_x(d['k2_over_one_step_ahead'])}; trainer idle "
+                  f"{d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
+                  f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}"),
     Row("rule rewards, 2 workers vs 1", "rewards.json", "python -m bench.rewards",
         lambda d: f"{_x(d['pool']['speedup_2_vs_1'])} ({d['pool']['samples']} math-verify samples); batched reward "
                   f"model {_x(d['reward_model']['speedup'])}"),
@@ -158,6 +162,7 @@ SUPPLEMENTS = {
     "full_kl_chunked.json": "full_kl with --chunk 128",
     "weight_sync_tp1.json": "weight_sync at TP1xDP2",
     "overlap_demo_shape.json": "overlap at the demo's shape",
+    "async_recheck.json": "async_rl again at a lower load (k2, one step ahead, in turn)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",
     "moe_demo.json": "the MoE demo runs, by hand",

@@ -785,7 +785,22 @@ class RolloutConfig:
     """0: each step generates, then trains. 1 (placement=dedicated): step k+1's samples are generated on the
     servers while step k trains, from the weights step k-1 trained from (one version behind; samples of step
     k >= 2 carry weight version k-2, version v being the weights after v steps); truncated importance
-    correction (algo.engine_is_cap, default 2.0 here) covers the lag."""
+    correction (algo.engine_is_cap, default 2.0 here) covers the lag. With mode=async: any k >= 1, the staleness
+    bound."""
+    mode: str = "sync"
+    """'sync': each step's batch is generated as one (in turn, or one step ahead with off_policy_steps=1). 'async'
+    (placement=dedicated): fully asynchronous; the servers generate whole groups continuously from the prompt
+    stream, the trainer takes the first train_batch_size completed groups whose oldest token's weight version is
+    at least its own minus off_policy_steps (the staleness bound k >= 1; older groups are dropped and counted), and
+    weights go to the servers after every update without waiting for generations in flight (docs/design.md,
+    "Versions and off-policy")."""
+    partial_rollouts: bool = True
+    """mode=async: responses are generated in segments of segment_tokens tokens, continued from their token prefix,
+    so that a response in flight when new weights arrive continues under them (each token records its version).
+    false: each response is generated in one request and keeps the version it started on (the weight update
+    waits for the server's request in flight)."""
+    segment_tokens: int = 16
+    """mode=async with partial_rollouts: the tokens a response gets per request (the longest a weight update waits)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tool calls (off by default)."""
     dump_dir: str = ""
@@ -810,8 +825,17 @@ class RolloutConfig:
         if self.placement == "dedicated" and self.num_engines != 1:
             raise ValueError(f"rollout.num_engines={self.num_engines} must be 1 with placement=dedicated "
                              "(one client on rank 0 spreads the prompts over rollout.servers)")
-        if self.off_policy_steps not in (0, 1):
-            raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"rollout.mode={self.mode!r} must be 'sync' or 'async'")
+        if self.mode == "async":
+            if not isinstance(self.off_policy_steps, int) or self.off_policy_steps < 1:
+                raise ValueError(f"rollout.mode=async needs rollout.off_policy_steps=k >= 1 (the staleness bound: a "
+                                 f"sample's oldest token at most k versions behind the trainer); got {self.off_policy_steps}")
+            if not isinstance(self.segment_tokens, int) or self.segment_tokens < 1:
+                raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 1")
+        elif self.off_policy_steps not in (0, 1):
+            raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1 with rollout.mode=sync "
+                             "(rollout.mode=async takes any k >= 1 as its staleness bound)")
         if self.off_policy_steps and self.placement != "dedicated":
             raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} needs rollout.placement=dedicated "
                              f"(got {self.placement!r}): generation overlaps training only on servers of their own; "
@@ -1111,9 +1135,27 @@ class TrainConfig:
             raise ValueError(f"algo.dynamic_sampling=refill with reward.rm_train.interval={self.reward.rm_train.interval}: "
                              "refill scores a step in several rounds and the reward model would train on each; "
                              "use algo.dynamic_sampling=filter, or reward.rm_train.interval=0")
+        if self.rollout.mode == "async":
+            self.check_async()
         if self.rollout.off_policy_steps and self.algo.correction() is None:
             # One step behind: truncated importance correction against the engine's logprobs covers the lag.
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
+
+    def check_async(self) -> None:
+        """What rollout.mode=async does not do yet, each refused in one line."""
+        why = None
+        if self.algo.dynamic_sampling == "refill":
+            why = ("algo.dynamic_sampling=refill (extra rounds of one step's prompts) has no meaning with a continuous "
+                   "stream of groups; use algo.dynamic_sampling=filter")
+        elif self.rollout.multi_turn.enable:
+            why = "rollout.multi_turn.enable=true: multi-turn trajectories are not generated in segments yet"
+        elif self.algo.routing_replay != "none":
+            why = f"algo.routing_replay={self.algo.routing_replay}: the routes of continued responses are not joined yet"
+        elif self.checkpoint.dir:
+            why = ("checkpoint.dir: resuming a fully asynchronous run (its groups in flight) is not built yet "
+                   "(issue 39, Build 5); run without checkpoint.dir, or with rollout.mode=sync")
+        if why is not None:
+            raise ValueError(f"rollout.mode=async with {why}")
 
     def check_layout(self, model: ModelConfig, world_size: int) -> int:
         """The layout against the model and the launched world: returns dp, or a ValueError naming the field."""

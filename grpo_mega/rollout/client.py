@@ -274,6 +274,32 @@ class ServerClient(RolloutEngine):
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish,
                           weight_version=versions.pop() if versions else self.weight_version, routed_experts=routed)
 
+    def generate_segment(self, url: str, inputs: list[list[int]], params: list[dict]) -> list[tuple]:
+        """One /generate of `inputs` (token ids: a prompt and the response so far) on server `url`, each with its own
+        sampling params (SGLang's names); per input (token ids, logprobs, finish reason, weight version), every
+        field checked. The fully asynchronous scheduler's call (grpo_mega.rollout.async_scheduler): a response
+        is continued from its token prefix, so the weights may change between two of its segments."""
+        tokens = sum(len(x) + int(p.get("max_new_tokens", 0)) for x, p in zip(inputs, params))
+        self.outstanding[url] += tokens
+        try:
+            out = self._call(url, "/generate", dict(input_ids=inputs, sampling_params=params, return_logprob=True))
+        finally:
+            self.outstanding[url] -= tokens
+        if not isinstance(out, list) or len(out) != len(inputs):
+            raise ServerError(f"rollout server {url} answered /generate with {type(out).__name__}, not "
+                              f"{len(inputs)} outputs")
+        rows = []
+        for k, o in enumerate(out):
+            try:
+                ids, lps, reason = validate.sglang_sample(o, self.spec)
+            except validate.BadOutput as e:
+                raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
+            if len(ids) > int(params[k].get("max_new_tokens", len(ids))):
+                raise ServerError(f"rollout server {url} answered {len(ids)} tokens for output {k}, more than its "
+                                  f"max_new_tokens={params[k].get('max_new_tokens')}")
+            rows.append((ids, lps, reason, self._sample_version(url, o["meta_info"])))
+        return rows
+
     def _routed_experts(self, url: str, meta: dict, positions: int) -> torch.Tensor:
         """SGLang's meta_info["routed_experts"] (0.5.23, `return_routed_experts`: base64 of int32
         [prompt + completion - 1, num_hidden_layers, top_k]) as Generation.routed_experts' int16 [positions, M, k]

@@ -228,6 +228,13 @@ class RolloutScheduler:
                                "flight: call wait() first")
         return self.engines.sync(gpt, version=version, **kwargs)
 
+    def metrics(self) -> dict:
+        """The step's scheduler metrics (rollout.mode=async has some: grpo_mega.rollout.async_scheduler)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
     def take_timing(self) -> tuple[float, float]:
         """(seconds generating, seconds the trainer waited for samples) since the last call."""
         out = (self.generated, self.waited)

@@ -5,7 +5,8 @@ owns only the translation between SGLang's HTTP API (the subset grpo_mega.rollou
 SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /model_info (also as
 /get_model_info); POST /generate (input_ids, sampling_params with sampling_seed, return_logprob ->
 output_ids and meta_info's output_token_logprobs, finish_reason, weight_version), /init_weights_update_group,
-/begin_weight_update and /end_weight_update (no-ops here; SGLang requires them around the updates),
+/begin_weight_update and /end_weight_update (SGLang requires them around the updates; here /generate waits
+between them, so that no request runs on half-loaded weights),
 /update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the bucket's bytes from
 rank 0 of the update group), /update_weight_version, /flush_cache. One extension of ours, POST
 /grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors
@@ -13,6 +14,10 @@ back with /get_weights_by_name instead). Requests run one at a time; sampling, l
 the embedded engine's.
 
     python -m grpo_mega.rollout.standin_server --model tiny --port 30000     (or --hf-dir DIR)
+
+For benchmarks, `--simulate-lengths MEDIAN,SIGMA` ends each response after a lognormal number of tokens drawn
+from its seed (sampling_params.custom_params.sample_seed, else sampling_seed), less custom_params.generated (the
+tokens a continued response already has); stop tokens are then ignored.
 
 Hardened as a server on a shared network: with an API key in the environment (`--api-key-env`, default
 GRPO_MEGA_SERVER_API_KEY) every route but GET /health needs `Authorization: Bearer KEY` (401, nothing read or
@@ -121,10 +126,14 @@ class EngineServer:
     """What the HTTP handlers call; one request at a time (the lock)."""
 
     def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0, api_key: str = "",
-                 api_key_env: str = "GRPO_MEGA_SERVER_API_KEY", socket_timeout_s: float = SOCKET_TIMEOUT_S):
+                 api_key_env: str = "GRPO_MEGA_SERVER_API_KEY", socket_timeout_s: float = SOCKET_TIMEOUT_S,
+                 lengths: Optional[tuple[float, float]] = None):
         self.engine, self.model_path, self.timeout_s = engine, model_path, timeout_s
         self.api_key, self.api_key_env, self.socket_timeout_s = api_key, api_key_env, socket_timeout_s
         self.lock = threading.Lock()
+        self.updating = False  # between /begin_weight_update and /end_weight_update: /generate waits (no mixed weights)
+        self.cond = threading.Condition(self.lock)
+        self.lengths = lengths  # --simulate-lengths (median, sigma): each response's length drawn, stop tokens ignored
         self.groups: dict[str, dist.ProcessGroup] = {}
 
     def authorized(self, header: Optional[str]) -> bool:
@@ -157,15 +166,25 @@ class EngineServer:
                 raise ValueError(f"/generate: max_new_tokens must be in 1..{MAX_TOKENS}")
         outs: list[Optional[dict]] = [None] * len(ids)
         groups: dict[tuple, list[int]] = {}  # inputs with the same settings are sampled together
+        caps = [int(p.get("max_new_tokens", 128)) for p in params]
+        ends = [None] * len(ids)  # --simulate-lengths: the tokens left of each response's drawn length
         for i, p in enumerate(params):
-            key = (float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), int(p.get("max_new_tokens", 128)),
-                   tuple(p.get("stop_token_ids") or ()))
+            if self.lengths is not None:
+                ends[i] = self.simulated_length(p)
+            key = (float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)),
+                   None if self.lengths is not None else caps[i], tuple(p.get("stop_token_ids") or ()))
             groups.setdefault(key, []).append(i)
         for (temperature, top_p, max_new, stop), rows in groups.items():
             seeds = [int(params[i].get("sampling_seed", 0)) for i in rows]
             self.engine.record_routing = bool(req.get("return_routed_experts")) and bool(self.engine.routers)
+            if self.lengths is not None:  # the longest row's tokens for all, each cut at its own end
+                stop, max_new = (), max(min(caps[i], ends[i]) for i in rows)
             gen = self.engine.generate([ids[i] for i in rows], 1, temperature, top_p, max_new, stop, 0, row_seeds=seeds)
             for k, i in enumerate(rows):
+                if self.lengths is not None:
+                    cut = min(caps[i], ends[i])
+                    gen.token_ids[k], gen.logprobs[k] = gen.token_ids[k][:cut], gen.logprobs[k][:cut]
+                    gen.finish_reasons[k] = "stop" if ends[i] <= caps[i] else "length"
                 meta = dict(finish_reason={"type": gen.finish_reasons[k]}, weight_version=str(gen.weight_version),
                             prompt_tokens=len(ids[i]), completion_tokens=len(gen.token_ids[k]))
                 if req.get("return_logprob"):
@@ -174,6 +193,28 @@ class EngineServer:
                     meta["routed_experts"] = self._routed_experts_b64(gen.routed_experts[k])
                 outs[i] = dict(output_ids=gen.token_ids[k], meta_info=meta)
         return outs[0] if single else outs
+
+    def simulated_length(self, p: dict) -> int:
+        """--simulate-lengths: the tokens left of this response's drawn length, lognormal(log median, sigma) from
+        the response's seed (custom_params.sample_seed, else sampling_seed), less custom_params.generated (the
+        tokens a continued response already has); at least 1."""
+        import math
+        import random
+
+        custom = p.get("custom_params") or {}
+        seed = int(custom.get("sample_seed", p.get("sampling_seed", 0)))
+        median, sigma = self.lengths
+        total = max(1, round(random.Random(seed).lognormvariate(math.log(median), sigma)))
+        return max(1, total - int(custom.get("generated", 0)))
+
+    def begin_weight_update(self, req: dict) -> dict:
+        self.updating = True
+        return {"success": True, "message": "generation paused until /end_weight_update"}
+
+    def end_weight_update(self, req: dict) -> dict:
+        self.updating = False
+        self.cond.notify_all()
+        return {"success": True, "message": "ok"}
 
     def _routed_experts_b64(self, routed) -> str:
         """SGLang 0.5.23's meta_info["routed_experts"]: base64 of int32 [positions, num_hidden_layers, top_k]
@@ -245,8 +286,7 @@ def make_handler(server: EngineServer):
     posts = {"/generate": server.generate, "/init_weights_update_group": server.init_weights_update_group,
              "/update_weights_from_distributed": server.update_weights_from_distributed,
              "/update_weight_version": server.update_weight_version, "/flush_cache": lambda req: {"success": True},
-             "/begin_weight_update": lambda req: {"success": True, "message": "no-op"},
-             "/end_weight_update": lambda req: {"success": True, "message": "no-op"},
+             "/begin_weight_update": server.begin_weight_update, "/end_weight_update": server.end_weight_update,
              "/grpo_mega/weight_checksums": server.weight_checksums}
 
     def model_info():
@@ -270,6 +310,10 @@ def make_handler(server: EngineServer):
         def _run(self, fn, *args) -> None:
             try:
                 with server.lock:
+                    if fn == server.generate and server.updating:  # never on half-loaded weights
+                        server.cond.wait_for(lambda: not server.updating, timeout=server.timeout_s)
+                        if server.updating:
+                            raise RuntimeError(f"a weight update began and did not end within {server.timeout_s:.0f} s")
                     out = fn(*args)
             except Exception as e:  # noqa: BLE001 - every failure is the client's to report
                 return self._reply(400, {"error": {"message": f"{type(e).__name__}: {e}"}})
@@ -369,6 +413,9 @@ def main(argv=None) -> int:
                     help="the environment variable holding the API key requests must carry (unset or empty: none, "
                          "and then only a loopback --host); a key is never taken on the command line, which every "
                          "user of the node can read")
+    ap.add_argument("--simulate-lengths", default=None, metavar="MEDIAN,SIGMA",
+                    help="benchmarks: each response ends after a lognormal number of tokens (its median and sigma), "
+                         "drawn from its seed; stop tokens are ignored")
     ap.add_argument("--threads", type=int, default=THREADS, help="threads serving connections")
     ap.add_argument("--max-pending", type=int, default=MAX_PENDING,
                     help="connections waiting for a thread; more are closed at once")
@@ -389,8 +436,18 @@ def main(argv=None) -> int:
         if args.vocab_size:
             cfg.vocab_size = args.vocab_size
         engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
+    lengths = None
+    if args.simulate_lengths:
+        try:
+            median, sigma = (float(x) for x in args.simulate_lengths.split(","))
+            assert median >= 1 and sigma >= 0
+        except (ValueError, AssertionError):
+            print(f"error: --simulate-lengths {args.simulate_lengths!r}: give MEDIAN,SIGMA (median >= 1, sigma >= 0), "
+                  "e.g. 16,0.9", file=sys.stderr, flush=True)
+            return 2
+        lengths = (median, sigma)
     server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=api_key,
-                          api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s)
+                          api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s, lengths=lengths)
     httpd = PooledHTTPServer((args.host, args.port), make_handler(server), args.threads, args.max_pending)
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
     httpd.serve_forever()

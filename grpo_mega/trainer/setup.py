@@ -134,11 +134,18 @@ class Run:
         self.engines = Engines(engine_factory, cfg.rollout.num_engines, spec=OutputSpec.of(model))
         self.routing = Routing(self.actor.dp_rows)  # each DP replica gets only the samples it runs
         r = cfg.rollout
-        self.rollouts = RolloutScheduler(
-            self.engines, task.train_batch, cfg.batch.train_batch_size,
-            SamplingArgs(r.n, r.temperature, r.top_p, cfg.batch.max_response_length, task.stop_token_ids, cfg.run.seed,
-                         rows=r.multi_turn.enable),
-            r.off_policy_steps, cfg.run.steps, task.get_state, task.set_state, share=self.routing.share)
+        sampling = SamplingArgs(r.n, r.temperature, r.top_p, cfg.batch.max_response_length, task.stop_token_ids,
+                                cfg.run.seed, rows=r.multi_turn.enable)
+        if r.mode == "async":
+            from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+
+            self.rollouts = AsyncRolloutScheduler(self.engines, task.train_batch, cfg.batch.train_batch_size, sampling,
+                                                  r.off_policy_steps, cfg.run.steps, r.partial_rollouts,
+                                                  r.segment_tokens, share=self.routing.share)
+        else:
+            self.rollouts = RolloutScheduler(self.engines, task.train_batch, cfg.batch.train_batch_size, sampling,
+                                             r.off_policy_steps, cfg.run.steps, task.get_state, task.set_state,
+                                             share=self.routing.share)
         self.rollouts.restore(state and state.get("rollout"))  # a batch generated before the checkpoint, not yet trained
         self._sync = dict(cfg=model, bucket_mb=r.sync_bucket_mb, audit=r.audit_weights, dtype=self.actor.params_dtype)
         self.sync_weights(self.first_step - 1)
@@ -248,6 +255,7 @@ class Run:
 
     def close(self) -> None:
         self.watchdog.close()
+        self.rollouts.close()
         self.engines.shutdown()
         if self.store is not None and self.rank0:
             self.store.release()
@@ -269,7 +277,8 @@ def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], 
                   f"its gradient passes RMSNorm at a zero input, 1/sqrt(rms_norm_eps) times the others': grad_norm "
                   f"is mostly that row's until it has moved", flush=True)
     if cfg.rollout.off_policy_steps and torch.distributed.get_rank() == 0:
-        print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}: truncated importance correction on "
+        print(f"rollout.off_policy_steps={cfg.rollout.off_policy_steps}"
+              f"{' (rollout.mode=async: the staleness bound)' if cfg.rollout.mode == 'async' else ''}: truncated importance correction on "
               f"(algo.engine_is_cap={cfg.algo.engine_is_cap})", flush=True)
     if cfg.rollout.multi_turn.enable:  # the tokenizer's side of rollout.multi_turn, before any model is built
         from grpo_mega.rollout.multi_turn import check_multi_turn

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.proc import run_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,6 +69,20 @@ def test_bench_overlap_writes_json(tmp_path):
     assert data["off_policy"]["weight_versions"] == [0, 0, 1, 2, 3]
     assert data["in_turn"]["overlap"] == 0 and 0 <= data["off_policy"]["overlap"] <= 1
     assert data["step_ratio"] > 0 and data["step_over_phase_sum"] > 0 and len(data["machine"]["loadavg_before"]) == 3
+
+
+def test_bench_async_writes_json(tmp_path):
+    """One step ahead and async k=2 against one server with simulated lognormal lengths: both measured, the async
+    metrics recorded (the ratio itself is not asserted: a shared machine)."""
+    out = tmp_path / "async.json"
+    cmd = [sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--modes",
+           "one_step_ahead,async_k2", "--out", str(out)]
+    run_tree(cmd, check=True, timeout=600, capture_output=True, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    data = json.loads(out.read_text())
+    k2 = data["modes"]["async_k2"]
+    assert data["k2_over_one_step_ahead"] > 0 and 0 <= k2["trainer_idle_fraction"] <= 1
+    assert 0 <= k2["server_idle_fraction"] <= 1 and sum(k2["token_lag"].values()) == pytest.approx(1.0)
+    assert data["config"]["max_response_length"] == 16
 
 
 def test_bench_routing_writes_json(tmp_path):

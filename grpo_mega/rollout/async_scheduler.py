@@ -1,0 +1,302 @@
+"""Fully asynchronous rollouts (`rollout.mode=async`, dedicated servers): the servers generate whole groups
+continuously from the prompt stream while the trainer trains, and the trainer takes a batch as soon as enough
+groups are complete and fresh enough (docs/design.md, "Versions and off-policy").
+
+Rank 0 runs one worker thread per server. A worker keeps up to train_batch_size / servers groups in flight on
+its server (continuous batching at segment granularity): each request carries every unfinished response of its
+groups, its prompt and its tokens so far (token in), for at most `rollout.segment_tokens` more tokens; a finished
+group leaves, a new group joins before the next request. Weights are synced between two requests (the stand-in
+server holds /generate between /begin_weight_update and /end_weight_update), never waiting for a response to
+finish: a response in flight continues under the new weights from its token prefix, and each of its tokens records
+the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is
+generated in one request and keeps its version (the sync waits for that request).
+
+Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
+train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
+dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were
+started in all, v the servers' version (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only
+the long tail of a group that waits past that is dropped. A group's advantages are computed after all its samples
+are done (the batch only holds complete groups); a group may span versions.
+
+Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
+step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.
+Prompts are drawn on rank 0 only, by the workers, in start order; the batch's prompts reach the other ranks
+with its samples. Checkpoints are refused at config time (resume is not built: issue 39, Build 5).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from grpo_mega.parallel import comm
+from grpo_mega.rollout.interface import Generation, sample_seed
+from grpo_mega.rollout.placement import Engines, RolloutError
+from grpo_mega.rollout.scheduler import SamplingArgs, StepSamples
+
+
+@dataclass
+class Response:
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Per token: the weight version that sampled it."""
+    finish: Optional[str] = None
+    segments: int = 0
+
+
+@dataclass
+class Group:
+    index: int
+    """Start order over the run (the seed's prompt index)."""
+    example: object
+    responses: list[Response]
+
+    @property
+    def done(self) -> bool:
+        return all(r.finish is not None for r in self.responses)
+
+    @property
+    def oldest(self) -> int:
+        return min(v for r in self.responses for v in r.versions)
+
+
+class AsyncRolloutScheduler:
+    """The loop's source of samples in rollout.mode=async. Collective where RolloutScheduler's is."""
+
+    def __init__(self, engines: Engines, draw: Callable[[int], list], batch_size: int, sampling: SamplingArgs,
+                 staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 16,
+                 share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None):
+        if staleness < 1:
+            raise ValueError(f"rollout.off_policy_steps={staleness}: the staleness bound must be >= 1")
+        if len(engines.ranks) != 1 or engines.ranks[0] != 0:
+            raise ValueError("rollout.mode=async needs one client on rank 0 (rollout.placement=dedicated)")
+        self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
+        self.k, self.last_step, self.partial, self.segment = staleness, last_step, partial, segment_tokens
+        self.share = share
+        self.ahead = staleness
+        self.version = 0  # the servers' weights (the last sync)
+        self.cond = threading.Condition()
+        self.done: list[Group] = []  # complete, in completion order, not yet taken
+        self.started = 0
+        self.error: Optional[tuple[str, bool]] = None
+        self.closing = False
+        self.workers: list[threading.Thread] = []
+        self.in_flight: dict[str, list[Group]] = {}  # url -> its worker's groups in flight (read under cond)
+        self.busy = Counter()  # url -> seconds in /generate since the last step
+        self.generated_tokens = 0
+        self.dropped = 0  # samples dropped for staleness since the last step
+        self.dropped_groups = 0  # groups dropped for staleness, over the run
+        self.mark = time.perf_counter()
+        self._metrics: dict = {}
+        self.waited = self.generated = 0.0
+
+    # ---- rank 0's workers -------------------------------------------------------------------------
+
+    def _may_start(self) -> bool:
+        # groups dropped for staleness are made up for: else the trainer could wait for groups that never start
+        cap = (self.version + self.k + 1) * self.batch_size + self.dropped_groups
+        if self.last_step is not None:
+            cap = min(cap, self.last_step * self.batch_size + self.dropped_groups)
+        return self.started < cap and not self.closing
+
+    def _new_group(self) -> Group:
+        example = self.draw(1)[0]
+        index, self.started = self.started, self.started + 1
+        base = self.sampling.seed * 1_000_003
+        return Group(index, example, [Response(sample_seed(base, index, j) % (2**31)) for j in range(self.sampling.n)])
+
+    def _params(self, r: Response) -> dict:
+        s, m = self.sampling, len(r.tokens)
+        left = s.max_new_tokens - m
+        seed = r.seed if m == 0 else sample_seed(r.seed, m, 0) % (2**31)  # a continuation's own stream
+        return dict(temperature=s.temperature, top_p=s.top_p, max_new_tokens=min(left, self.segment) if self.partial else left,
+                    stop_token_ids=list(s.stop_token_ids), sampling_seed=seed, skip_special_tokens=False,
+                    no_stop_trim=True, custom_params={"sample_seed": r.seed, "generated": m})
+
+    def _work(self, url: str, slots: int) -> None:
+        client = self.engines.local
+        active: list[Group] = []
+        self.in_flight[url] = active
+        try:
+            while True:
+                with self.cond:
+                    while len(active) < slots and self._may_start():
+                        active.append(self._new_group())
+                    if self.closing:
+                        return
+                    if not active:
+                        self.cond.wait(timeout=1.0)
+                        continue
+                todo = [(g, r) for g in active for r in g.responses if r.finish is None]
+                inputs = [list(g.example.prompt_ids) + r.tokens for g, r in todo]
+                t0 = time.perf_counter()
+                rows = client.generate_segment(url, inputs, [self._params(r) for _, r in todo])
+                seconds = time.perf_counter() - t0
+                with self.cond:
+                    for (g, r), (ids, lps, reason, version) in zip(todo, rows):
+                        r.tokens += ids
+                        r.logprobs += lps
+                        r.versions += [version] * len(ids)
+                        r.segments += 1
+                        if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
+                            r.finish = reason
+                    self.busy[url] += seconds
+                    self.generated_tokens += sum(len(x[0]) for x in rows)
+                    self.done += [g for g in active if g.done]
+                    active[:] = [g for g in active if not g.done]
+                    self.cond.notify_all()
+        except Exception as e:  # noqa: BLE001 - handed to every rank by result()
+            with self.cond:
+                self.error = (f"the rollout engine ({type(client).__name__}, on rank 0) failed generating on {url}: "
+                              f"{type(e).__name__}: {e}", bool(getattr(e, "transient", False)))
+                self.cond.notify_all()
+
+    def _start_workers(self) -> None:
+        urls = self.engines.local.urls
+        slots = -(-self.batch_size // len(urls))
+        self.mark = time.perf_counter()
+        for url in urls:
+            t = threading.Thread(target=self._work, args=(url, slots), name=f"rollout-async-{url}", daemon=True)
+            t.start()
+            self.workers.append(t)
+
+    # ---- the step's samples -----------------------------------------------------------------------
+
+    def _take(self, step: int) -> tuple[Optional[dict], float]:
+        """Rank 0: the batch of step `step` (its groups, the async metrics), or {"error": ...}."""
+        t0 = time.perf_counter()
+        floor = (step - 1) - self.k
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    return {"error": self.error}, time.perf_counter() - t0
+                stale = [g for g in self.done if g.oldest < floor]
+                if stale:
+                    self.dropped += sum(len(g.responses) for g in stale)
+                    self.dropped_groups += len(stale)
+                    self.done = [g for g in self.done if g.oldest >= floor]
+                    self.cond.notify_all()
+                if len(self.done) >= self.batch_size:
+                    break
+                self.cond.wait(timeout=1.0)
+            groups, self.done = self.done[:self.batch_size], self.done[self.batch_size:]
+            now = time.perf_counter()
+            wall, busy, tokens, dropped = now - self.mark, sum(self.busy.values()), self.generated_tokens, self.dropped
+            servers = len(self.engines.local.urls)
+            self.busy, self.generated_tokens, self.dropped, self.mark = Counter(), 0, 0, now
+        waited = now - t0
+        for g in groups:  # the bound, checked on what is handed out (a server updated by someone else breaks it)
+            for r in g.responses:
+                if not r.versions or not floor <= min(r.versions) <= max(r.versions) <= step - 1:
+                    return {"error": (f"step {step} got a sample of weight versions {sorted(set(r.versions))}; the trainer "
+                                      f"holds version {step - 1} and rollout.off_policy_steps={self.k} allows versions "
+                                      f"{floor}..{step - 1}: a server was updated by someone else, or restarted "
+                                      "without its weights", False)}, waited
+        responses = [r for g in groups for r in g.responses]
+        token_lags = Counter(step - 1 - v for r in responses for v in r.versions)
+        sample_lags = Counter(step - 1 - min(r.versions) for r in responses)
+        ntok = sum(token_lags.values())
+        metrics = {"async/trainer_idle_fraction": min(1.0, waited / wall) if wall > 0 else 0.0,
+                   "async/server_idle_fraction": max(0.0, 1.0 - busy / (servers * wall)) if wall > 0 else 0.0,
+                   "async/generated_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                   "async/dropped_stale_samples": dropped,
+                   "async/continued_samples": sum(len(set(r.versions)) > 1 for r in responses),
+                   "async/versions_per_sample": sum(len(set(r.versions)) for r in responses) / len(responses),
+                   "async/wait_s": waited, "async/generate_s": busy / servers}
+        for lag in range(self.k + 1):
+            metrics[f"async/token_lag_{lag}"] = token_lags.get(lag, 0) / ntok if ntok else 0.0
+            metrics[f"async/sample_lag_{lag}"] = sample_lags.get(lag, 0) / len(responses)
+        return {"groups": groups, "metrics": metrics}, waited
+
+    def result(self, step: int, submit_next: bool = True) -> StepSamples:
+        """Collective: the batch step `step` trains on: train_batch_size complete groups, none older than the bound."""
+        out, waited = (self._take(step) if dist.get_rank() == 0 else (None, 0.0))
+        status = None if out is None else ({"error": out["error"]} if "error" in out else
+                                           {"examples": [g.example for g in out["groups"]], "metrics": out["metrics"]})
+        status = comm.broadcast_object(status, src=0)
+        if "error" in status:
+            raise RolloutError(status["error"][0], transient=status["error"][1])
+        examples, self._metrics = status["examples"], status["metrics"]
+        gen = None
+        if dist.get_rank() == 0:
+            rs = [r for g in out["groups"] for r in g.responses]
+            gen = Generation(token_ids=[r.tokens for r in rs], logprobs=[r.logprobs for r in rs],
+                             finish_reasons=[r.finish for r in rs], weight_version=min(min(r.versions) for r in rs),
+                             extra={"token_versions": [r.versions for r in rs]})
+        if self.share is None:
+            gen = comm.broadcast_object(gen, src=0)
+        else:
+            gen = self.share(gen, [len(e.prompt_ids) for e in examples for _ in range(self.sampling.n)])
+        self.waited += waited
+        self.generated += self._metrics["async/generate_s"]
+        return StepSamples(step, examples, gen, waited)
+
+    def in_flight_counts(self) -> tuple[int, int]:
+        """Rank 0: (responses begun and not finished, groups) on the servers now."""
+        with self.cond:
+            groups = [g for gs in self.in_flight.values() for g in gs]
+            return sum(0 < len(r.tokens) and r.finish is None for g in groups for r in g.responses), len(groups)
+
+    def metrics(self) -> dict:
+        return dict(self._metrics)
+
+    def submit_next(self, step: int) -> None:
+        pass
+
+    def wait(self) -> None:
+        """Nothing to wait for: weights go to the servers with generations in flight."""
+
+    def extra(self, step: int, round: int) -> StepSamples:
+        raise RuntimeError("rollout.mode=async has no extra rounds (algo.dynamic_sampling=refill is refused)")
+
+    def reshare(self, gen: Optional[Generation], examples: list) -> Generation:
+        if self.share is None:
+            return gen
+        return self.share(gen if dist.get_rank() == 0 else None,
+                          [len(e.prompt_ids) for e in examples for _ in range(self.sampling.n)])
+
+    def sync_weights(self, gpt, version: int, **kwargs):
+        """Collective: the trainer's weights into the servers as `version`, between two of their requests (no
+        generation waits to finish); the workers start after the first sync."""
+        stats = self.engines.sync(gpt, version=version, **kwargs)
+        if dist.get_rank() == 0:
+            with self.cond:
+                self.version = version
+                self.cond.notify_all()
+            if not self.workers:
+                self._start_workers()
+        return stats
+
+    def take_timing(self) -> tuple[float, float]:
+        out = (self.generated, self.waited)
+        self.generated = self.waited = 0.0
+        return out
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        for t in self.workers:
+            t.join(timeout=30)
+
+    # ---- checkpoints (refused at config time in this mode) ----------------------------------------
+
+    def rewind(self) -> None:
+        pass
+
+    def task_state(self):
+        return None
+
+    def state(self) -> Optional[dict]:
+        return None
+
+    def restore(self, state: Optional[dict]) -> None:
+        if state is not None:
+            raise ValueError("a checkpoint's rollout state cannot resume rollout.mode=async (not built: issue 39, Build 5)")
