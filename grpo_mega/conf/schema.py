@@ -1081,6 +1081,8 @@ class TrainConfig:
             raise ValueError(f"algo.dynamic_sampling=refill with reward.rm_train.interval={self.reward.rm_train.interval}: "
                              "refill scores a step in several rounds and the reward model would train on each; "
                              "use algo.dynamic_sampling=filter, or reward.rm_train.interval=0")
+        if self.lora.enabled:
+            self.check_lora()
         if self.rollout.off_policy_steps and self.algo.correction() is None:
             # One step behind: truncated importance correction against the engine's logprobs covers the lag.
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
@@ -1103,6 +1105,18 @@ class TrainConfig:
                              f"model.family={model.family!r}: set rollout.audit_weights=false (the engine/trainer "
                              "logprob mismatch metric still checks the weights) or use rollout.engine=embedded")
         return dp
+
+    def check_lora(self) -> None:
+        """What LoRA cannot be combined with yet: a ValueError naming the setting."""
+        r = self.lora.rank
+        if self.checkpoint.dir:
+            raise ValueError(f"lora.rank={r} with checkpoint.dir={self.checkpoint.dir!r}: LoRA checkpoints (adapters and "
+                             "their optimizer state) are not written yet and a base checkpoint would drop the adapters; "
+                             "unset checkpoint.dir or set lora.rank=null")
+        if self.algo.ref_update_interval:
+            raise ValueError(f"lora.rank={r} with algo.ref_update_interval={self.algo.ref_update_interval}: under LoRA the "
+                             "reference is the frozen base (the actor with adapters off) and cannot follow the policy; "
+                             "set algo.ref_update_interval=null or lora.rank=null")
 
     def check_routing_replay(self, model: ModelConfig) -> None:
         """algo.routing_replay=rollout or measure against the model and the engines: a ValueError naming what

@@ -244,3 +244,16 @@ def load_adapter_state(gpt: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
             p = getattr(m, key)
             with torch.no_grad():
                 p.copy_(_shard(m, key, state[f"{name}.{key}"]).to(p.dtype))
+
+
+def merged_weight(gpt: torch.nn.Module, key: str, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (this rank's shard of state_dict key `key` of `gpt`) merged with its adapter, W + (alpha / r) B A,
+    computed in fp32 and cast back; `weight` itself when the key has no adapter. Shard by shard this is exact in
+    layout: a column-parallel B's rows and a row-parallel A's columns are sharded as the weight's are."""
+    if not key.endswith(".weight"):
+        return weight
+    module = gpt.get_submodule(key[: -len(".weight")]) if "." in key else gpt
+    if not hasattr(module, "_lora_on"):
+        return weight
+    delta = module.lora_B.detach().float() @ module.lora_A.detach().float()
+    return (weight.float() + module._lora_scale * delta).to(weight.dtype)
