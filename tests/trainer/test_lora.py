@@ -107,7 +107,7 @@ def test_lora_update_matches_single_process(name, w0, single):
             assert err <= REL_TOL, (name, k, err)
 
 
-def _init_and_kl(tp: int, w0_dir: str):
+def _init_and_kl(tp: int, w0_dir: str, pp: int = 1):
     """(LoRA logprobs at init == base logprobs, bitwise; |ref logprobs (adapters off) - base reference's|;
     |full-KL update metrics with either reference|), at `tp`."""
     from grpo_mega.models.lora import load_adapter_state
@@ -116,8 +116,8 @@ def _init_and_kl(tp: int, w0_dir: str):
     from grpo_mega.trainer.actor import Actor, AdapterOffReference, Reference
 
     with cpu_compat.cpu_device_mode():
-        init_distributed(tp=tp, pp=1, seed=1234)
-        parallel = ParallelConfig(tp=tp)
+        init_distributed(tp=tp, pp=pp, seed=1234)
+        parallel = ParallelConfig(tp=tp, pp=pp)
         algo_kw = dict(kl_coef=0.1, kl_estimator="full")
         kw = L.configs("token-mean", 2, "sgd", None, algo_kw)
         base = Actor(L.model_cfg(), parallel, **kw)
@@ -149,9 +149,10 @@ def _init_and_kl(tp: int, w0_dir: str):
         return same_at_init, base_err, ref_err, moved, metrics
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_lora_init_is_base_and_reference_is_adapters_off(tp, w0):
-    for same_at_init, base_err, ref_err, moved, metrics in run_ranks(_init_and_kl, tp, tp, w0, timeout=300):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_lora_init_is_base_and_reference_is_adapters_off(tp, pp, w0):
+    """PP2: the lockstep full-KL path, where the actor and its adapters-off reference are one module."""
+    for same_at_init, base_err, ref_err, moved, metrics in run_ranks(_init_and_kl, tp * pp, tp, w0, pp, timeout=300):
         assert same_at_init, "B = 0: the LoRA model's logprobs are its base model's, bit for bit"
         # against a separately built, unfrozen base: bit for bit at TP1; at TP2 megatron's frozen-weight linear
         # (linear_with_frozen_weight, taken for the frozen column-parallel qkv) rounds the last bit differently:
