@@ -3,8 +3,10 @@ bit for bit; after one update with nonzero adapters, loss, grad norm and every a
 main_grad, gathered to the TP1 layout) equal one process's at TP2 (padded rows) and TP2 + sequence parallelism
 (packed rows); the KL to the actor with adapters off equals the KL to a separately built base reference.
 
-Tolerances: fp32 throughout; a TP split changes only the order of fp32 sums over a hidden size of 64-128 and
-~100 tokens, ~1e-7 relative to the compared tensor's norm on any x86-64 CPU, well under 1e-5."""
+Tolerances: fp32 throughout; a TP split changes only the order of fp32 sums (over a hidden size of 64-128, ~100
+tokens, and a rank-4 bottleneck), each error relative to the norm of the compared tensor, never of a cancelling
+value. Measured (shared 2-core x86-64 machine): worst adapter gradient 1.6e-6 (TP2) and 1.5e-6 (TP2+SP packed) of
+its norm, loss 5e-8, grad norm 1.8e-7: under 1e-5 with the margin fp32 reduction order needs on other kernels."""
 
 from __future__ import annotations
 
