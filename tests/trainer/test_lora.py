@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_mega.conf import AlgoConfig, LoraConfig, ParallelConfig
+from grpo_mega.conf import LoraConfig, ParallelConfig
 from grpo_mega.parallel.forked import run_ranks
 from tests.trainer import layouts as L
 
