@@ -309,6 +309,47 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA (Hu et al., 2021): trainable low-rank adapters W + (alpha / rank) B A on the chosen linears of the frozen
+    base model (grpo_mega/models/lora.py). The reference for the KL is the actor with its adapters off."""
+
+    rank: Optional[int] = None
+    """Adapter rank r; null: no LoRA (every weight trains). Must be > 0 and at most each adapted layer's smaller dimension."""
+    alpha: float = 16.0
+    """Scale alpha: the adapter adds (alpha / rank) B A x."""
+    target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    """Adapted linears of each layer: 'qkv' (attention input, fused q/k/v), 'proj' (attention output), 'fc1'
+    (dense MLP gate/up, fused), 'fc2' (dense MLP down)."""
+    init: str = "kaiming"
+    """A's initialisation ('kaiming': PEFT's kaiming-uniform, a=sqrt(5); 'gaussian': normal with std 1/rank); B = 0,
+    so step 0 is the base model. Dropout is 0."""
+    seed: int = 0
+    """Seed of A's initialisation (the same full A on every layout, each rank keeping its shard)."""
+
+    def __post_init__(self):
+        if self.rank is not None and self.rank <= 0:
+            raise ValueError(f"lora.rank={self.rank} must be > 0 (or null: no LoRA)")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            raise ValueError(f"lora.target_modules={list(self.target_modules)}: unknown {unknown or 'empty list'}; "
+                             f"choose from {', '.join(LORA_TARGETS)}")
+        if self.init not in ("kaiming", "gaussian"):
+            raise ValueError(f"lora.init={self.init!r} must be 'kaiming' or 'gaussian'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""lora.target_modules' names."""
+
+
+@dataclass(kw_only=True)
 class PrecisionConfig:
     """Parameter and compute precision."""
 
@@ -1111,6 +1152,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         for f in fields(self):  # plain dicts (a checkpoint's saved config) become their dataclasses
@@ -1137,6 +1179,8 @@ class TrainConfig:
                              "use algo.dynamic_sampling=filter, or reward.rm_train.interval=0")
         if self.rollout.mode == "async":
             self.check_async()
+        if self.lora.enabled:
+            self.check_lora()
         if self.rollout.off_policy_steps and self.algo.correction() is None:
             # One step behind: truncated importance correction against the engine's logprobs covers the lag.
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
@@ -1175,6 +1219,18 @@ class TrainConfig:
                              f"model.family={model.family!r}: set rollout.audit_weights=false (the engine/trainer "
                              "logprob mismatch metric still checks the weights) or use rollout.engine=embedded")
         return dp
+
+    def check_lora(self) -> None:
+        """What LoRA cannot be combined with yet: a ValueError naming the setting."""
+        r = self.lora.rank
+        if self.checkpoint.dir:
+            raise ValueError(f"lora.rank={r} with checkpoint.dir={self.checkpoint.dir!r}: LoRA checkpoints (adapters and "
+                             "their optimizer state) are not written yet and a base checkpoint would drop the adapters; "
+                             "unset checkpoint.dir or set lora.rank=null")
+        if self.algo.ref_update_interval:
+            raise ValueError(f"lora.rank={r} with algo.ref_update_interval={self.algo.ref_update_interval}: under LoRA the "
+                             "reference is the frozen base (the actor with adapters off) and cannot follow the policy; "
+                             "set algo.ref_update_interval=null or lora.rank=null")
 
     def check_routing_replay(self, model: ModelConfig) -> None:
         """algo.routing_replay=rollout or measure against the model and the engines: a ValueError naming what
@@ -1236,7 +1292,8 @@ OFF_POLICY_IS_CAP = 2.0
 
 _COMPONENTS = {"data": DataConfig, "reward": RewardConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
                "optim": OptimConfig, "algo": AlgoConfig, "batch": BatchConfig, "rollout": RolloutConfig,
-               "run": RunConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "dist": DistConfig}
+               "run": RunConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "dist": DistConfig,
+               "lora": LoraConfig}
 
 RENAMED = {"batch.n": "rollout.n", "seed": "run.seed"}
 """Settings that had two names: the old one is refused, naming the new."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_mega.conf.schema import ModelConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.conf.schema import LoraConfig, ModelConfig, ParallelConfig, PrecisionConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -273,11 +273,17 @@ def _gpt_model(config, model: ModelConfig, rope, ps):
     )
 
 
-def build_actor(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, use_distributed_optimizer: bool = True) -> Built:
-    """The trainable policy: this rank's stage wrapped in Megatron DDP (contiguous grad buffers, fp32 grads)."""
+def build_actor(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, use_distributed_optimizer: bool = True,
+                lora: "LoraConfig | None" = None) -> Built:
+    """The trainable policy: this rank's stage wrapped in Megatron DDP (contiguous grad buffers, fp32 grads).
+    With `lora` enabled the base weights are frozen and only the adapters (grpo_mega.models.lora) train."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     gpt, config = build_gpt(model, parallel, precision)
+    if lora is not None and lora.enabled:
+        from grpo_mega.models.lora import apply_lora
+
+        apply_lora(gpt, lora)
     ddp = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(

@@ -111,7 +111,8 @@ def _ps():
 
 
 def stage_hf_tensors(gpt: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's parameters as full HF-named tensors, in a fixed order (every TP rank of the
+    """This pipeline stage's parameters as full HF-named tensors (under LoRA each adapted weight merged with its
+    adapter), in a fixed order (every TP rank of the
     stage, and with expert parallelism every EP rank of those, must iterate: the gathers are collectives;
     all ranks get the tensors). Each expert is first merged over the expert-tensor-parallel group (megatron's
     default: the size of tp, so TP x EP splits every expert's matrices like the dense MLP's) and then comes
@@ -122,10 +123,12 @@ def stage_hf_tensors(gpt: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype)
     ep = ps.get_expert_model_parallel_world_size() if cfg.is_moe else 1
     etp = ps.get_expert_tensor_parallel_world_size() if cfg.is_moe else 1
     offset = bridge.layer_offset(gpt)
+    from grpo_mega.models.lora import merged_weight
+
     for local, param in gpt.state_dict(keep_vars=True).items():
         if local.endswith("_extra_state") or not torch.is_tensor(param):
             continue
-        data = param.detach()
+        data = merged_weight(gpt, local, param.detach())  # LoRA: W + s B A of this shard (exact per shard)
         if (ep > 1 or etp > 1) and bridge.expert_of(local) is not None:
             if etp > 1 and getattr(param, "tensor_model_parallel", False):
                 shards = [torch.empty_like(data) for _ in range(etp)]

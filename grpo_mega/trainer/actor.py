@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 
 from grpo_mega import algo
-from grpo_mega.conf.schema import AlgoConfig, BatchConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
-from grpo_mega.models.builder import build_actor, build_reference, copy_weights, move_module
+from grpo_mega.conf.schema import AlgoConfig, BatchConfig, LoraConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.models.builder import Built, build_actor, build_reference, copy_weights, move_module
 from grpo_mega.parallel import comm
 from grpo_mega.parallel.fused_output import fused_output_stats
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
@@ -259,15 +259,19 @@ def _lockstep_forward(model, ref_gpt, mb: dict) -> tuple[torch.Tensor, Optional[
     backward pass stops there. Returns (actor logits [b, s, V/tp], reference logits [b, s, V/tp]) on the last
     stage (with the fused output layer both models' output-layer inputs, [b, s, h]), else (the [s, 2b, h]
     tensor to send on, None)."""
+    from grpo_mega.models.lora import adapters_disabled
+
     ps = _ps()
     b = mb["tokens"].shape[0]
     gpt = _unwrap(model)
-    if not ps.is_pipeline_first_stage():
+    first = ps.is_pipeline_first_stage()
+    if not first:
         both = gpt.decoder.input_tensor
         gpt.decoder.set_input_tensor(both[:, :b].contiguous())
-        ref_gpt.decoder.set_input_tensor(both[:, b:].detach().contiguous())
     out = _forward(model, mb)
-    with torch.no_grad():
+    if not first:  # after the actor's forward: under LoRA the reference is the same module (adapters off)
+        ref_gpt.decoder.set_input_tensor(both[:, b:].detach().contiguous())
+    with torch.no_grad(), adapters_disabled(ref_gpt):
         ref_out = _forward(ref_gpt, mb)
     if ps.is_pipeline_last_stage():
         return out, ref_out
@@ -412,11 +416,36 @@ class Reference:
         copy_weights(actor.built.gpt, self.built.gpt)
 
 
+class AdapterOffReference:
+    """The reference under LoRA: the actor itself with its adapters off (grpo_mega.models.lora), the same
+    placement, forward and lockstep path as `Reference`, no second copy of the weights."""
+
+    def __init__(self, actor: "Actor"):
+        self.model_cfg, self.parallel, self.batch = actor.model_cfg, actor.parallel, actor.batch
+        gpt = actor.built.gpt
+        self.built = Built(module=gpt, gpt=gpt, config=actor.built.config)
+
+    @contextlib.contextmanager
+    def on_device(self):
+        yield self.built.gpt
+
+    def logprobs(self, rollout: RolloutBatch, temperature: float) -> torch.Tensor:
+        from grpo_mega.models.lora import adapters_disabled
+
+        with adapters_disabled(self.built.gpt):
+            return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
+
+    def load_from(self, actor: "Actor") -> None:
+        """Nothing to copy: the base weights are the actor's, frozen."""
+        if actor.built.gpt is not self.built.gpt:
+            raise ValueError("AdapterOffReference.load_from: a different actor; the reference is its own actor's base")
+
+
 class Actor:
     """The trainable policy: Megatron DDP + optimizer + LR schedule, and the GRPO update."""
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                 optim: OptimConfig, algo_cfg: AlgoConfig, batch: BatchConfig):
+                 optim: OptimConfig, algo_cfg: AlgoConfig, batch: BatchConfig, lora: Optional[LoraConfig] = None):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -424,7 +453,8 @@ class Actor:
         self.optim, self.algo, self.batch = optim, algo_cfg, batch
         self.policy_loss = algo.POLICY_LOSSES.get(algo_cfg.policy_loss)
         self.objective = algo_cfg.objective()
-        self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer)
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.built = build_actor(model_cfg, parallel, precision, optim.use_distributed_optimizer, self.lora)
         self.moe = None
         if model_cfg.is_moe:
             from grpo_mega.models.moe_metrics import MoEMetrics

@@ -18,7 +18,7 @@ from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.rollout.validate import OutputSpec
-from grpo_mega.trainer.actor import Actor, Reference
+from grpo_mega.trainer.actor import Actor, AdapterOffReference, Reference
 from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
 from grpo_mega.trainer.task import Task
 from grpo_mega.trainer.watchdog import StepWatchdog
@@ -104,7 +104,7 @@ class Run:
                                      d.watchdog_factor if out_dir is not None else 0.0, d.watchdog_min_s)
         self.n, self.steps = cfg.rollout.n, cfg.run.steps
         cfg.check_layout(model, torch.distributed.get_world_size())
-        self.actor = Actor(model, cfg.parallel, cfg.precision, cfg.optim, cfg.algo, cfg.batch)
+        self.actor = Actor(model, cfg.parallel, cfg.precision, cfg.optim, cfg.algo, cfg.batch, lora=cfg.lora)
         if hf_dir is not None:
             from megatron.core import parallel_state as ps
 
@@ -113,7 +113,9 @@ class Run:
             load_hf_into_gpt(self.actor.built.gpt, hf_dir, model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp)
             self.actor.optimizer.reload_model_params()
         self.reference = None
-        if cfg.algo.kl_coef != 0:
+        if cfg.algo.kl_coef != 0 and cfg.lora.enabled:  # the base model: the actor with its adapters off
+            self.reference = AdapterOffReference(self.actor)
+        elif cfg.algo.kl_coef != 0:
             self.reference = Reference(model, cfg.parallel, cfg.precision, cfg.batch, offload=cfg.algo.ref_offload,
                                        replay=cfg.algo.routing_replay == "rollout")
             self.reference.load_from(self.actor)

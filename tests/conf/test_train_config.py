@@ -46,7 +46,7 @@ def test_every_config_class_lives_in_conf():
     """The tree is closed: each component of TrainConfig is defined in grpo_mega/conf, and no module outside it
     defines a class named *Config."""
     classes = _config_classes(schema.TrainConfig)
-    assert len(classes) == 15  # TrainConfig and its 14 components (reward.rm_train, rollout.multi_turn included)
+    assert len(classes) == 16  # TrainConfig and its 15 components (reward.rm_train, rollout.multi_turn included)
     assert all(c.__module__.startswith("grpo_mega.conf") for c in classes)
     outside = []
     for path in (ROOT / "grpo_mega").rglob("*.py"):
