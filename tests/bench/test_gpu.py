@@ -86,6 +86,11 @@ def test_bench_step_gpu_path_runs_on_cpu(tmp_path):
     assert r["engine_generated_tokens"] == 8 * 4 and r["engine_tokens_per_s"] > 0
     # bf16-free here: the sync carries every fp32 weight once (tiny's vocabulary unpadded, untied)
     assert r["weight_sync_bytes"] > 0 and 0 < r["weight_sync_over_copy"]
+    # the plain transformers step on the same batch in the same micro-batches (fp32 here: no autocast)
+    p = r["plain_transformers_step"]
+    assert p["tokens_per_s"] > 0 and len(p["seconds"]) == 1 and p["attention"] == "sdpa" and p["mfu"] is None
+    assert p["megatron_over_plain"] == pytest.approx(r["update_median_s"] / p["median_s"])
+    assert r["engine_decode"] == "static" and r["memory_sites_at_first_update_peak"] is None  # CUDA only
     mem = r["memory_gib"]
     assert all(v is None for v in mem["measured"].values())
     assert all(mem["planned"][k] > 0 for k in ("parameters_and_gradients", "reference", "optimizer",
