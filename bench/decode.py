@@ -1,15 +1,19 @@
 """Benchmark: the embedded engine's generation against transformers' own `generate` on the same batch. Writes JSON.
 
-    python -m bench.decode [--hf-dir DIR] [--prompts 8] [--n 4] [--prompt-len 32] [--new-tokens 64]
-                           [--rounds 3] [--out bench_results/decode.json]
+    python -m bench.decode [--hf-dir DIR | --model NAME] [--prompts 8] [--n 4] [--prompt-len 32] [--new-tokens 64]
+                           [--modes dynamic,static] [--hf-caches dynamic] [--rounds 3] [--out bench_results/decode.json]
+    python -m bench.decode --gpu     # qwen2.5-0.5b (random weights), bf16, 16 x 4 rows x 512 new tokens, on CUDA:
+                                     # the engine's dynamic, static and compiled decode beside generate's dynamic
+                                     # and static caches (bench_results/decode_gpu_<device>.json)
 
-The same HF model object (SmolLM2-135M-Instruct from `make smollm2` by default), the same prompts, each answered
-n times, sampled at temperature 1 without top-k or top-p, every row run to `--new-tokens` (no stop token for the
-embedded engine; `min_new_tokens` for transformers). The two are alternated round by round after one warm-up
-call of each, so load on a shared machine falls on both; the median round is reported for each, with every
-round's seconds. What each does per token: the embedded engine one forward over the batch with a KV cache, then
-log-softmax and one draw per row from that row's own seeded generator (a sample does not depend on its batch);
-transformers' `generate` one forward, its logits processors and one batched multinomial.
+The same HF model object (SmolLM2-135M-Instruct from `make smollm2` by default, or a model_configs name with random
+weights), the same prompts, each answered n times, sampled at temperature 1 without top-k or top-p, every row run
+to `--new-tokens` (no stop token for the embedded engine; `min_new_tokens` for transformers). Each side is one of
+the engine's decode modes (rollout.embedded_decode: `embedded_dynamic`, `embedded_static`, `embedded_compiled`)
+or `generate` with one cache implementation (`transformers_dynamic`, `transformers_static`). The sides are
+alternated round by round after one warm-up call of each, so load on a shared machine falls on all alike; the
+median round is reported for each, with every round's wall seconds and the process's CPU seconds (all threads:
+on a loaded machine the steadier measure of the work done). `--dry-run` prints the parsed arguments and exits.
 """
 
 from __future__ import annotations
@@ -23,19 +27,59 @@ import time
 from bench import common
 
 
-def main() -> int:
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf-dir", default=None, help="an HF model directory (default: SmolLM2-135M-Instruct, make smollm2)")
-    ap.add_argument("--prompts", type=int, default=8)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--hf-dir", default=None, help="an HF model directory (default: SmolLM2-135M-Instruct, make smollm2)")
+    src.add_argument("--model", default=None, help="a model_configs name, random weights (seed 0)")
+    ap.add_argument("--gpu", action="store_true", help="CUDA, bf16, qwen2.5-0.5b, 16 x 4 rows x 512 new tokens, "
+                    "every decode mode and both generate caches (each unless given)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --gpu, else cpu)")
+    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="default: bf16 with --gpu, else fp32")
+    ap.add_argument("--prompts", type=int, default=None, help="default 8 (16 with --gpu)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each, alternated, after one warm-up each")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 32 (64 with --gpu)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (512 with --gpu)")
+    ap.add_argument("--modes", default=None, help="the engine's decode modes, comma-separated (default: dynamic,static; "
+                    "with --gpu dynamic,static,compiled)")
+    ap.add_argument("--hf-caches", default=None, help="generate's cache implementations, comma-separated "
+                    "(default: dynamic; with --gpu dynamic,static); 'none' for no transformers side")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds of each, alternated, after one warm-up each "
+                    "(default 3; 2 with --gpu)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default=common.out_path("decode"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="print the parsed arguments and exit")
+    args = ap.parse_args(argv)
+    gpu = args.gpu
+    defaults = dict(device="cuda" if gpu else "cpu", dtype="bf16" if gpu else "fp32", prompts=16 if gpu else 8,
+                    prompt_len=64 if gpu else 32, new_tokens=512 if gpu else 64,
+                    modes="dynamic,static,compiled" if gpu else "dynamic,static",
+                    hf_caches="dynamic,static" if gpu else "dynamic", rounds=2 if gpu else 3)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if gpu and args.hf_dir is None and args.model is None:
+        args.model = "qwen2.5-0.5b"
     if min(args.prompts, args.n, args.prompt_len, args.new_tokens, args.rounds) < 1:
         ap.error("--prompts, --n, --prompt-len, --new-tokens and --rounds must be >= 1")
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.hf_caches = [] if args.hf_caches == "none" else [c for c in args.hf_caches.split(",") if c]
+    for m in args.modes:
+        if m not in ("dynamic", "static", "compiled"):
+            ap.error(f"--modes: {m!r} is not one of dynamic, static, compiled")
+    for c in args.hf_caches:
+        if c not in ("dynamic", "static"):
+            ap.error(f"--hf-caches: {c!r} is not one of dynamic, static (or 'none')")
+    if not args.modes:
+        ap.error("--modes needs at least one of dynamic, static, compiled")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.dry_run:
+        print(vars(args))
+        return 0
 
     import warnings
 
@@ -44,61 +88,101 @@ def main() -> int:
 
     from grpo_mega.rollout.embedded import EmbeddedEngine
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda (or --gpu) needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
-    if args.hf_dir is None:
-        from grpo_mega.cli.prepare_model import prepared_dir
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.model is not None:
+        from grpo_mega.conf import load_model_config
 
-        args.hf_dir = str(prepared_dir())
-    engine = EmbeddedEngine.from_hf_dir(args.hf_dir)
+        engine = EmbeddedEngine.from_model_config(load_model_config(args.model), dtype=dtype, device=args.device)
+        source = args.model
+    else:
+        if args.hf_dir is None:
+            from grpo_mega.cli.prepare_model import prepared_dir
+
+            args.hf_dir = str(prepared_dir())
+        engine = EmbeddedEngine.from_hf_dir(args.hf_dir, dtype=dtype, device=args.device)
+        source = args.hf_dir
     model = engine.model
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    ids = torch.tensor(prompts).repeat_interleave(args.n, 0)
+    ids = torch.tensor(prompts).repeat_interleave(args.n, 0).to(args.device)
     rows = ids.shape[0]
+    cuda = args.device.startswith("cuda")
 
-    def embedded(seed: int) -> int:
-        out = engine.generate(prompts, args.n, 1.0, 1.0, args.new_tokens, [], seed=seed)
-        return sum(len(t) for t in out.token_ids)
+    def embedded(mode):
+        def run(seed: int) -> int:
+            engine.decode = mode
+            out = engine.generate(prompts, args.n, 1.0, 1.0, args.new_tokens, [], seed=seed)
+            return sum(len(t) for t in out.token_ids)
+        return run
 
-    def hf(seed: int) -> int:
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                 pad_token_id=0)
-        return int((out.shape[1] - ids.shape[1]) * rows)
+    def hf(cache):
+        def run(seed: int) -> int:
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                     top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                                     min_new_tokens=args.new_tokens, pad_token_id=0, cache_implementation=cache)
+            return int((out.shape[1] - ids.shape[1]) * rows)
+        return run
 
-    sides = {"embedded": embedded, "transformers_generate": hf}
-    for fn in sides.values():
-        fn(0)  # warm-up
+    sides = {f"embedded_{m}": embedded(m) for m in args.modes}
+    sides.update({f"transformers_{c}": hf(c) for c in args.hf_caches})
+
+    def timed(fn, seed):
+        if cuda:
+            torch.cuda.synchronize()
+        w0, c0 = time.perf_counter(), time.process_time()
+        n = fn(seed)
+        if cuda:
+            torch.cuda.synchronize()
+        return n, time.perf_counter() - w0, time.process_time() - c0
+
+    warmup = {}
+    for name, fn in sides.items():
+        warmup[name] = timed(fn, 0)[1]  # compilation and graph capture land here
     seconds = {k: [] for k in sides}
+    cpu_seconds = {k: [] for k in sides}
     tokens = {}
     load_start = os.getloadavg()
     for r in range(args.rounds):
         for name, fn in sides.items():
-            t0 = time.perf_counter()
-            tokens[name] = fn(r + 1)
-            seconds[name].append(time.perf_counter() - t0)
-        print(f"round {r + 1}: embedded {seconds['embedded'][-1]:.2f} s, transformers {seconds['transformers_generate'][-1]:.2f} s",
-              flush=True)
-    if tokens["embedded"] != tokens["transformers_generate"]:
+            tokens[name], wall, cpu = timed(fn, r + 1)
+            seconds[name].append(wall)
+            cpu_seconds[name].append(cpu)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), flush=True)
+    if len(set(tokens.values())) != 1:
         raise SystemExit(f"not the same work: {tokens} generated tokens")
+    generated = next(iter(tokens.values()))
     med = {k: statistics.median(v) for k, v in seconds.items()}
-    ratio = med["embedded"] / med["transformers_generate"]
+    med_cpu = {k: statistics.median(v) for k, v in cpu_seconds.items()}
+    first = f"embedded_{args.modes[0]}"
     result = dict(
-        what="the embedded engine's generate vs transformers' generate: same model, prompts and length, sampled, "
-             "alternated round by round; median of the rounds",
-        model=args.hf_dir, rows=rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        generated_tokens=tokens["embedded"], threads=args.threads, rounds=args.rounds, seconds=seconds,
-        median_seconds=med, tokens_per_s={k: tokens[k] / v for k, v in med.items()},
+        what="the embedded engine's generate (each decode mode) vs transformers' generate (each cache): same model, "
+             "prompts and length, sampled, alternated round by round; median of the rounds, wall and process CPU "
+             "seconds",
+        model=source, device=args.device, dtype=args.dtype, rows=rows, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, generated_tokens=generated, threads=args.threads, rounds=args.rounds,
+        warmup_seconds=warmup, seconds=seconds, cpu_seconds=cpu_seconds, median_seconds=med,
+        median_cpu_seconds=med_cpu, tokens_per_s={k: generated / v for k, v in med.items()},
         decode_step_ms={k: 1e3 * v / args.new_tokens for k, v in med.items()},
-        embedded_over_transformers=ratio, loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()),
+        over_first_mode={k: v / med[first] for k, v in med.items()},
+        cpu_over_first_mode={k: v / med_cpu[first] for k, v in med_cpu.items()},
+        engine_compile_error=engine.compile_error, loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()),
         machine=common.machine(),
     )
+    if args.out is None:
+        from bench.step import device_slug
+
+        args.out = common.out_path(f"decode_gpu_{device_slug(result['machine'].get('device', 'cuda'))}"
+                                   if cuda else "decode")
     common.write_json(args.out, result)
-    print(f"embedded {med['embedded']:.2f} s, transformers' generate {med['transformers_generate']:.2f} s for "
-          f"{tokens['embedded']} tokens: ratio {ratio:.2f}; wrote {args.out}")
+    print(f"{generated} tokens; median wall s: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+          + "; tok/s: " + ", ".join(f"{k} {v:.0f}" for k, v in result["tokens_per_s"].items()) + f"; wrote {args.out}")
     return 0
 
 

@@ -102,8 +102,11 @@ def _with_logprob_inputs(actor, rb, temperature: float):
 # ---- --cpu: Megatron against plain PyTorch ------------------------------------------------------------------
 
 
-def hf_model_like(actor, cfg):
-    """The transformers model of `cfg`'s architecture with the actor's current weights (through the bridge)."""
+def hf_model_like(actor, cfg, device=None, **from_config):
+    """The transformers model of `cfg`'s architecture with the actor's current weights (through the bridge), fp32,
+    built on `device` (default: the CPU)."""
+    import contextlib
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -112,7 +115,8 @@ def hf_model_like(actor, cfg):
 
     hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
     config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config)
     weights = dict(stage_hf_tensors(actor.built.gpt, cfg, torch.float32))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
@@ -123,28 +127,48 @@ def hf_model_like(actor, cfg):
     return model
 
 
-def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response: int) -> float:
+def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response: int, micro=None, device=None,
+               autocast: bool = False) -> float:
     """One GRPO step in plain PyTorch: HF forward, torch.log_softmax logprobs, grpo_mega.algo's loss,
-    backward, clip, AdamW. Returns the loss."""
+    backward, clip, AdamW. Returns the loss. With `micro`, the batch in micro-batches of that many rows, their
+    gradients accumulated (the mini-batch's normaliser for each: the same loss and gradient); `device`: where
+    the batch goes; `autocast`: the forward under torch.autocast(bf16) over fp32 weights (transformers' Trainer
+    with bf16=True)."""
+    import contextlib
+
     import torch
 
     from grpo_mega import algo
 
-    labels, mask = rb.labels(), rb.loss_mask()
-    logits = model(input_ids=rb.tokens).logits.float() / temperature  # [B, L, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * mask
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    kl = algo.kl_penalty(logp, rb.ref_logp, a.kl_estimator)
-    token_loss, _ = algo.grpo_token_loss(logp, rb.old_logp, rb.advantages, a.clip_ratio_low, a.clip_ratio_high,
-                                         a.dual_clip, kl=kl, kl_coef=a.kl_coef, entropy=entropy,
-                                         entropy_coef=a.entropy_coef)
-    loss = algo.aggregate(token_loss, mask, a.loss_agg_mode, algo.local_normaliser(a.loss_agg_mode, mask, max_response))
-    loss.backward()
+    labels_all, mask_all = rb.labels(), rb.loss_mask()
+    normaliser = algo.local_normaliser(a.loss_agg_mode, mask_all, max_response)
+    micro = micro or rb.size
+    total = 0.0
+    for s in range(0, rb.size, micro):
+        rows = slice(s, s + micro)
+        tokens, labels, mask = rb.tokens[rows], labels_all[rows], mask_all[rows]
+        old, ref, adv = rb.old_logp[rows], rb.ref_logp[rows], rb.advantages[rows]
+        if device is not None:
+            tokens, labels, mask, old, ref, adv = (t.to(device) for t in (tokens, labels, mask, old, ref, adv))
+        ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
+            logits = model(input_ids=tokens).logits
+        logits = logits.float() / temperature  # [B, L, V]
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * mask
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        kl = algo.kl_penalty(logp, ref, a.kl_estimator)
+        token_loss, _ = algo.grpo_token_loss(logp, old, adv, a.clip_ratio_low, a.clip_ratio_high,
+                                             a.dual_clip, kl=kl, kl_coef=a.kl_coef, entropy=entropy,
+                                             entropy_coef=a.entropy_coef)
+        loss = algo.aggregate(token_loss, mask, a.loss_agg_mode, normaliser)
+        loss.backward()
+        total += float(loss)
+        del logits, logp_all, entropy, token_loss, loss
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return total
 
 
 # What megatron-core does in an update that the plain step does not, each labelled for torch.profiler by wrapping
@@ -312,8 +336,99 @@ def _diff(a, b):
     return None if a is None or b is None else a - b
 
 
+def _short(filename: str) -> str:
+    """A frame's file relative to the repository or site-packages."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return filename[len(root):] if filename.startswith(root) else filename
+
+
+def _site(frames: list) -> tuple[str, str]:
+    """An allocation's site: the innermost Python frame outside torch itself (the code that asked), and the
+    innermost frame of all (what allocated)."""
+    if not frames:
+        return "(no stack recorded)", ""
+    inner = frames[0]
+    via = f"{_short(inner.get('filename', '?'))}:{inner.get('line', '?')} {inner.get('name', '?')}"
+    for f in frames:
+        name = _short(f.get("filename", "?"))
+        if not (name.startswith("torch/") or name.startswith("<")):
+            return f"{name}:{f.get('line', '?')} {f.get('name', '?')}", via
+    return via, via
+
+
+def top_allocation_sites(snapshot: dict, n: int = 12, device: int = 0, max_entries: int = 0) -> dict:
+    """torch.cuda.memory._snapshot() taken after _record_memory_history: replays the device's alloc/free trace
+    to the moment the bytes allocated since recording began peaked, and sums the blocks live then by
+    allocation site (`_site`), largest first: what the peak is made of, by name. Blocks allocated before
+    recording began are not in the trace (their frees are ignored)."""
+    trace = snapshot.get("device_traces", [[]])[device] if snapshot.get("device_traces") else []
+    cur = peak = 0
+    peak_i = -1
+    sizes = {}
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            sizes[ev["addr"]] = ev["size"]
+            cur += ev["size"]
+            if cur > peak:
+                peak, peak_i = cur, i
+        elif ev["action"] == "free_requested":
+            cur -= sizes.pop(ev["addr"], 0)
+    live = {}
+    for ev in trace[: peak_i + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_requested":
+            live.pop(ev["addr"], None)
+    by_site: dict = {}
+    for ev in live.values():
+        site, via = _site(ev.get("frames") or [])
+        d = by_site.setdefault(site, dict(bytes=0, blocks=0, largest_block_bytes=0, via=via))
+        d["bytes"] += ev["size"]
+        d["blocks"] += 1
+        d["largest_block_bytes"] = max(d["largest_block_bytes"], ev["size"])
+    top = sorted(by_site.items(), key=lambda kv: -kv[1]["bytes"])[:n]
+    return dict(trace_events=len(trace), trace_truncated=bool(max_entries) and len(trace) >= max_entries,
+                peak_gib_since_recording=peak / 2**30, sites_at_peak=len(by_site),
+                top=[dict(site=k, gib=v["bytes"] / 2**30, blocks=v["blocks"],
+                          largest_block_gib=v["largest_block_bytes"] / 2**30, via=v["via"]) for k, v in top])
+
+
+def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int, dtype: str) -> dict:
+    """The model_configs model with the most parameters that grpo-mega-plan says fits one GPU of `gpu_gib` at
+    this shape (TP1, local spec, flash attention, the reference on the GPU, fused output as configured)."""
+    from grpo_mega import planning
+    from grpo_mega.conf import BatchConfig, ParallelConfig, load_model_config
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_configs")
+    batch, best, seen = BatchConfig(), None, []
+    for fname in sorted(os.listdir(here)):
+        if not fname.endswith(".yaml") or fname.startswith("tiny"):
+            continue
+        name = fname[: -len(".yaml")]
+        cfg = load_model_config(name)
+        try:
+            p = planning.plan(planning.PlanInput(
+                model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
+                num_microbatches=num_microbatches, params_dtype=dtype, reference="gpu", flash_attention=True,
+                layer_spec="local", gpu_gib=gpu_gib, logprob_chunk_size=batch.logprob_chunk_size,
+                fused_output=batch.fused_output))
+        except ValueError:
+            continue
+        params = sum(sp.total for sp in planning.stage_params(cfg, ParallelConfig()))
+        seen.append(dict(model=name, params=params, planned_gib=p.total_gib, fits=p.fits))
+        if p.fits and (best is None or params > best["params"]):
+            best = seen[-1]
+    return dict(gpu_gib=gpu_gib, chosen=best["model"] if best else None, candidates=seen)
+
+
 def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
-               micro: int, gen_tokens: int, dtype: str) -> dict:
+               micro: int, gen_tokens: int, dtype: str, engine_decode: str = "static", plain: bool = True,
+               memory_top: int = 12) -> dict:
+    import gc
+
     import torch
 
     from grpo_mega import planning
@@ -330,6 +445,12 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     c = _configs(groups, n, response_len, micro, dtype)
     seq = prompt_len + response_len
     measured, t = {}, {}
+    history = cuda and memory_top > 0  # allocation sites, recorded from here through the first update
+    max_entries = 2_000_000
+    if history:
+        warmup = max(warmup, 1)  # the recorded (slower) first update is not timed
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 max_entries=max_entries)
 
     base = mem.now()
     actor = Actor(cfg, ParallelConfig(), **c)
@@ -361,6 +482,12 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
             torch.cuda.synchronize()
         if i == 0:
             first_peak, after_first = mem.peak(), mem.now()
+            if history:
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                t["memory_sites"] = top_allocation_sites(snapshot, memory_top, torch.cuda.current_device(),
+                                                         max_entries)
+                del snapshot
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     measured["optimizer"] = _diff(after_first, after_ref)  # Adam's m and v, allocated by the first step
@@ -380,7 +507,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     # Weight sync into an embedded engine on the same device, against a plain copy of the same bytes.
     engine_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     before_engine = mem.now()
-    engine = EmbeddedEngine.from_model_config(cfg, dtype=engine_dtype, device=str(device))
+    engine = EmbeddedEngine.from_model_config(cfg, dtype=engine_dtype, device=str(device), decode=engine_decode)
     measured["embedded_engine"] = _diff(mem.now(), before_engine)
     sync_s, stats = [], None
     for v in range(3):
@@ -405,6 +532,43 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     gen_s = time.perf_counter() - t0
     generated = sum(len(x) for x in gen.token_ids)
     engine.shutdown()
+    del engine
+
+    # The plain transformers step on the same device, batch, loss and optimizer: fp32 weights (the actor's, through
+    # the bridge) under bf16 autocast, SDPA, fused AdamW, the same micro-batches (transformers' Trainer with
+    # bf16=True). Built after the actor and reference are freed, so each side has the card to itself.
+    plain_out = None
+    if plain:
+        model = hf_model_like(actor, cfg, device=device, attn_implementation="sdpa")
+        del actor, reference
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr,
+                                betas=(c["optim"].adam_beta1, c["optim"].adam_beta2), eps=c["optim"].adam_eps,
+                                weight_decay=0.0, fused=cuda)
+        plain_base = mem.now()
+        plain_times, plain_peak, plain_loss = [], None, None
+        for i in range(warmup + steps):
+            mem.reset_peak()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            plain_loss = plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len, micro=micro,
+                                    device=device, autocast=dtype == "bf16")
+            if cuda:
+                torch.cuda.synchronize()
+            if i == 0:
+                plain_peak = _diff(mem.peak(), plain_base)
+            if i >= warmup:
+                plain_times.append(time.perf_counter() - t0)
+        pmed = statistics.median(plain_times)
+        plain_out = dict(what="transformers model, fp32 weights under bf16 autocast (fp32 without bf16), SDPA, fused "
+                         "AdamW, the same batch, micro-batches, GRPO loss and clipping", seconds=plain_times,
+                         median_s=pmed, tokens_per_s=tokens / pmed, mfu=flops / pmed / peak if peak else None,
+                         attention=model.config._attn_implementation, last_loss=plain_loss,
+                         peak_gib_above_weights=plain_peak, megatron_over_plain=med / pmed)
+        del model, opt
 
     te = have_transformer_engine()  # the layer spec builder.build_gpt picked
     plan = planning.plan(planning.PlanInput(
@@ -426,6 +590,8 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         engine_generated_tokens=generated, engine_seconds=gen_s, engine_tokens_per_s=generated / gen_s,
         weight_sync_bytes=stats.bytes, weight_sync_seconds=min(sync_s), weight_sync_gb_per_s=sync_rate / 1e9,
         device_copy_gb_per_s=copy_rate / 1e9, weight_sync_over_copy=sync_rate / copy_rate,
+        engine_decode=engine_decode, plain_transformers_step=plain_out,
+        memory_sites_at_first_update_peak=t.get("memory_sites"),
         memory_gib=dict(measured=measured, planned=planned,
                         measured_over_planned={k: (measured[k] / planned[k] if measured.get(k) is not None
                                                    and planned[k] else None) for k in planned}),
@@ -437,13 +603,14 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
     mode.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
     mode.add_argument("--gpu-path-on-cpu", action="store_true", help="the --gpu code on the CPU (a smoke test)")
-    ap.add_argument("--models", default=None, help="model_configs names, comma-separated")
+    ap.add_argument("--models", default=None, help="model_configs names, comma-separated; with --gpu, 'largest' is "
+                    "the largest model grpo-mega-plan says fits this GPU at the benchmark's shape")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads, for both paths")
@@ -456,10 +623,22 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="--gpu: params dtype")
     ap.add_argument("--profile-steps", type=int, default=2,
                     help="--cpu: steps of each path under torch.profiler, megatron-core's share by piece (0: none)")
+    ap.add_argument("--engine-decode", default="static", choices=("dynamic", "static", "compiled", "auto"),
+                    help="--gpu: the embedded engine's decode (rollout.embedded_decode; bench.decode compares them)")
+    ap.add_argument("--no-plain", action="store_true", help="--gpu: skip the plain transformers step")
+    ap.add_argument("--memory-top", type=int, default=12,
+                    help="--gpu: allocation sites (torch.cuda.memory._record_memory_history) at the first update's "
+                         "peak, largest first (0: not recorded)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true", help="print the parsed arguments and exit")
+    args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    if args.memory_top < 0:
+        ap.error(f"--memory-top={args.memory_top} must be >= 0")
+    if args.dry_run:
+        print(vars(args))
+        return 0
 
     import warnings
 
@@ -483,7 +662,40 @@ def main() -> int:
         models = (args.models or ("qwen2.5-0.5b,qwen2.5-1.5b" if args.gpu else "tiny")).split(",")
         shape = dict(groups=args.groups or 16, n=args.n, prompt_len=args.prompt_len or 256,
                      response_len=args.response_len or 768)
+    largest = None
+    if "largest" in models:
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+        seq = shape["prompt_len"] + shape["response_len"]
+        largest = largest_fitting(gib, seq, args.micro_batch, shape["groups"] * shape["n"] // args.micro_batch,
+                                  args.dtype)
+        print(f"largest model the plan fits in {gib:.1f} GiB at {shape['groups'] * shape['n']} x {seq}: "
+              f"{largest['chosen']}", flush=True)
+        models = [m for m in models if m != "largest"]
+        if largest["chosen"] and largest["chosen"] not in models:
+            models.append(largest["chosen"])
     rows = []
+    machine = common.machine()
+    if args.out:
+        out_path = args.out
+    elif args.cpu:
+        out_path = common.out_path("step_cpu")
+    elif args.gpu:
+        out_path = common.out_path(f"gpu_{device_slug(machine['device'])}")
+    else:
+        out_path = common.out_path("gpu_path_on_cpu")
+    what = ("Megatron update step vs plain PyTorch (HF model, same weights, batch and GRPO loss, AdamW), fp32, CPU"
+            if args.cpu else "one GPU, TP1, random weights: update throughput/MFU beside the plain transformers step, "
+            "embedded engine, weight sync, memory vs grpo-mega-plan with the allocation sites at the update's peak")
+
+    def write():  # after every model: a step cut off by its time limit keeps what it measured
+        out = dict(what=what, mode="cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu"),
+                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine, threads=args.threads,
+                   loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()), steps=args.steps,
+                   warmup=args.warmup, batch=shape, largest_fitting=largest, results=rows)
+        common.write_json(out_path, out)
+        return out
+
+    failed = False
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=1234)
         for name in models:
@@ -498,13 +710,35 @@ def main() -> int:
                         print(f"  {label:32s} {v['seconds_per_step']:+.3f} s/step ({v['share_of_megatron_step']:+.1%})")
                     print(f"  explained {b['explained_s']:.3f} s of the {b['gap_s']:.3f} s gap", flush=True)
             else:
-                r = gpu_report(name, args.steps, args.warmup, micro=args.micro_batch, gen_tokens=args.gen_tokens,
-                               dtype=args.dtype if args.gpu else "fp32", **shape)
+                try:
+                    r = gpu_report(name, args.steps, args.warmup, micro=args.micro_batch, gen_tokens=args.gen_tokens,
+                                   dtype=args.dtype if args.gpu else "fp32", engine_decode=args.engine_decode,
+                                   plain=not args.no_plain, memory_top=args.memory_top, **shape)
+                except torch.OutOfMemoryError as e:  # the next model (and the JSON) still come
+                    failed = True
+                    rows.append(dict(model=name, error=f"CUDA out of memory: {str(e)[:600]}"))
+                    print(f"{name}: CUDA out of memory", flush=True)
+                    write()
+                    import gc
+
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
                 mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
                 print(f"{name}: update {r['update_tokens_per_s']:.0f} tok/s (MFU {mfu}), engine "
                       f"{r['engine_tokens_per_s']:.0f} tok/s, sync {r['weight_sync_gb_per_s']:.2f} GB/s "
                       f"({r['weight_sync_over_copy']:.3f} of a device copy)", flush=True)
             rows.append(r)
+            if not args.cpu:
+                p = r.get("plain_transformers_step")
+                if p:
+                    print(f"  plain transformers step {p['tokens_per_s']:.0f} tok/s; megatron/plain time "
+                          f"{p['megatron_over_plain']:.2f}", flush=True)
+                sites = r.get("memory_sites_at_first_update_peak")
+                if sites:
+                    for x in sites["top"][:5]:
+                        print(f"  {x['gib']:7.2f} GiB  {x['site']}", flush=True)
+            write()
             if args.gpu or args.gpu_path_on_cpu:
                 # The next model starts from an empty device: the last one's actor, reference and engine
                 # hold reference cycles (hooks, the grad buffer) that only a collection frees.
@@ -516,26 +750,10 @@ def main() -> int:
                     print(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated",
                           flush=True)
         destroy_distributed()
-    machine = common.machine()
-    if args.out:
-        out_path = args.out
-    elif args.cpu:
-        out_path = common.out_path("step_cpu")
-    elif args.gpu:
-        out_path = common.out_path(f"gpu_{device_slug(machine['device'])}")
-    else:
-        out_path = common.out_path("gpu_path_on_cpu")
-    what = ("Megatron update step vs plain PyTorch (HF model, same weights, batch and GRPO loss, AdamW), fp32, CPU"
-            if args.cpu else "one GPU, TP1, random weights: update throughput/MFU, embedded engine, weight sync, "
-            "memory vs grpo-mega-plan")
-    out = dict(what=what, mode="cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu"),
-               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine, threads=args.threads,
-               loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()), steps=args.steps,
-               warmup=args.warmup, batch=shape, results=rows)
-    common.write_json(out_path, out)
+    out = write()
     print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} "
           f"on {os.cpu_count()} cpus)")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -794,6 +794,11 @@ class RolloutConfig:
     """Sampling temperature; logprobs are of softmax(logits / temperature) (docs/design.md)."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    embedded_decode: str = "auto"
+    """The embedded engine's decode: 'dynamic' (a KV cache grown by concatenation), 'static' (one preallocated per
+    batch, prompt width + max new tokens), 'compiled' (CUDA only: static, the per-token forward under
+    torch.compile(mode="reduce-overhead"), replayed as a CUDA graph), 'auto' (compiled on CUDA, dynamic on the CPU,
+    where static is no faster: bench_results/decode.json)."""
     engine_tp: int = 1
     """The SGLang engine's tensor-parallel size (its own; the trainer's parallel.tp need not match)."""
     gpu_memory_fraction: Optional[float] = None
@@ -858,6 +863,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.n={self.n} must be >= 2 for GRPO: a group of one has no baseline")
         if self.placement not in ("colocated", "dedicated"):
             raise ValueError(f"rollout.placement={self.placement!r} must be 'colocated' or 'dedicated'")
+        if self.embedded_decode not in ("auto", "dynamic", "static", "compiled"):
+            raise ValueError(f"rollout.embedded_decode={self.embedded_decode!r} must be 'auto', 'dynamic', 'static' "
+                             "or 'compiled'")
         if self.placement == "dedicated" and not self.servers:
             raise ValueError("rollout.placement=dedicated needs rollout.servers=[http://host:port,...]")
         if self.placement == "colocated" and self.servers:

@@ -56,12 +56,29 @@ def _moe_routers(model: torch.nn.Module) -> list:
         if hasattr(model, "model") and hasattr(model.model, "layers") else []
 
 
+DECODE_MODES = ("auto", "dynamic", "static", "compiled")
+"""How the embedded engine decodes (rollout.embedded_decode): 'dynamic': transformers' DynamicCache, the key/value
+tensors grown by concatenation every token; 'static': a StaticCache preallocated per batch at prompt width +
+max_new_tokens, filled in place, each step's inputs of one shape; 'compiled' (CUDA): static, and the per-token
+forward under torch.compile(mode="reduce-overhead"), i.e. replayed as a CUDA graph; 'auto': compiled on CUDA,
+dynamic on the CPU (bench_results/decode.json: static is no faster there)."""
+
+
 @ENGINES.register("embedded")
 class EmbeddedEngine(RolloutEngine):
     loads_tensors = True  # load_bucket copies tensor by tensor: an unflattened bucket is loaded as is
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 record_routing: bool = False):
+                 record_routing: bool = False, decode: str = "auto"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"rollout.embedded_decode={decode!r}: use one of {', '.join(DECODE_MODES)}")
+        if decode == "compiled" and not str(device).startswith("cuda"):
+            raise ValueError(f"rollout.embedded_decode=compiled needs a CUDA device (the engine runs on {device}); "
+                             "use auto, static or dynamic")
+        self.decode = decode
+        self._compiled_step = None
+        self.compile_error: Optional[str] = None
+        """Why the compiled step fell back to the eager one (None: it did not)."""
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.requires_grad_(False)
         self.device, self.dtype = device, dtype
@@ -76,7 +93,8 @@ class EmbeddedEngine(RolloutEngine):
             r.register_forward_hook(self._router_hook)
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                          decode: str = "auto"):
         """An engine with this architecture (weights arrive by update_weights)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -87,21 +105,21 @@ class EmbeddedEngine(RolloutEngine):
         torch.manual_seed(seed)
         with torch.device(device):  # built where it runs: a GPU initialises a 1.5B model in a second, a CPU in ~20
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return cls(model, dtype, device)
+        return cls(model, dtype, device, decode=decode)
 
     @classmethod
-    def from_hf_dir(cls, hf_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def from_hf_dir(cls, hf_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu", decode: str = "auto"):
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype), dtype, device)
+        return cls(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype), dtype, device, decode=decode)
 
     @classmethod
     def for_run(cls, spec) -> "EmbeddedEngine":
         """The run's engine (an EngineSpec): on the rank's own device, from the HF checkpoint or the model config."""
         if spec.hf_dir is not None:
-            engine = cls.from_hf_dir(spec.hf_dir, device=spec.device)
+            engine = cls.from_hf_dir(spec.hf_dir, device=spec.device, decode=spec.decode)
         else:
-            engine = cls.from_model_config(spec.model, seed=spec.seed, device=spec.device)
+            engine = cls.from_model_config(spec.model, seed=spec.seed, device=spec.device, decode=spec.decode)
         if spec.record_routing:
             engine.enable_routing_record()
         return engine
@@ -127,7 +145,7 @@ class EmbeddedEngine(RolloutEngine):
                  row_seeds: Optional[list[int]] = None) -> Generation:
         """As RolloutEngine.generate; with `row_seeds` (n=1, one per prompt) sample i is drawn with generator
         seed row_seeds[i] instead (the server's path: SGLang's per-request sampling_seed)."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache, StaticCache
 
         if n < 1 or max_new_tokens < 1:
             raise ValueError(f"n={n} and max_new_tokens={max_new_tokens} must be >= 1")
@@ -154,11 +172,20 @@ class EmbeddedEngine(RolloutEngine):
         uniforms = torch.stack([torch.rand(max_new_tokens, generator=g, dtype=torch.float64) for g in gens])
         uniforms = uniforms.to(self.device)
         stop = set(int(t) for t in stop_token_ids)
-        cache = DynamicCache()
+        mode = self.decode_mode()
+        if mode == "dynamic":
+            cache = DynamicCache()
+        else:  # one preallocated cache for the batch; the mask covers all of it, its unfilled slots 0
+            cache = StaticCache(config=self.model.config, max_cache_len=width + max_new_tokens)
+            full_mask = torch.zeros(b, width + max_new_tokens, dtype=torch.long, device=self.device)
+            full_mask[:, :width] = mask.to(self.device)
+        step_fn = self._decode_step(mode)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self._routes = []
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        next_logits = out.logits[:, -1].float()
+        del out
         steps_routes = [self._take_routes(b)]  # [b, width, M, k], then [b, 1, M, k] per decode step
         next_pos = positions[:, -1] + 1
         tokens: list[list[int]] = [[] for _ in range(b)]
@@ -166,7 +193,7 @@ class EmbeddedEngine(RolloutEngine):
         finish = ["length"] * b
         active = [True] * b
         for step in range(max_new_tokens):
-            logits = out.logits[:, -1].float()
+            logits = next_logits
             scaled = logits / temperature if temperature > 0 else logits
             logp_all = torch.log_softmax(scaled, dim=-1)
             if temperature == 0:
@@ -189,9 +216,13 @@ class EmbeddedEngine(RolloutEngine):
                     active[r] = False
             if not any(active) or step == max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
-            out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=next_pos[:, None].to(self.device), past_key_values=cache, use_cache=True)
+            if mode == "dynamic":
+                mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
+                step_mask = mask.to(self.device)
+            else:
+                full_mask[:, width + step] = 1
+                step_mask = full_mask
+            next_logits = step_fn(tok[:, None].to(self.device), step_mask, next_pos[:, None].to(self.device), cache)
             steps_routes.append(self._take_routes(b))
             next_pos = next_pos + 1
         routed = None
@@ -206,6 +237,43 @@ class EmbeddedEngine(RolloutEngine):
                 routed.append(torch.cat(parts).contiguous())
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish, weight_version=self.weight_version,
                           routed_experts=routed)
+
+    def decode_mode(self) -> str:
+        """The decode this engine runs (DECODE_MODES), 'auto' resolved for its device. Recording routes or adding
+        router noise runs hooks on every forward: those stay eager."""
+        mode = self.decode
+        if mode == "auto":
+            mode = "compiled" if str(self.device).startswith("cuda") else "dynamic"
+        if mode == "compiled" and (self.record_routing or self.router_noise or self.compile_error):
+            mode = "static"
+        return mode
+
+    def _eager_step(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """One decode forward: the last position's logits, fp32 (a copy: a CUDA graph's output is overwritten by its
+        next replay)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    def _decode_step(self, mode: str):
+        if mode != "compiled":
+            return self._eager_step
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self._eager_step, mode="reduce-overhead", dynamic=False)
+        compiled = self._compiled_step
+
+        def step(*args):
+            if self.compile_error is None:
+                try:
+                    return compiled(*args).clone()
+                except Exception as e:  # noqa: BLE001  a compiler failure costs speed, not the run
+                    import warnings
+
+                    self.compile_error = f"{type(e).__name__}: {e}"[:500]
+                    warnings.warn(f"embedded engine: the compiled decode step failed ({self.compile_error}); "
+                                  "decoding eagerly with the static cache from now on")
+            return self._eager_step(*args)
+        return step
 
     def _take_routes(self, b: int) -> Optional[torch.Tensor]:
         """The forward call's recorded top-k as [b, s, M, k] (None when not recording)."""

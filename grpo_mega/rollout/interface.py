@@ -141,6 +141,8 @@ class EngineSpec:
     """Where an engine that needs an HF directory on disk may write one."""
     timeout_s: float = 900.0
     """The longest one call into the engine may take (rollout.engine_timeout_s)."""
+    decode: str = "auto"
+    """The embedded engine's decode (rollout.embedded_decode)."""
     record_routing: bool = False
     """Return each token's routed experts (Generation.routed_experts; algo.routing_replay=rollout or measure)."""
 

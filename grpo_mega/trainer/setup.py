@@ -73,7 +73,8 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
             spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,
                               dtype="bfloat16" if cfg.precision.params_dtype == "bf16" else "float32",
                               mem_fraction=rollout.gpu_memory_fraction, workdir=str(out_dir / "engine_init"),
-                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.records_routes)
+                              timeout_s=rollout.engine_timeout_s, record_routing=cfg.algo.records_routes,
+                              decode=rollout.embedded_decode)
             engine = ENGINES.get(rollout.engine).for_run(spec)
         if not mt.enable:
             return engine

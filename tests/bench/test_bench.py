@@ -99,15 +99,19 @@ def test_bench_routing_writes_json(tmp_path):
 
 
 def test_bench_decode_writes_json(tmp_path):
-    """The embedded engine and transformers' generate on the same batch: both generate every token asked for."""
+    """The embedded engine (dynamic and static KV cache) and transformers' generate on the same batch: each
+    generates every token asked for (the bench refuses unequal work), wall and CPU seconds for each."""
     out = tmp_path / "decode.json"
-    cmd = [sys.executable, "-m", "bench.decode", "--prompts", "2", "--n", "2",
-           "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.decode", "--model", "tiny", "--prompts", "2", "--n", "2",
+           "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1", "--threads", "1", "--out", str(out)]
     run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
     data = json.loads(out.read_text())
-    assert data["rows"] == 4 and data["generated_tokens"] == 16
-    assert set(data["median_seconds"]) == {"embedded", "transformers_generate"}
-    assert data["embedded_over_transformers"] > 0 and len(data["seconds"]["embedded"]) == 1
+    assert data["rows"] == 4 and data["generated_tokens"] == 16 and data["device"] == "cpu"
+    sides = {"embedded_dynamic", "embedded_static", "transformers_dynamic"}
+    assert set(data["median_seconds"]) == set(data["median_cpu_seconds"]) == sides
+    assert data["over_first_mode"]["embedded_dynamic"] == 1.0 and all(v > 0 for v in data["over_first_mode"].values())
+    assert all(len(data["seconds"][k]) == len(data["cpu_seconds"][k]) == 1 for k in sides)
+    assert data["engine_compile_error"] is None
 
 
 def test_bench_response_only_writes_json(tmp_path):

@@ -15,28 +15,64 @@ from tests.proc import run_tree
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_gpu_check_dry_run_prints_each_step():
+STEP_NAMES = ["install wheels", "cuda", "gpu tests", "bench.step --gpu", "bench.decode --gpu", "grpo steps on cuda"]
+
+
+def _plan() -> str:
     proc = subprocess.run([os.path.join(REPO, "bench", "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, OUT="/tmp/gpu_check_plan"))
     assert proc.returncode == 0, proc.stderr
-    steps = [line.strip() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\. ", line)]
+    return proc.stdout
+
+
+def test_gpu_check_dry_run_prints_each_step():
+    plan = _plan()
+    steps = [line.strip() for line in plan.splitlines() if re.match(r"\s+\d+\. ", line)]
     names = [re.match(r"\d+\. (.+?) \(at most (\d+) s\)", s).group(1) for s in steps]
-    assert names == ["install wheels", "cuda", "gpu tests", "demo on cuda", "qwen3 on cuda", "bench.step --gpu"]
+    assert names == STEP_NAMES
     limits = [int(re.search(r"at most (\d+) s", s).group(1)) for s in steps]
-    assert sum(limits) <= 590  # one device call runs at most 600 s
-    plan = proc.stdout
+    assert sum(limits) <= 540  # within 9 minutes: a device call runs at most 600 s, the machine's start aside
     assert "pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl" in plan
     assert f"PYTHONPATH={REPO}:/tmp/site" in plan
     assert "pytest -q -rs -p no:cacheprovider -m gpu tests" in plan
-    assert "-m grpo_mega.train run.steps=20" in plan and "cp /tmp/gpu_check_runs/demo/summary.json " \
-        "/tmp/gpu_check_plan/demo_summary.json" in plan
-    assert "model=tiny-qwen3 run.steps=5" in plan
-    assert "-m bench.step --gpu --models qwen2.5-0.5b" in plan
-    for model in ("qwen2.5-0.5b", "tiny-qwen3"):
+    assert "-m bench.step --gpu --models qwen2.5-0.5b,qwen2.5-1.5b,largest" in plan
+    assert "-m bench.decode --gpu --modes compiled,static --hf-caches static" in plan
+    assert "-m grpo_mega.train run.steps=20" in plan and "cp /tmp/gpu_check_runs/demo/metrics.jsonl " \
+        "/tmp/gpu_check_plan/demo_metrics.jsonl" in plan
+    for model in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
         assert os.path.isfile(os.path.join(REPO, "model_configs", f"{model}.yaml"))
     bad = subprocess.run([os.path.join(REPO, "bench", "gpu_check.sh"), "--nonsense"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_gpu_check_python_steps_accept_their_arguments():
+    """Every python step of the plan, run here with its own arguments and a flag that stops after parsing them:
+    the bench modules' --dry-run, Hydra's --cfg job for the trainer (its overrides composed and validated),
+    pytest's --collect-only for the gpu tests. A flag the script passes that a parser refuses fails here."""
+    plan = _plan()
+    checked = []
+    for line in plan.splitlines():
+        m = re.match(r"\s+\d+\. (.+?) \(at most \d+ s\): (.*)$", line)
+        if not m:
+            continue
+        for mod in re.finditer(r"python3 -m (\S+)((?: (?!&&)\S+)*)", m.group(2)):
+            module, args = mod.group(1), mod.group(2).split()
+            if module == "pip":
+                continue
+            stop = {"bench.step": ["--dry-run"], "bench.decode": ["--dry-run"], "grpo_mega.train": ["--cfg", "job"],
+                    "pytest": ["--collect-only"]}[module]
+            if module == "grpo_mega.train":
+                args = [a for a in args if not a.startswith("hydra.run.dir=")]
+            proc = run_tree([sys.executable, "-W", "ignore", "-m", module, *args, *stop], capture_output=True,
+                            text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+            assert proc.returncode == 0, f"{module} {args}: {proc.stderr[-2000:]}"
+            if module.startswith("bench."):
+                assert "'dry_run': True" in proc.stdout
+            if module == "pytest":
+                assert "test_gpu" in proc.stdout
+            checked.append(module)
+    assert checked == ["pytest", "bench.step", "bench.decode", "grpo_mega.train"]
 
 
 def _bench(tmp_path, *args) -> dict:
@@ -86,6 +122,11 @@ def test_bench_step_gpu_path_runs_on_cpu(tmp_path):
     assert r["engine_generated_tokens"] == 8 * 4 and r["engine_tokens_per_s"] > 0
     # bf16-free here: the sync carries every fp32 weight once (tiny's vocabulary unpadded, untied)
     assert r["weight_sync_bytes"] > 0 and 0 < r["weight_sync_over_copy"]
+    # the plain transformers step on the same batch in the same micro-batches (fp32 here: no autocast)
+    p = r["plain_transformers_step"]
+    assert p["tokens_per_s"] > 0 and len(p["seconds"]) == 1 and p["attention"] == "sdpa" and p["mfu"] is None
+    assert p["megatron_over_plain"] == pytest.approx(r["update_median_s"] / p["median_s"])
+    assert r["engine_decode"] == "static" and r["memory_sites_at_first_update_peak"] is None  # CUDA only
     mem = r["memory_gib"]
     assert all(v is None for v in mem["measured"].values())
     assert all(mem["planned"][k] > 0 for k in ("parameters_and_gradients", "reference", "optimizer",

@@ -125,9 +125,11 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False, ep=1):
                 engine.params[name].view(-1)[0] -= 1e-3
             check_audit(stats.checksums, engine.weight_checksums())  # restored exactly
         prompts = [[5, 17, 33, 2, 9], [100, 7], [250, 251, 252]]
-        for temperature in (0.7, 1.0):
+        # the dynamic KV cache (auto on the CPU) and the static one (rollout.embedded_decode=static)
+        for decode, temperature in (("dynamic", 0.7), ("dynamic", 1.0), ("static", 0.7), ("static", 1.0)):
             gen = [None]
             if engine is not None:
+                engine.decode = decode
                 gen[0] = engine.generate(prompts, n=2, temperature=temperature, top_p=1.0, max_new_tokens=8,
                                          stop_token_ids=[3], seed=11)
             dist.broadcast_object_list(gen, src=0)
@@ -139,7 +141,8 @@ def _sync_and_sample(tp, pp, tied, bucket_mb, model="tiny", sp=False, ep=1):
             for i, lps in enumerate(g.logprobs):
                 start = len(prompts[i // 2]) - 1
                 engine_lp[i, start : start + len(lps)] = torch.tensor(lps)
-            out[temperature] = (algo.logprob_mismatch(engine_lp, trainer, mask), g)
+            out[temperature if decode == "dynamic" else (decode, temperature)] = (
+                algo.logprob_mismatch(engine_lp, trainer, mask), g)
         destroy_distributed()
         return out
 
@@ -161,11 +164,11 @@ def test_sync_after_update_is_exact_and_audited(model, tp, pp, tied, sp):
     counts = _hf_param_counts(tied, model)
     assert stats.buckets > 3 and stats.bytes == sum(4 * p for p in counts)
     assert stats.largest_bucket <= max(limit, 4 * max(counts))
-    for temperature in (0.7, 1.0):
+    for key in (0.7, 1.0, ("static", 0.7), ("static", 1.0)):
         for r in res:  # every rank recomputed the same logprobs
-            mismatch, gen = r[temperature]
-            assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at T={temperature}: {mismatch:.2e}"
-            print(f"{model} TP{tp}xPP{pp} tied={tied} sp={sp} T={temperature}: engine/trainer logprob mismatch {mismatch:.2e}")
+            mismatch, gen = r[key]
+            assert mismatch <= LOGP_TOL, f"engine vs trainer logprobs at {key}: {mismatch:.2e}"
+            print(f"{model} TP{tp}xPP{pp} tied={tied} sp={sp} {key}: engine/trainer logprob mismatch {mismatch:.2e}")
         assert sum(len(t) for t in gen.token_ids) > 12
 
 

@@ -1,0 +1,77 @@
+"""The embedded engine's decode modes (rollout.embedded_decode): the static KV cache samples what the dynamic one
+samples, and both report transformers' own no-cache logprobs at the sampled tokens; bad settings are named."""
+
+import pytest
+import torch
+
+from grpo_mega.conf import RolloutConfig, load_model_config
+from grpo_mega.rollout.embedded import EmbeddedEngine
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 7], [250, 251, 252]]  # left padding of 0, 5 and 4 tokens
+
+
+def _no_cache_logprobs(engine, prompt, tokens, temperature):
+    """log softmax(logits / T) at each sampled token, from one forward of transformers' model over the whole
+    unpadded sequence without a cache (not the engine's code)."""
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt + tokens])).logits[0].double()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3"])
+def test_static_cache_decodes_as_the_dynamic_one(model):
+    engine = EmbeddedEngine.from_model_config(load_model_config(model), seed=3)
+    assert engine.decode_mode() == "dynamic"  # auto on the CPU
+    out = {}
+    for mode in ("dynamic", "static"):
+        engine.decode = mode
+        assert engine.decode_mode() == mode
+        out[mode] = {
+            "greedy": engine.generate(PROMPTS, n=1, temperature=0.0, top_p=1.0, max_new_tokens=10, stop_token_ids=[],
+                                      seed=0),
+            "sampled": engine.generate(PROMPTS, n=3, temperature=0.8, top_p=0.9, max_new_tokens=10,
+                                       stop_token_ids=[3], seed=11),
+        }
+    for kind in ("greedy", "sampled"):
+        d, s = out["dynamic"][kind], out["static"][kind]
+        # the two caches differ in rounding only (attention over more, masked, keys): the same tokens on this
+        # tiny model, and logprobs to fp32 rounding
+        assert d.token_ids == s.token_ids and d.finish_reasons == s.finish_reasons
+        assert max(abs(x - y) for a, b in zip(d.logprobs, s.logprobs) for x, y in zip(a, b)) < 1e-5
+    # every reported logprob is transformers' own, recomputed without a cache over the unpadded sequence
+    sampled = out["static"]["sampled"]
+    worst = 0.0
+    for r, (tokens, lps) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
+        ref = _no_cache_logprobs(engine, PROMPTS[r // 3], tokens, 0.8)
+        worst = max(worst, max(abs(a - b) for a, b in zip(lps, ref)))
+    assert worst < 1e-4, worst
+    assert len({tuple(t) for t in sampled.token_ids}) > 3  # sampled, not all alike
+
+
+def test_static_cache_keeps_per_row_seeds():
+    """A sample depends on its seed, not on its batch or the cache's size: alone, in a batch with a longer
+    prompt (more left padding, a longer cache) and with row_seeds, the static engine draws the same tokens."""
+    engine = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3, decode="static")
+    batch = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[], seed=7)
+    alone = engine.generate([PROMPTS[1]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[], seed=7,
+                            prompt_offset=1)
+    assert alone.token_ids == batch.token_ids[2:4]
+    assert max(abs(x - y) for a, b in zip(alone.logprobs, batch.logprobs[2:4]) for x, y in zip(a, b)) < 1e-5
+    shorter = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_new_tokens=5, stop_token_ids=[], seed=7)
+    assert shorter.token_ids == [t[:5] for t in batch.token_ids]
+    from grpo_mega.rollout.interface import sample_seed
+
+    seeded = engine.generate(PROMPTS, n=1, temperature=1.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[], seed=0,
+                             row_seeds=[sample_seed(7, p, 1) for p in range(3)])
+    assert seeded.token_ids == batch.token_ids[1::2]
+
+
+def test_bad_decode_settings_are_named():
+    cfg = load_model_config("tiny")
+    with pytest.raises(ValueError, match="rollout.embedded_decode='fast'"):
+        EmbeddedEngine.from_model_config(cfg, decode="fast")
+    with pytest.raises(ValueError, match="compiled needs a CUDA device"):
+        EmbeddedEngine.from_model_config(cfg, decode="compiled")
+    with pytest.raises(ValueError, match="rollout.embedded_decode='fast' must be"):
+        RolloutConfig(embedded_decode="fast")
