@@ -119,7 +119,10 @@ def test_an_hf_model_on_prompt_files_with_the_math_reward(tmp_path):
                      "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
                      "batch.max_response_length=24", "batch.max_prompt_length=128", "optim.lr=1e-6", "run.steps=2",
                      "eval.interval=2")
-    assert len(got) == 2 and all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in got)
+    assert len(got) == 2 and all(r["skipped"] == 0 for r in got)
+    # a step whose 4 samples all score alike has zero advantages and no gradient; one that varies must train
+    varied = [r for r in got if 0 < r["reward"] < 1]
+    assert varied and all(r["grad_norm"] > 0 for r in varied)
     assert all(r["logprob_mismatch"] < 1e-4 for r in got)  # engine (transformers) vs trainer (Megatron), fp32
     assert "validation reward (greedy)" in proc.stdout
 
