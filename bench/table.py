@@ -163,6 +163,7 @@ SUPPLEMENTS = {
     "full_kl_chunked.json": "full_kl with --chunk 128",
     "weight_sync_tp1.json": "weight_sync at TP1xDP2",
     "overlap_demo_shape.json": "overlap at the demo's shape",
+    "decode_static_vs_dynamic_cpu.json": "the embedded engine's static vs dynamic KV cache, CPU seconds A/B at toy size",
     "async_recheck.json": "async_rl again at a lower load (k2, one step ahead, in turn)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",

@@ -20,7 +20,7 @@ CKPT_INTERVAL=${CKPT_INTERVAL:-}
 launcher=("$PYTHON")
 if (( NPROC > 1 )); then
   port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  launcher+=(-m grpo_mega.torchrun --nproc-per-node "$NPROC" --master-port "$port")
+  launcher+=(-m grpo_mega.cli.torchrun --nproc-per-node "$NPROC" --master-port "$port")
 fi
 checkpoints=()
 [[ -n $CKPT_INTERVAL ]] && checkpoints=(checkpoint.dir="$OUT/checkpoints" checkpoint.interval="$CKPT_INTERVAL")

@@ -267,21 +267,21 @@ LAYOUT_ERROR = ("error: model.num_layers=4 does not split over parallel.pp=3 sta
                 "and must divide evenly")
 
 
-@pytest.mark.parametrize("launcher", ["grpo_mega.torchrun", "torch.distributed.run"])
+@pytest.mark.parametrize("launcher", ["grpo_mega.cli.torchrun", "torch.distributed.run"])
 @pytest.mark.parametrize("override,line", [("parallel.pp=3", LAYOUT_ERROR),
                                            ("algo.kl_coeff=0.1", "error: Could not override 'algo.kl_coeff'; Key "
                                                                  "'kl_coeff' not in 'AlgoConfig'")])
 def test_a_bad_override_under_torchrun_is_said_once(launcher, override, line, tmp_path):
     """`--nproc-per-node 2`, each rank a new interpreter: an override every rank refuses before torch.distributed
     starts (a layout that cannot be; a key Hydra does not know) is said by rank 0 alone, in one line.
-    grpo_mega.torchrun (slurm/train.sbatch's and launch_scripts/' launcher) exits 2 and adds nothing; plain
+    grpo_mega.cli.torchrun (slurm/train.sbatch's and launch_scripts/' launcher) exits 2 and adds nothing; plain
     torchrun adds its report of the failed ranks and exits 1 (it never passes a worker's status on)."""
     proc = run_tree([sys.executable, "-m", launcher, "--nproc-per-node", "2", "--master-port", str(_free_port()),
                      "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path / 'run'}", override],
                     capture_output=True, text=True, timeout=300, cwd=ROOT)
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert said == [line], proc.stderr[-3000:]
-    if launcher == "grpo_mega.torchrun":
+    if launcher == "grpo_mega.cli.torchrun":
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", line + "\n")
     else:
         assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]

@@ -16,9 +16,9 @@ USER_FACING = ["README.md", "Makefile", "docs/slurm.md", "docs/benchmarks.md", "
                *(str(p.relative_to(REPO)) for p in sorted((REPO / "launch_scripts").glob("*.sh"))), "slurm/train.sbatch"]
 
 
-def test_the_four_commands_are_installed():
+def test_the_five_commands_are_installed():
     assert sorted(SCRIPTS) == ["grpo-mega-convert-to-hf", "grpo-mega-convert-to-mcore", "grpo-mega-plan",
-                               "grpo-mega-prepare-model"]
+                               "grpo-mega-prepare-model", "grpo-mega-torchrun"]
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -28,8 +28,8 @@ def test_each_command_answers_help(name, monkeypatch, capsys):
     main = getattr(importlib.import_module(module), func)
     monkeypatch.setattr(sys, "argv", [name, "--help"])
     with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 0
+        sys.exit(main())  # as the console script's wrapper calls it (a main may return its status)
+    assert exit_.value.code in (0, None)
     assert "usage:" in capsys.readouterr().out
 
 

@@ -1,4 +1,4 @@
-"""`python -m grpo_mega.torchrun [torchrun options] -m grpo_mega.train [overrides]` (or `grpo-mega-torchrun`): torchrun
+"""`python -m grpo_mega.cli.torchrun [torchrun options] -m grpo_mega.train [overrides]` (or `grpo-mega-torchrun`): torchrun
 (torch.distributed.run, unchanged) with the exit status a bad input deserves.
 
 torchrun does not pass its workers' exit statuses on: when one fails it logs a report of every rank (about 30 lines
