@@ -155,6 +155,13 @@ ROWS = [
     Row("the stand-in server under malformed requests", "server_fuzz.json", "python -m experiments.fuzz_server",
         _fuzz),
     Row("prompt data at scale (index, draw)", "data.json", "python -m bench.data", _data),
+    Row("async vs lockstep tool calls (tens_tool, tool latency exponential, mean 0.5 s)", "tools.json",
+        "python -m bench.tools",
+        lambda d: f"tool share of the step {d['steps']['lockstep']['tool_share']:.3f} -> "
+                  f"{d['steps']['async']['tool_share']:.3f} ({_x(d['steps']['tool_share_ratio'])}; target 0.5x not "
+                  f"met: every pending trajectory waits on its own call), step {_x(d['steps']['step_ratio'])}; "
+                  f"tool worker start {d['workers']['new_interpreter']['first']['start_s']:.2f} s vs forkserver "
+                  f"{d['workers']['forkserver']['first']['start_s']:.2f} s"),
 ]
 
 # Results in bench_results/ that no row shows, each with the reason (docs/benchmarks.md discusses them); a test
