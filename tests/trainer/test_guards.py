@@ -179,6 +179,7 @@ def test_non_finite_mini_batches_in_a_row_stop_the_run_after_a_checkpoint(tmp_pa
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     out.mkdir()
     proc = run_main([f"hydra.run.dir={out}", "optim.lr=1e30", "run.steps=5", "optim.max_consecutive_skips=2",
+                     "batch.ppo_mini_batch_size=4",  # 4 mini-batches a step: the limit is met in step 1
                      "eval.interval=0", f"checkpoint.dir={ckpt}"], timeout=300, cwd=ROOT, scratch=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
