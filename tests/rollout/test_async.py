@@ -21,6 +21,7 @@ from grpo_mega.rollout import standin_server
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 VOCAB, N, GROUPS, MAX_NEW, K, STEPS = 16, 2, 2, 16, 1, 5
+SEGMENT_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,23 @@ class _Example:
         self.prompt_ids = prompt_ids
 
 
+class _SlowClient:
+    """The real client, each segment SEGMENT_S slower: a response stays in flight for several syncs' worth of time
+    on any CPU (on a fast one the stand-in finished each group between two polls, and nothing was ever continued)."""
+
+    def __init__(self, client):
+        self.client, self.urls = client, client.urls
+
+    def generate_segment(self, url, inputs, params):
+        time.sleep(SEGMENT_S)
+        return self.client.generate_segment(url, inputs, params)
+
+    def update_weights(self, *args, **kwargs):
+        return self.client.update_weights(*args, **kwargs)
+
+
 class _Engines:
-    """Engines' interface: the real client on rank 0; sync sends _weights(version)."""
+    """Engines' interface: the real client on rank 0 (slowed); sync sends _weights(version)."""
 
     def __init__(self, url, base):
         import torch.distributed as dist
@@ -63,7 +79,7 @@ class _Engines:
         from grpo_mega.rollout.client import ServerClient
 
         self.ranks, self.base = [0], base
-        self.local = ServerClient([url], timeout_s=60) if dist.get_rank() == 0 else None
+        self.local = _SlowClient(ServerClient([url], timeout_s=60)) if dist.get_rank() == 0 else None
 
     def sync(self, gpt, version):
         from grpo_mega.rollout.weight_sync import pack_buckets
@@ -72,7 +88,7 @@ class _Engines:
             self.local.update_weights(version, pack_buckets(iter(_weights(self.base, version).items()), 1 << 20))
 
 
-def _run(url, segment_s):
+def _run(url):
     """The loop's calls to the scheduler with a stand-in update (sleep); rank 0 returns the batches."""
     import random
 
@@ -97,7 +113,6 @@ def _run(url, segment_s):
             if partial or not groups:
                 break
             time.sleep(0.002)
-        time.sleep(segment_s)
         s.wait()
         s.sync_weights(None, version=step)
     s.close()
@@ -106,7 +121,7 @@ def _run(url, segment_s):
 
 @pytest.fixture(scope="module")
 def batches(server):
-    ranks = run_ranks(_run, 2, server, 0.05, timeout=300)
+    ranks = run_ranks(_run, 2, server, timeout=300)
     return ranks
 
 
