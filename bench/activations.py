@@ -25,7 +25,8 @@ from bench import common
 def _saved_bytes(model, seq: int, micro_batch: int, recompute: str) -> int:
     import torch
 
-    from grpo_mega.conf.schema import ParallelConfig, PrecisionConfig
+    from grpo_mega.conf.parallel import ParallelConfig
+    from grpo_mega.conf.optim import PrecisionConfig
     from grpo_mega.models.builder import build_gpt
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
@@ -64,7 +65,7 @@ def main() -> int:
     import torch
 
     from grpo_mega import planning
-    from grpo_mega.conf.schema import load_model_config
+    from grpo_mega.conf.model import load_model_config
     from grpo_mega.parallel.forked import run_ranks
 
     base = dataclasses.replace(load_model_config(args.model), vocab_size=args.vocab, tie_word_embeddings=False)

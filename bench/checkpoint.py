@@ -108,7 +108,8 @@ def run_world(world: int, mode: str, total_bytes: int, repeats: int, piece_bytes
 
 def projection_70b(rate_bytes_s: float, cpu_rate_bytes_s: float, ranks: int = 64, piece_bytes: int = 256 << 20) -> dict:
     from grpo_mega import planning
-    from grpo_mega.conf.schema import ParallelConfig, load_model_config
+    from grpo_mega.conf.parallel import ParallelConfig
+    from grpo_mega.conf.model import load_model_config
 
     model = load_model_config("llama-3.1-70b")
     n = sum(s.total for s in planning.stage_params(model, ParallelConfig(tp=1, pp=1)))

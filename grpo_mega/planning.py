@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from grpo_mega.conf.schema import ModelConfig, ParallelConfig
+from grpo_mega.conf.model import ModelConfig
+from grpo_mega.conf.parallel import ParallelConfig
 
 GIB = 2**30
 H100_GIB = 81559 / 1024
@@ -638,7 +639,7 @@ def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from grpo_mega.conf.schema import PrecisionConfig
+    from grpo_mega.conf.optim import PrecisionConfig
     from grpo_mega.models.builder import build_gpt
     from grpo_mega.parallel import cpu_compat
 

@@ -2,7 +2,7 @@
 
 Composes grpo_mega/conf/config.yaml (the defaults, then the task's settings: conf/task/<task>.yaml) with
 command-line overrides (`model=`, `parallel.tp=`, `rollout.n=`,
-`algo.kl_coef=`, `rollout.engine=`, `run.steps=`, ...) into one TrainConfig (grpo_mega/conf/schema.py: every
+`algo.kl_coef=`, `rollout.engine=`, `run.steps=`, ...) into one TrainConfig (grpo_mega/conf/schema.py and its components beside it: every
 component checks itself, the root checks the combinations, all before any model is built; docs/config.md
 lists every field), starts torch.distributed (torchrun's environment, or a single local process), builds
 the run (grpo_mega.trainer.setup), trains (grpo_mega.trainer.loop) and writes metrics.jsonl, TensorBoard

@@ -539,7 +539,7 @@ def _train_with_a_dying_engine():
     from grpo_mega.rollout.embedded import EmbeddedEngine
     from grpo_mega.trainer.loop import train
     from grpo_mega.trainer.setup import Run
-    from grpo_mega.trainer.task import Task
+    from grpo_mega.data.tasks import Task
 
     tok = make_tokenizer()
     model = load_model_config("tiny")

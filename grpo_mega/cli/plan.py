@@ -29,7 +29,8 @@ import warnings
 from pathlib import Path
 
 from grpo_mega import planning
-from grpo_mega.conf.schema import ParallelConfig, load_model_config
+from grpo_mega.conf.parallel import ParallelConfig
+from grpo_mega.conf.model import load_model_config
 
 _STUB = """#!/bin/sh
 : > "$GRPO_MEGA_PLAN_SBATCH_ARGS"

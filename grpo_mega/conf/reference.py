@@ -71,7 +71,7 @@ def _table(prefix: str, cls: type) -> list[str]:
 def render() -> str:
     root = schema.TrainConfig
     out = ["# Configuration reference", "",
-           "Generated from the dataclasses in `grpo_mega/conf/schema.py` by `python -m grpo_mega.conf.reference "
+           "Generated from the dataclasses under `grpo_mega/conf/` (the root `TrainConfig` in `schema.py`, one module per component) by `python -m grpo_mega.conf.reference "
            "--write`; `tests/conf/test_train_config.py` fails when this file is stale. Every field is a command-line "
            "override (`python -m grpo_mega.train rollout.n=8 algo.kl_coef=0.01`); these defaults "
            "are what `task=prompts` (an HF model on prompt files) runs with; the demo task (`task=successor`, the "

@@ -213,3 +213,39 @@ class LookupTask(ProductTask):
             return 0.0  # no tool turn: nothing the model says counts
         letters = [t for t in turn if t in self.letters]  # the answer: the first of a-j the model writes
         return 1.0 if letters[:1] == self.tok.convert_tokens_to_ids([example.answer]) else 0.0
+
+
+# ---- the registered tasks (grpo_mega.data.tasks.TASKS): each one's builder and tokenizer ---------------------
+
+def _task(t):
+    from grpo_mega.data.tasks import Task
+
+    return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward, stop_token_ids=[t.tok.eos_token_id],
+                get_state=t.get_state, set_state=t.set_state)
+
+
+def product_tool_task(cfg, tok):
+    return _task(ProductTask(tok, seed=cfg.run.seed))
+
+
+def tens_tool_task(cfg, tok):
+    return _task(TensDigitTask(tok, seed=cfg.run.seed))
+
+
+def lookup_tool_task(cfg, tok):
+    return _task(LookupTask(tok, seed=cfg.run.seed))
+
+
+def lookup_call_task(cfg, tok):
+    return _task(LookupTask(tok, seed=cfg.run.seed, shaping=True))
+
+
+def product_tool_tokenizer():
+    return make_tool_tokenizer(CHAT_TEMPLATE)
+
+
+def tens_tool_tokenizer():
+    return make_tool_tokenizer(TENS_TEMPLATE)
+
+
+lookup_tool_tokenizer = lookup_call_tokenizer = make_lookup_tokenizer

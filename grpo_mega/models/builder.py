@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_mega.conf.schema import LoraConfig, ModelConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.conf.lora import LoraConfig
+from grpo_mega.conf.model import ModelConfig
+from grpo_mega.conf.parallel import ParallelConfig
+from grpo_mega.conf.optim import PrecisionConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -21,7 +21,9 @@ from typing import Optional
 
 import torch
 
-from grpo_mega.conf.schema import ModelConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.conf.model import ModelConfig
+from grpo_mega.conf.parallel import ParallelConfig
+from grpo_mega.conf.optim import PrecisionConfig
 from grpo_mega.models import bridge
 from grpo_mega.models.hf_io import HFWriter, SafetensorsReader, check_tensors, hf_dtype, load_hf_into_gpt, read_hf_config
 

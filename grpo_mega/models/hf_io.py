@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from grpo_mega.conf.schema import ModelConfig
+from grpo_mega.conf.model import ModelConfig
 from grpo_mega.models import bridge
 
 TOKENIZER_FILES = (

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grpo_mega.conf.schema import LORA_TARGETS, LoraConfig
+from grpo_mega.conf.lora import LORA_TARGETS, LoraConfig
 
 # lora.target_modules name -> the module path's ending in megatron-core's GPT layer (dense MLP only: an MoE
 # layer's experts sit under mlp.experts and are not matched)

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo_mega.conf.schema import RMTrainConfig
+from grpo_mega.conf.reward import RMTrainConfig
 from grpo_mega.rewards import check_reward_value
 
 Item = tuple[list[int], float]  # (reward-model token ids, label)

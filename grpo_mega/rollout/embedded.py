@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from grpo_mega.conf.schema import ModelConfig
+from grpo_mega.conf.model import ModelConfig
 from grpo_mega.rollout.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 

@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.conf.schema import ModelConfig
+from grpo_mega.conf.model import ModelConfig
 from grpo_mega.models import bridge
 from grpo_mega.rollout.interface import Bucket, RolloutEngine, TensorMeta, tensor_checksum
 

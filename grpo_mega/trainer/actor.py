@@ -21,7 +21,12 @@ from typing import Optional
 import torch
 
 from grpo_mega import algo
-from grpo_mega.conf.schema import AlgoConfig, BatchConfig, LoraConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.conf.algo import AlgoConfig
+from grpo_mega.conf.batch import BatchConfig
+from grpo_mega.conf.lora import LoraConfig
+from grpo_mega.conf.model import ModelConfig
+from grpo_mega.conf.optim import OptimConfig, PrecisionConfig
+from grpo_mega.conf.parallel import ParallelConfig
 from grpo_mega.models.builder import Built, build_actor, build_reference, copy_weights, move_module
 from grpo_mega.parallel import comm
 from grpo_mega.parallel.fused_output import fused_output_stats

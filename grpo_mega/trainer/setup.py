@@ -12,7 +12,8 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo_mega.conf.schema import ModelConfig, TrainConfig
+from grpo_mega.conf.model import ModelConfig
+from grpo_mega.conf.schema import TrainConfig
 from grpo_mega.parallel import comm
 from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
@@ -20,7 +21,7 @@ from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.rollout.validate import OutputSpec
 from grpo_mega.trainer.actor import Actor, AdapterOffReference, Reference
 from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
-from grpo_mega.trainer.task import Task
+from grpo_mega.data.tasks import Task
 from grpo_mega.trainer.watchdog import StepWatchdog
 
 
@@ -33,16 +34,10 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, object, Optional[str]]
         from grpo_mega.models.hf_io import read_hf_config
 
         return read_hf_config(cfg.model)[2], AutoTokenizer.from_pretrained(cfg.model), cfg.model
-    from grpo_mega.conf.schema import load_model_config
-    from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.data.toy_tools import CHAT_TEMPLATE, TENS_TEMPLATE, make_lookup_tokenizer, make_tool_tokenizer
+    from grpo_mega.conf.model import load_model_config
+    from grpo_mega.data.tasks import task_tokenizer
 
-    if cfg.task in ("lookup_tool", "lookup_call"):
-        tok = make_lookup_tokenizer()
-    elif cfg.task in ("product_tool", "tens_tool"):
-        tok = make_tool_tokenizer(TENS_TEMPLATE if cfg.task == "tens_tool" else CHAT_TEMPLATE)
-    else:
-        tok = make_tokenizer()
+    tok = task_tokenizer(cfg.task)
     model = load_model_config(cfg.model)
     model.vocab_size = len(tok)  # the toy task's own vocabulary
     return model, tok, None
@@ -267,7 +262,7 @@ class Run:
 def build_run(cfg: TrainConfig, model: ModelConfig, tok, hf_dir: Optional[str], out_dir: Path) -> Run:
     """Everything a run needs, built on every rank (torch.distributed already initialised; `resolve_model`
     gave the model). The task's reward workers are closed if building fails; afterwards by the caller."""
-    from grpo_mega.trainer.task import build_task
+    from grpo_mega.data.tasks import build_task
 
     task = build_task(cfg, tok)
     if hf_dir is not None and torch.distributed.get_rank() == 0:

@@ -1,33 +1,12 @@
-"""What a run trains on (a Task: prompts, the reward, a validation set, the stop token) and how the config
-builds one: the toy successor task (make demo) or prompt files in verl's schema scored by a reward
-(rule rewards in a process pool, or a learned reward model)."""
+"""The builders of the two tasks that need the trainer's rewards (registered in grpo_mega.data.tasks.TASKS):
+the toy successor task (make demo), with its own verifier or a reward model, and prompt files in verl's schema
+scored by a reward (rule rewards in a process pool, or a learned reward model)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Optional
-
-from grpo_mega.conf.schema import RewardConfig, TrainConfig
-
-
-@dataclass(kw_only=True)
-class Task:
-    """What the loop trains on: prompts, a reward, a validation set, the stop token."""
-
-    train_batch: Callable[[int], list]  # size -> examples with .prompt_ids
-    validation: Callable[[], list]
-    reward: Callable[[object, list[int]], float]
-    """Per sample (validation): reward(example, response_ids), with `trajectory=` (Generation.trajectories) for
-    multi-turn rollouts when it takes one; a rewards.scoring.StepScorer also scores a step's samples, once each."""
-    stop_token_ids: list[int]
-    get_state: Optional[Callable[[], object]] = None
-    """The task's own state (data cursor, sampler RNG) for checkpoints; JSON-serialisable."""
-    set_state: Optional[Callable[[object], None]] = None
-    save_files: Optional[Callable[[Path], None]] = None
-    """Rank 0 writes the task's non-JSON state (a reward model in training) into a checkpoint's directory."""
-    load_files: Optional[Callable[[Path], None]] = None
-    """Every rank is given that directory on resume."""
+from grpo_mega.conf.reward import RewardConfig
+from grpo_mega.conf.schema import TrainConfig
+from grpo_mega.data.tasks import Task
 
 
 def _reward_model(rew: RewardConfig, tok, verifier):
@@ -60,26 +39,20 @@ def _reward_model(rew: RewardConfig, tok, verifier):
                              label_name=rew.rm_train.labels, validate=validate, owned=owned)
 
 
-def build_task(cfg: TrainConfig, tok) -> Task:
-    """The Task the loop trains on: the toy successor task, the toy tool task, or prompt files scored by a reward."""
+def successor_task(cfg: TrainConfig, tok) -> Task:
+    """task=successor, the demo: its own verifier, or reward.name=reward_model (with the verifier as labels)."""
     from grpo_mega.data.toy import SuccessorTask
 
-    rew, batch, seed = cfg.reward, cfg.batch, cfg.run.seed
-    if cfg.task == "successor":
-        t = SuccessorTask(tok, seed=seed)
-        reward = _reward_model(rew, tok, t.reward) if rew.name == "reward_model" else t.reward
-        return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
-                    get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
-                    load_files=getattr(reward, "load_files", None))
-    if cfg.task in ("product_tool", "tens_tool", "lookup_tool", "lookup_call"):
-        from grpo_mega.data.toy_tools import LookupTask, ProductTask, TensDigitTask
+    t = SuccessorTask(tok, seed=cfg.run.seed)
+    reward = _reward_model(cfg.reward, tok, t.reward) if cfg.reward.name == "reward_model" else t.reward
+    return Task(train_batch=t.train_batch, validation=t.validation, reward=reward, stop_token_ids=[tok.eos_token_id],
+                get_state=t.get_state, set_state=t.set_state, save_files=getattr(reward, "save_files", None),
+                load_files=getattr(reward, "load_files", None))
 
-        if cfg.task.startswith("lookup"):
-            t = LookupTask(tok, seed=seed, shaping=cfg.task == "lookup_call")
-        else:
-            t = (ProductTask if cfg.task == "product_tool" else TensDigitTask)(tok, seed=seed)
-        return Task(train_batch=t.train_batch, validation=t.validation, reward=t.reward,
-                    stop_token_ids=[tok.eos_token_id], get_state=t.get_state, set_state=t.set_state)
+
+def prompts_task(cfg: TrainConfig, tok) -> Task:
+    """task=prompts: data.train_files (and data.val_files) in verl's schema, scored by reward.name."""
+    rew, batch, seed = cfg.reward, cfg.batch, cfg.run.seed
     from grpo_mega.data.dataset import PromptFile, PromptStream, load_prompts
     from grpo_mega.rewards.scoring import PromptReward
 

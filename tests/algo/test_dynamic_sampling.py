@@ -59,7 +59,8 @@ def test_round_0_must_be_the_step():
 
 
 def test_the_config_field():
-    from grpo_mega.conf.schema import AlgoConfig, TrainConfig
+    from grpo_mega.conf.algo import AlgoConfig
+    from grpo_mega.conf.schema import TrainConfig
 
     assert AlgoConfig(dynamic_sampling=True).dynamic_sampling == "filter"
     assert AlgoConfig().dynamic_sampling is None and AlgoConfig(dynamic_sampling=False).dynamic_sampling is None and AlgoConfig().max_gen_rounds == 10

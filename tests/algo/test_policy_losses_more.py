@@ -263,7 +263,7 @@ def test_sequence_level_losses_refuse_token_aggregation(name):
                             r"algo\.dppo_is_cap=0\.0 > 0"),
 ])
 def test_bad_loss_settings_are_one_line_errors(kw, message):
-    from grpo_mega.conf.schema import AlgoConfig
+    from grpo_mega.conf.algo import AlgoConfig
 
     for make in (Objective, AlgoConfig):
         with pytest.raises(ValueError, match=message) as e:
@@ -276,7 +276,7 @@ def test_every_loss_setting_is_an_algo_field_with_the_same_default():
     (kl_coef aside: the config's 0.001 is the run's default, the Objective's 0 the pure function's)."""
     from dataclasses import fields
 
-    from grpo_mega.conf.schema import AlgoConfig
+    from grpo_mega.conf.algo import AlgoConfig
 
     cfg = AlgoConfig()
     for f in fields(Objective):

@@ -185,7 +185,9 @@ def test_soft_overlong_penalty_is_dapos():
 
 
 def test_overlong_buffer_settings_reach_the_shaping():
-    from grpo_mega.conf.schema import BatchConfig, RewardConfig, TrainConfig
+    from grpo_mega.conf.batch import BatchConfig
+    from grpo_mega.conf.reward import RewardConfig
+    from grpo_mega.conf.schema import TrainConfig
 
     with pytest.raises(ValueError, match=r"reward\.overlong_buffer_len=1000 must be <= batch\.max_response_length=256"):
         TrainConfig(reward=RewardConfig(overlong_buffer_len=1000), batch=BatchConfig(max_response_length=256))

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from grpo_mega import planning
-from grpo_mega.conf.schema import BatchConfig, ParallelConfig, load_model_config
+from grpo_mega.conf.batch import BatchConfig
+from grpo_mega.conf.parallel import ParallelConfig
+from grpo_mega.conf.model import load_model_config
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -307,7 +309,7 @@ def test_the_readmes_70b_command_composes_validates_and_fits(plan_tool):
 
 
 def _mid_model():
-    from grpo_mega.conf.schema import ModelConfig
+    from grpo_mega.conf.model import ModelConfig
 
     return ModelConfig(name="mid", family="qwen2", num_layers=4, hidden_size=256, ffn_hidden_size=704,
                        num_attention_heads=8, num_query_groups=4, vocab_size=8000, qkv_bias=True)

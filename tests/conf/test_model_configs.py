@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_mega.conf import load_model_config
-from grpo_mega.conf.schema import MODEL_CONFIG_DIR, ModelConfig
+from grpo_mega.conf.model import MODEL_CONFIG_DIR, ModelConfig
 
 # name -> (published parameter count, one unit of its last published digit)
 PUBLISHED = {

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from grpo_mega.conf.schema import MultiTurnConfig
+from grpo_mega.conf.rollout import MultiTurnConfig
 from grpo_mega.rollout.dump import read_dump, write_dump
 from grpo_mega.rollout.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine, rollout_metrics

@@ -215,7 +215,8 @@ def test_loss_uses_per_token_behaviour_logprobs(batches):
 
 
 def test_refusals():
-    from grpo_mega.conf.schema import RolloutConfig, TrainConfig
+    from grpo_mega.conf.rollout import RolloutConfig
+    from grpo_mega.conf.schema import TrainConfig
 
     with pytest.raises(ValueError, match="rollout.mode=async needs rollout.off_policy_steps=k >= 1"):
         RolloutConfig(mode="async", placement="dedicated", servers=["http://x:1"])

@@ -125,7 +125,7 @@ def test_a_call_stop_turn_ends_as_the_template_ends_it(qwen_style):
 def test_a_stop_token_the_template_does_not_end_turns_with_is_refused(smollm2):
     """ChatML ends an assistant turn with <|im_end|>: stopping at <|endoftext|> could not be followed by a tool
     turn as the template renders it; the same for a call-stop token that is a stop token."""
-    from grpo_mega.conf.schema import MultiTurnConfig
+    from grpo_mega.conf.rollout import MultiTurnConfig
 
     other = smollm2.convert_tokens_to_ids("<|endoftext|>")
     with pytest.raises(ValueError, match=r"the stop token '<\|endoftext\|>' \(id 0\) does not end an assistant turn"):

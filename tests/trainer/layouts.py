@@ -27,7 +27,7 @@ MAX_PROMPT = 12  # with MAX_RESPONSE: packed token budgets of micro_batch_size *
 def model_cfg(tied: bool = False, variant: str = "tiny"):
     """The tiny model (Qwen2 family: q/k/v biases); variant 'llama3-rope': the Llama family (no biases) with
     Llama-3.1's RoPE frequency scaling; 'tiny-qwen3-moe': that model without its load-balancing loss."""
-    from grpo_mega.conf.schema import RopeScaling
+    from grpo_mega.conf.model import RopeScaling
 
     cfg = load_model_config("tiny")
     cfg.tie_word_embeddings = tied

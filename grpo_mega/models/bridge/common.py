@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo_mega.conf.schema import ModelConfig, RopeScaling
+from grpo_mega.conf.model import ModelConfig, RopeScaling
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # an expert's weight, SequentialMLP (local spec) and TEGroupedMLP (weight{j}) spellings; j is the expert index
