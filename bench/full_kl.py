@@ -52,7 +52,8 @@ def _rank_body(estimator: str, args):
     from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=args.tp, pp=1, seed=1)

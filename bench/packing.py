@@ -62,7 +62,8 @@ def run(args) -> dict:
     from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -33,7 +33,7 @@ def _rank(prompts: int, n: int, max_response: int, mini_prompts: int, repeats: i
     from grpo_mega.parallel.state import init_distributed
     from grpo_mega.rollout.interface import Generation
     from grpo_mega.rollout.routing import Routing
-    from grpo_mega.trainer.actor import dp_rows
+    from grpo_mega.trainer.dp_layout import dp_rows
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1)

@@ -436,7 +436,8 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.rollout.embedded import EmbeddedEngine
     from grpo_mega.rollout.weight_sync import sync_weights
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -83,7 +83,7 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
 
 def _torch_optimizers(actor) -> list:
     """The torch optimizers under the actor's megatron optimizer (actor.torch_optimizers)."""
-    from grpo_mega.trainer.actor import torch_optimizers
+    from grpo_mega.trainer.optimizer import torch_optimizers
 
     return torch_optimizers(actor.optimizer)
 

@@ -19,7 +19,8 @@ from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 from grpo_mega.rollout.validate import OutputSpec
-from grpo_mega.trainer.actor import Actor, AdapterOffReference, Reference
+from grpo_mega.trainer.actor import Actor
+from grpo_mega.trainer.reference import AdapterOffReference, Reference
 from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
 from grpo_mega.data.tasks import Task
 from grpo_mega.trainer.watchdog import StepWatchdog

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from grpo_mega.conf import schema
+from grpo_mega.conf.model import load_model_config
+from grpo_mega.conf.parallel import ParallelConfig
+from grpo_mega.conf.rollout import MultiTurnConfig, RolloutConfig
 from grpo_mega.conf.reference import field_docs, main as reference_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +109,7 @@ def test_derived_settings():
 
 
 def test_layout_against_the_model_and_world():
-    model = schema.load_model_config("tiny")
+    model = load_model_config("tiny")
     cfg = schema.TrainConfig(parallel=dict(tp=2), batch=dict(packing=False, micro_batch_size=3), rollout=dict(n=4))
     with pytest.raises(ValueError, match="ppo_mini_batch_size \\* rollout.n = 4 \\* 4 = 16 responses does not split"):
         cfg.check_layout(model, 4)
@@ -119,25 +122,25 @@ def test_multi_turn_config():
     cfg = schema.TrainConfig()
     assert cfg.rollout.multi_turn.enable is False  # off by default: the single-turn path is untouched
     with pytest.raises(ValueError, match="rollout.multi_turn.max_turns=0 must be >= 1"):
-        schema.MultiTurnConfig(max_turns=0)
+        MultiTurnConfig(max_turns=0)
     # in-process SGLang continues samples from their ids too (tests/rollout/test_sglang_multi_turn.py)
-    assert schema.RolloutConfig(engine="sglang", multi_turn=schema.MultiTurnConfig(enable=True)).multi_turn.enable
-    assert schema.RolloutConfig(placement="dedicated", servers=["http://h:1"], off_policy_steps=1,
-                                multi_turn=schema.MultiTurnConfig(enable=True)).multi_turn.enable
+    assert RolloutConfig(engine="sglang", multi_turn=MultiTurnConfig(enable=True)).multi_turn.enable
+    assert RolloutConfig(placement="dedicated", servers=["http://h:1"], off_policy_steps=1,
+                                multi_turn=MultiTurnConfig(enable=True)).multi_turn.enable
     restored = schema.TrainConfig(**{**cfg.to_dict(), "rollout": {**cfg.to_dict()["rollout"],
                                                                 "multi_turn": {"enable": True, "max_turns": 3}}})
     assert restored.rollout.multi_turn.max_turns == 3
 
 
 def test_moe_layout_rules():
-    moe = schema.load_model_config("tiny-qwen3-moe")
+    moe = load_model_config("tiny-qwen3-moe")
     assert schema.TrainConfig(parallel=dict(tp=2, sequence_parallel=True)).check_layout(moe, 2) == 1
     assert schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 2) == 2  # experts split over the 2 DP ranks
     # TP x EP trains: tp2 x dp2, the experts split over the 2 DP ranks and each over the TP pair
     assert schema.TrainConfig(parallel=dict(ep=2, tp=2, sequence_parallel=True)).check_layout(moe, 4) == 2
     with pytest.raises(ValueError, match=r"parallel.ep=2 must divide the data-parallel size dp=1"):
         schema.TrainConfig(parallel=dict(ep=2)).check_layout(moe, 1)
-    assert schema.ParallelConfig(tp=2, ep=2).check(moe, 4) == 2  # conversion and inference layouts
+    assert ParallelConfig(tp=2, ep=2).check(moe, 4) == 2  # conversion and inference layouts
 
 
 def _compose(overrides: list[str]) -> schema.TrainConfig:

@@ -105,7 +105,7 @@ def job_update(w0_path: str, out: str, dtype: str) -> None:
 def job_offload(out: str, model: str) -> None:
     """The reference with offload=True holds no GPU memory between uses; the same reference without
     offload (the control) holds its weights. torch.cuda.memory_allocated, in bytes."""
-    from grpo_mega.trainer.actor import Reference
+    from grpo_mega.trainer.reference import Reference
 
     assert torch.cuda.is_available(), "offload is measured on a GPU"
     cfg = load_model_config(model)

@@ -33,7 +33,7 @@ def tiny_moe_fp32(tmp_path_factory):
 
 def _megatron_logits(hf_dir, tp, pp, ep, tokens):
     from grpo_mega.models.builder import build_gpt
-    from grpo_mega.trainer.actor import run_schedule
+    from grpo_mega.trainer.forward import run_schedule
 
     with cpu_compat.cpu_device_mode():
         layout = init_distributed(tp=tp, pp=pp, ep=ep)

@@ -68,7 +68,7 @@ def test_roundtrip_bit_exact_smollm2(tmp_path, tp, pp):
 
 def _megatron_logits(hf_dir, tp, pp, tokens):
     from grpo_mega.models.builder import build_gpt
-    from grpo_mega.trainer.actor import run_schedule
+    from grpo_mega.trainer.forward import run_schedule
 
     with cpu_compat.cpu_device_mode():
         layout = init_distributed(tp=tp, pp=pp)

@@ -43,7 +43,7 @@ def smoke_batches(num_microbatches: int, micro_batch_size: int, seed: int = 0) -
 
 def forward_backward(model, batches: list[dict], forward_only: bool = False) -> list[float]:
     """Run `batches` through Megatron's schedule; return per-micro-batch mean token losses (last stage)."""
-    from grpo_mega.trainer.actor import run_schedule
+    from grpo_mega.trainer.forward import run_schedule
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)

@@ -164,7 +164,7 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
 def _reference_logprobs(cfg, parallel, kw, w0_dir, batch):
     from megatron.core import dist_checkpointing
 
-    from grpo_mega.trainer.actor import Reference
+    from grpo_mega.trainer.reference import Reference
 
     ref = Reference(cfg, parallel, kw["precision"], kw["batch"])
     ref.built.gpt.load_state_dict(dist_checkpointing.load(ref.built.gpt.sharded_state_dict(), w0_dir))

@@ -13,7 +13,8 @@ from tests.trainer import layouts as L
 
 
 def _three_steps(tp, pp):
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=7)

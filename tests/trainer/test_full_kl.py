@@ -127,7 +127,8 @@ def run_layout(tp, pp, sp, w0_dir, wref_dir, out_dir, old_logp, combos, tied=Fal
     from grpo_mega.conf import ParallelConfig
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=1234)

@@ -45,7 +45,8 @@ def _rank(tp, pp, sp, tied, fused_kw, row_settings):
     from grpo_mega.models.builder import copy_weights
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=1234)

@@ -115,7 +115,8 @@ def _init_and_kl(tp: int, w0_dir: str, pp: int = 1):
     from grpo_mega.models.lora import load_adapter_state
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, AdapterOffReference, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import AdapterOffReference, Reference
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=1234)

@@ -17,7 +17,8 @@ def _both_paths(tp, pp, sp):
     from grpo_mega.conf import AlgoConfig, ParallelConfig
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=tp, pp=pp, seed=1234)

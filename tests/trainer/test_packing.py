@@ -93,7 +93,7 @@ def _leak(variant):
     from grpo_mega.models.builder import build_gpt
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import _forward
+    from grpo_mega.trainer.forward import forward_micro
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=1, pp=1, seed=1234)
@@ -108,7 +108,7 @@ def _leak(variant):
             seqs = before + [target] + after
             batch = RolloutBatch.from_samples([s[:1] for s in seqs], [s[1:] for s in seqs])
             mb = packed_micro_batch(batch, list(range(len(seqs))), sum(len(s) for s in seqs) + 3)
-            logits = _forward(gpt, mb)[0]
+            logits = forward_micro(gpt, mb)[0]
             start = sum(len(s) for s in before)
             out.append(logits[start:start + 17])
         destroy_distributed()

@@ -118,7 +118,8 @@ def _measure_against_replay():
     from grpo_mega.models.builder import copy_weights
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.trainer.actor import Actor, Reference
+    from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.reference import Reference
     from tests.trainer import layouts as L
 
     with cpu_compat.cpu_device_mode():
