@@ -84,7 +84,6 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     """One training run from Hydra's composed config; returns its summary (rank 0 also writes summary.json)."""
     import torch
 
-    from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
     from grpo_mega.trainer.loop import train
     from grpo_mega.trainer.setup import build_run, resolve_model, threads_per_rank
@@ -100,31 +99,30 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         e.before_distributed = True
         raise
     torch.set_num_threads(threads_per_rank())
-    with cpu_compat.cpu_device_mode():
-        init_distributed(tp=config.parallel.tp, pp=config.parallel.pp, seed=config.run.seed,
-                         timeout_s=config.dist.timeout_s, ep=config.parallel.ep)
-        rank0 = torch.distributed.get_rank() == 0
-        sinks = MetricSinks(out_dir, config.run.steps, config.to_dict(), rank0)
+    init_distributed(tp=config.parallel.tp, pp=config.parallel.pp, seed=config.run.seed,
+                     timeout_s=config.dist.timeout_s, ep=config.parallel.ep)
+    rank0 = torch.distributed.get_rank() == 0
+    sinks = MetricSinks(out_dir, config.run.steps, config.to_dict(), rank0)
+    try:
+        built = build_run(config, model, tok, hf_dir, out_dir)
         try:
-            built = build_run(config, model, tok, hf_dir, out_dir)
-            try:
-                history = train(built, sinks.log)
-            finally:  # the engines and the reward's worker processes end with the run, also when it fails
-                built.close()
-                getattr(built.task.reward, "close", lambda: None)()
-        except BaseException:
-            sinks.abort()  # the progress bar's line ends before the error is printed
-            raise
-        plots = sinks.close(history.rows)
-        final = history.rows[-1].get("val_reward") if history.rows else None
-        summary = dict(initial_val_reward=history.initial_val_reward,
-                       final_val_reward=final if final is not None else history.initial_val_reward,
-                       steps=len(history.rows), out_dir=str(out_dir))
-        if rank0:
-            summary["plots"] = [str(p) for p in plots]
-            with open(out_dir / "summary.json", "w") as f:
-                json.dump(summary, f, indent=2)
-        destroy_distributed()
+            history = train(built, sinks.log)
+        finally:  # the engines and the reward's worker processes end with the run, also when it fails
+            built.close()
+            getattr(built.task.reward, "close", lambda: None)()
+    except BaseException:
+        sinks.abort()  # the progress bar's line ends before the error is printed
+        raise
+    plots = sinks.close(history.rows)
+    final = history.rows[-1].get("val_reward") if history.rows else None
+    summary = dict(initial_val_reward=history.initial_val_reward,
+                   final_val_reward=final if final is not None else history.initial_val_reward,
+                   steps=len(history.rows), out_dir=str(out_dir))
+    if rank0:
+        summary["plots"] = [str(p) for p in plots]
+        with open(out_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+    destroy_distributed()
     return summary
 
 

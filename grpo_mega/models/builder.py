@@ -18,6 +18,7 @@ from grpo_mega.conf.lora import LoraConfig
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.conf.parallel import ParallelConfig
 from grpo_mega.conf.optim import PrecisionConfig
+from grpo_mega.parallel import cpu_compat
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -107,7 +108,7 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig, te: bool) -> dict:
     norm_topk_prob, renormalise the k probabilities. Megatron's softmax router does exactly the latter with
     `moe_router_pre_softmax=False` (top-k of the logits, softmax over those k) and the former with
     `pre_softmax=True` (softmax over all, keep the top k). No router bias, no shared expert, no token dropping.
-    The `alltoall` dispatcher makes a torch.cuda.Stream at construction: `allgather` without CUDA."""
+    The token dispatcher is cpu_compat.moe_token_dispatcher()'s."""
     if not model.is_moe:
         return {}
     return dict(
@@ -120,7 +121,7 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig, te: bool) -> dict:
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff,
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_token_dispatcher_type=cpu_compat.moe_token_dispatcher(),
         moe_grouped_gemm=te,
         expert_model_parallel_size=parallel.ep,
     )
@@ -217,8 +218,6 @@ def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: Precision
         )
     config = transformer_config(model, parallel, precision)
     if model.is_moe:
-        from grpo_mega.parallel import cpu_compat
-
         cpu_compat.define_te_general_gemm()  # GPUs without Transformer Engine too
     if not init or meta:
         config.perform_initialization = False

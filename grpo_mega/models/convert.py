@@ -94,24 +94,22 @@ def hf_to_mcore_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, ep: int = 1) -
     from megatron.core import dist_checkpointing
 
     from grpo_mega.models.builder import build_gpt
-    from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import init_distributed
 
     start = _reset_peak_rss()
-    with cpu_compat.cpu_device_mode():
-        hf, _, cfg = read_hf_config(hf_dir)
-        layout = init_distributed(tp=tp, pp=pp, ep=ep)
-        gpt, _ = build_gpt(cfg, ParallelConfig(tp=tp, pp=pp, ep=ep), _precision_for(hf_dtype(hf)), init=False)
-        reader = SafetensorsReader(hf_dir)
-        load_hf_into_gpt(gpt, hf_dir, cfg, layout.tp_rank, tp, reader)
-        del reader  # unmap the safetensors files before the save allocates its buffers
-        dist_checkpointing.save(gpt.sharded_state_dict(), tmp_dir)
-        expert = {n for n, _ in gpt.named_parameters() if bridge.expert_of(n) is not None}
-        # counted once: the non-expert parameters are replicated over the EP ranks
-        counted = [p for n, p in gpt.named_parameters() if n in expert or layout.ep_rank == 0]
-        return dict(rank=torch.distributed.get_rank(), params=sum(p.numel() for p in counted),
-                    param_bytes=sum(p.numel() * p.element_size() for p in counted),
-                    peak_rss_above_start=_peak_rss() - start)
+    hf, _, cfg = read_hf_config(hf_dir)
+    layout = init_distributed(tp=tp, pp=pp, ep=ep)
+    gpt, _ = build_gpt(cfg, ParallelConfig(tp=tp, pp=pp, ep=ep), _precision_for(hf_dtype(hf)), init=False)
+    reader = SafetensorsReader(hf_dir)
+    load_hf_into_gpt(gpt, hf_dir, cfg, layout.tp_rank, tp, reader)
+    del reader  # unmap the safetensors files before the save allocates its buffers
+    dist_checkpointing.save(gpt.sharded_state_dict(), tmp_dir)
+    expert = {n for n, _ in gpt.named_parameters() if bridge.expert_of(n) is not None}
+    # counted once: the non-expert parameters are replicated over the EP ranks
+    counted = [p for n, p in gpt.named_parameters() if n in expert or layout.ep_rank == 0]
+    return dict(rank=torch.distributed.get_rank(), params=sum(p.numel() for p in counted),
+                param_bytes=sum(p.numel() * p.element_size() for p in counted),
+                peak_rss_above_start=_peak_rss() - start)
 
 
 def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, timeout: float = 3600, ep: int = 1) -> dict:
@@ -175,44 +173,42 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, tokenizer_from: Optional[str],
     from megatron.core import dist_checkpointing
 
     from grpo_mega.models.builder import build_gpt
-    from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import init_distributed
 
     meta = read_meta(ckpt_dir)
     cfg: ModelConfig = meta["model"]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[meta["dtype"]]
     family = bridge.FAMILIES.get(cfg.family)
-    with cpu_compat.cpu_device_mode():
-        init_distributed(tp=1, pp=1)
-        writes = torch.distributed.get_rank() == 0
-        gpt, _ = build_gpt(cfg, ParallelConfig(), _precision_for(dtype), meta=True)
-        layout = gpt.sharded_state_dict()
-        writer = HFWriter(out_dir, max_shard_bytes) if writes else None
-        largest = 0
-        try:
-            for group in _groups(list(layout), cfg.num_layers):
-                request = {k: e for k in group if (e := _materialise(layout[k])) is not None}
-                if not request:
-                    continue
-                # One layer of tensors that are stored stacked over all layers: the access check would
-                # (rightly, for a training load) complain that the other layers are never read.
-                loaded = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
-                # A training checkpoint's common state (the optimizer's param groups, ...) comes back too.
-                loaded = {k: v for k, v in loaded.items() if k in request}
-                largest = max(largest, sum(t.numel() * t.element_size() for t in loaded.values()))
-                for name in group:
-                    if name in loaded and writes:
-                        for hf_name, t in bridge.to_hf(name, loaded[name], cfg):
-                            writer.add(hf_name, t.to(dtype).clone())
-                del loaded
-            if writes:
-                hf_config = dict(meta.get("hf_config") or {})
-                hf_config.update(family.hf_config(cfg, dtype={"bf16": "bfloat16", "fp32": "float32"}[meta["dtype"]]))
-                writer.close(hf_config, tokenizer_from or meta.get("source"))
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
+    init_distributed(tp=1, pp=1)
+    writes = torch.distributed.get_rank() == 0
+    gpt, _ = build_gpt(cfg, ParallelConfig(), _precision_for(dtype), meta=True)
+    layout = gpt.sharded_state_dict()
+    writer = HFWriter(out_dir, max_shard_bytes) if writes else None
+    largest = 0
+    try:
+        for group in _groups(list(layout), cfg.num_layers):
+            request = {k: e for k in group if (e := _materialise(layout[k])) is not None}
+            if not request:
+                continue
+            # One layer of tensors that are stored stacked over all layers: the access check would
+            # (rightly, for a training load) complain that the other layers are never read.
+            loaded = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
+            # A training checkpoint's common state (the optimizer's param groups, ...) comes back too.
+            loaded = {k: v for k, v in loaded.items() if k in request}
+            largest = max(largest, sum(t.numel() * t.element_size() for t in loaded.values()))
+            for name in group:
+                if name in loaded and writes:
+                    for hf_name, t in bridge.to_hf(name, loaded[name], cfg):
+                        writer.add(hf_name, t.to(dtype).clone())
+            del loaded
+        if writes:
+            hf_config = dict(meta.get("hf_config") or {})
+            hf_config.update(family.hf_config(cfg, dtype={"bf16": "bfloat16", "fp32": "float32"}[meta["dtype"]]))
+            writer.close(hf_config, tokenizer_from or meta.get("source"))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     return dict(bytes=writer.total_bytes if writes else 0, largest_group_bytes=largest)
 
 

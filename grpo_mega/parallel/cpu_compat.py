@@ -214,6 +214,19 @@ def apply() -> None:
     filesystem_async._get_write_results_queue = _fork_results_queue
 
 
+def moe_token_dispatcher() -> str:
+    """megatron-core's MoE token dispatcher: `alltoall` with CUDA; `allgather` without, which prevents the
+    `alltoall` dispatcher's failure at construction (it makes a torch.cuda.Stream)."""
+    return "alltoall" if cuda_available() else "allgather"
+
+
+def needs_equal_micro_batch_shapes(ep: int) -> bool:
+    """Whether every DP rank's i-th micro-batch must have one shape: with expert parallelism on the `allgather`
+    dispatcher (moe_token_dispatcher, without CUDA), which all-gathers equal token counts over the EP group
+    (unequal ones fail in that all-gather). grpo_mega.trainer.dp_layout pads the rows to one shape then."""
+    return ep > 1 and not cuda_available()
+
+
 def cpu_device_mode():
     """Context under which megatron runs on this thread: CudaToCpuMode without CUDA, nothing with it."""
     if cuda_available():

@@ -19,6 +19,10 @@ import torch.distributed as dist
 from grpo_mega.parallel import cpu_compat
 
 
+_RUNTIME: list = []
+"""The device mode init_distributed entered on a machine without CUDA (left by destroy_distributed)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """One rank's place in the TP x PP x DP grid."""
@@ -63,9 +67,15 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: floa
     expert tensor-parallel size megatron's default, tp) and seed megatron's RNG tracker. `timeout_s`
     (dist.timeout_s) bounds every collective of the world's and megatron's groups.
 
-    On a machine without CUDA the CPU compatibility layer is applied first and the backend is gloo.
+    On a machine without CUDA the CPU compatibility layer is applied first, the backend is gloo, and this thread
+    runs under cpu_compat's device mode (CUDA devices mapped to the CPU) until destroy_distributed: whoever
+    starts the process groups gets the runtime megatron needs, no entry point has to remember it.
     """
     cpu_compat.apply()
+    if not torch.cuda.is_available() and not _RUNTIME:
+        mode = cpu_compat.cpu_device_mode()
+        mode.__enter__()
+        _RUNTIME.append(mode)
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -103,3 +113,5 @@ def destroy_distributed() -> None:
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _RUNTIME:
+        _RUNTIME.pop().__exit__(None, None, None)

@@ -10,6 +10,7 @@ import torch
 
 from grpo_mega.conf.batch import BatchConfig
 from grpo_mega.conf.parallel import ParallelConfig
+from grpo_mega.parallel import cpu_compat
 from grpo_mega.trainer.batch import RolloutBatch, micro_batches
 
 
@@ -24,9 +25,8 @@ def pad_multiple(parallel: ParallelConfig) -> int:
 
 
 def same_over_ranks(parallel: ParallelConfig) -> bool:
-    """Every DP rank's i-th micro-batch has one shape: megatron's allgather token dispatcher (expert
-    parallelism without CUDA; see grpo_mega.models.builder.moe_config) gathers equal token counts."""
-    return parallel.ep > 1 and not torch.cuda.is_available()
+    """Every DP rank's i-th micro-batch has one shape (cpu_compat.needs_equal_micro_batch_shapes)."""
+    return cpu_compat.needs_equal_micro_batch_shapes(parallel.ep)
 
 
 def chunk_of(size: int, batch: BatchConfig) -> Optional[int]:

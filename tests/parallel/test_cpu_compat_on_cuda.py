@@ -1,6 +1,7 @@
 """On CUDA nothing of grpo_mega.parallel.cpu_compat is active (issue 37 Build 2): with torch.cuda.is_available()
 forced True, apply() and cpu_device_mode() leave every object they patch on a CPU machine untouched, and the
-trainer's entry points (init_distributed's apply, train's cpu_device_mode) enter no TorchFunctionMode. Runs on
+trainer's entry point (init_distributed: apply and the device mode) enters no TorchFunctionMode, and the MoE
+dispatcher and DP shapes are megatron's own. Runs on
 the CPU, in a fresh interpreter (this one may have applied the patches already), against the unpatched objects
 read before the calls; then, as a control that the check can fail, the same script with CUDA left absent must
 see every patch applied."""
@@ -50,6 +51,7 @@ print("applied", cpu_compat._APPLIED)
 print("mode", type(mode).__name__ if mode is not None else None)
 print("modes", modes)
 print("changed", changed)
+print("dispatcher", cpu_compat.moe_token_dispatcher(), cpu_compat.needs_equal_micro_batch_shapes(2))
 print("te_general_gemm_defined", (not te_gemm_before) and hasattr(moe_utils, "te_general_gemm"))
 """
 
@@ -71,8 +73,10 @@ def test_nothing_of_cpu_compat_is_active_on_cuda():
     assert cuda["mode"] == "None" and cuda["modes"] == "[]"  # nullcontext: no CudaToCpuMode
     assert cuda["changed"] == "[]", cuda["changed"]
     assert cuda["te_general_gemm_defined"] == "False"
+    assert cuda["dispatcher"] == "alltoall False"  # megatron's own dispatcher, DP ranks' shapes free
     # the control: on this CPU machine the same calls patch every target and enter the mode
     cpu = _run("cpu")
     assert cpu["applied"] == "True" and cpu["modes"] == "['CudaToCpuMode']"
     assert cpu["changed"].count("'") == 2 * 11, cpu["changed"]  # all 11 targets replaced
     assert cpu["te_general_gemm_defined"] == "True"
+    assert cpu["dispatcher"] == "allgather True"
