@@ -54,11 +54,12 @@ def test_golden_curve_first_10_steps(tmp_path):
     assert "validation reward (greedy): 0.00 at step 0" in proc.stdout and "plots:" in proc.stdout
     assert list((tmp_path / "tensorboard").iterdir())
     assert all(r["logprob_mismatch"] < 1e-5 for r in rows)  # engine and trainer agree every step
-    # where the time went: every phase, adding up to the step within 5% or 30 ms, whichever is larger (the rest:
-    # advantages, packing, bookkeeping; on a loaded 2-core CI machine a ~0.25 s step once left 12.5 ms outside)
+    # where the time went: every phase, adding up to the step within 10% or 50 ms, whichever is larger (the rest:
+    # advantages, packing, bookkeeping; on a loaded 2-core machine a ~0.25 s step once left 12.5 ms outside, a
+    # 0.49 s step 34 ms: preemption lands between phases too); a phase left out of the sum is a larger share
     for r in rows:
         phases = sum(r[f"timing/{p}"] for p in PHASES)
-        slack = max(0.05 * r["timing/step"], 0.03)
+        slack = max(0.10 * r["timing/step"], 0.05)
         assert abs(phases - r["timing/step"]) <= slack, (r["step"], phases, r["timing/step"])
         assert r["perf/update_tokens_per_s"] > 0 and r["perf/generated_tokens_per_s"] > 0
         assert 0 <= r["batch/pad_fraction"] <= 0.10 and r["batch/micro_batches"] >= 1
