@@ -1,8 +1,9 @@
 """A warm, clean process that runs `python -m grpo_mega.train ARGV` by forking, alone or as the ranks of a
 `torchrun --nproc-per-node N -m grpo_mega.train ARGV`: each run would otherwise pay a new interpreter's
 start-up and the torch / megatron-core / Hydra imports (5-6 s a process, and torchrun's own interpreter), for
-the bad-input cases refused before training (29 cases: about 6 minutes of the main tier) and for the trainer
-runs of the resume, engine, export and off-policy tests.
+the bad-input cases refused before training (29 cases: about 6 minutes of the main tier), for the trainer
+runs of the resume, engine, export and off-policy tests, and for the benchmarks' toy runs (`run_module`: any
+`python -m MODULE ARGV`, run by runpy as the interpreter would).
 
 The server is a new interpreter that imports those modules once and never runs a torch op, so a child forked
 from it starts as clean as a new process would (forking pytest itself was tried: torch's OpenMP pool, once
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(req: dict, rank: int | None) -> None:
-    """In the forked child: Hydra's entry point with the request's argv (as rank `rank` of a torchrun-like
+    """In the forked child: Hydra's entry point (or the request's "module", as `python -m` runs it) with the request's argv (as rank `rank` of a torchrun-like
     world, or alone when None); never returns."""
     code = 1
     try:
@@ -60,11 +61,18 @@ def _child(req: dict, rank: int | None) -> None:
         sys.stdout = open(1, "w", closefd=False, buffering=1)
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         os.chdir(req["cwd"])
-        sys.argv = ["grpo_mega/train.py", *req["argv"]]
-        from grpo_mega import train
-
+        module = req.get("module") or "grpo_mega.train"
         try:
-            train.main()
+            if module == "grpo_mega.train":
+                sys.argv = ["grpo_mega/train.py", *req["argv"]]
+                from grpo_mega import train
+
+                train.main()
+            else:  # python -m MODULE ARGV
+                import runpy
+
+                sys.argv = [module, *req["argv"]]
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:  # what the interpreter would make of it
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -223,19 +231,22 @@ class ForkedRun:
 
 
 def start_main(argv: list[str], cwd, scratch: Path, nproc: int | None = None, env: dict | None = None,
-               out: Path | None = None, err: Path | None = None) -> ForkedRun:
+               out: Path | None = None, err: Path | None = None, module: str = "grpo_mega.train") -> ForkedRun:
     """Start `python -m grpo_mega.train ARGV` (in `cwd`), or with `nproc` the ranks of `torchrun
     --nproc-per-node NPROC --master-port <free> -m grpo_mega.train ARGV`, forked from the warm server; stdout
     and stderr go to `out` and `err` (default: files in `scratch`). `env`: the whole environment (default:
-    the server's, which is pytest's at the server's start)."""
+    the server's, which is pytest's at the server's start). `module`: another module to run as `python -m`
+    does (a benchmark; alone, not under torchrun)."""
     from grpo_mega.processes import free_port
 
     global _server
     if _server is None or _server.proc.poll() is not None:
         _server = _Server(Path(scratch) / "fork_server.log")
     out, err = Path(out or Path(scratch) / "fork.out"), Path(err or Path(scratch) / "fork.err")
-    req = dict(argv=list(argv), cwd=str(cwd), out=str(out), err=str(err), nproc=nproc, env=env)
-    cmd = [sys.executable, "-m", "grpo_mega.train", *argv]
+    req = dict(argv=list(argv), cwd=str(cwd), out=str(out), err=str(err), nproc=nproc, env=env, module=module)
+    cmd = [sys.executable, "-m", module, *argv]
+    if nproc and module != "grpo_mega.train":
+        raise ValueError(f"nproc={nproc} with module={module!r}: only grpo_mega.train runs as torchrun's ranks here")
     if nproc:
         req["port"] = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m",
@@ -243,6 +254,16 @@ def start_main(argv: list[str], cwd, scratch: Path, nproc: int | None = None, en
     _server.proc.stdin.write((json.dumps(req) + "\n").encode())
     _server.proc.stdin.flush()
     return ForkedRun(argv, cmd, _server.read(timeout=60)["pids"], out, err)
+
+
+def run_module(module: str, argv: list[str], timeout: float, cwd, scratch: Path, check: bool = False,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` forked from the warm server (a benchmark at toy size: the imports are most of
+    its time); `check`: a CalledProcessError, with its output, when it fails."""
+    done = start_main(argv, cwd, scratch, env=env, module=module).wait(timeout)
+    if check and done.returncode:
+        raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
+    return done
 
 
 def run_main(argv: list[str], timeout: float, cwd, scratch: Path, nproc: int | None = None,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.proc import run_tree
+from tests.bench import run_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,7 +17,7 @@ def test_bench_vocab_parallel_writes_json(tmp_path):
     out = tmp_path / "vp.json"
     cmd = [sys.executable, "-m", "bench.vocab_parallel",
            "--T", "16", "--V", "256", "--vocab-size", "250", "--iters", "1", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     rows = {(r["impl"], r["tp"], r["chunk"]) for r in data["results"]}
     assert {("gathered", 4, None), ("vocab_parallel", 4, None), ("vocab_parallel", 4, 64)} <= rows
@@ -32,7 +32,7 @@ def test_bench_activations_writes_json(tmp_path):
     out = tmp_path / "act.json"
     cmd = [sys.executable, "-m", "bench.activations", "--model", "tiny", "--layers", "1",
            "--seq", "32", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     rows = {r["recompute"]: r for r in data["rows"]}
     assert set(rows) == {"none", "selective", "full"} and data["layer_spec"] in ("local", "transformer_engine")
@@ -48,7 +48,7 @@ def test_bench_full_kl_writes_json(tmp_path):
     cmd = [sys.executable, "-m", "bench.full_kl", "--hidden", "64", "--layers", "2",
            "--vocab", "500", "--prompts", "2", "--prompt-len", "8", "--response-len", "8", "--budget", "32",
            "--iters", "1", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     assert [r["estimator"] for r in data["results"]] == ["k3", "full"]
     k3, full = data["results"]
@@ -63,7 +63,7 @@ def test_bench_overlap_writes_json(tmp_path):
     out = tmp_path / "overlap.json"
     cmd = [sys.executable, "-m", "bench.overlap", "--steps", "5", "--repeats", "1",
            "--response-length", "2", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=400, capture_output=True, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=400, env={**os.environ, "PYTHONPATH": REPO})
     data = json.loads(out.read_text())
     assert data["in_turn"]["weight_versions"] == [0, 1, 2, 3, 4]
     assert data["off_policy"]["weight_versions"] == [0, 0, 1, 2, 3]
@@ -77,7 +77,7 @@ def test_bench_async_writes_json(tmp_path):
     out = tmp_path / "async.json"
     cmd = [sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--modes",
            "one_step_ahead,async_k2", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=600, capture_output=True, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
     data = json.loads(out.read_text())
     k2 = data["modes"]["async_k2"]
     assert data["k2_over_one_step_ahead"] > 0 and 0 <= k2["trainer_idle_fraction"] <= 1
@@ -91,7 +91,7 @@ def test_bench_routing_writes_json(tmp_path):
     out = tmp_path / "routing.json"
     cmd = [sys.executable, "-m", "bench.routing", "--prompts", "8", "--n", "4",
            "--max-response", "32", "--mini-prompts", "4", "--repeats", "1", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     assert data["samples"] == 32 and data["routed"]["rows_per_other_rank"] == [8, 8, 8]
     assert 0 < data["routed"]["bytes_to_other_ranks"] < data["broadcast"]["bytes_to_other_ranks"]
@@ -104,7 +104,7 @@ def test_bench_decode_writes_json(tmp_path):
     out = tmp_path / "decode.json"
     cmd = [sys.executable, "-m", "bench.decode", "--model", "tiny", "--prompts", "2", "--n", "2",
            "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1", "--threads", "1", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     assert data["rows"] == 4 and data["generated_tokens"] == 16 and data["device"] == "cpu"
     sides = {"embedded_dynamic", "embedded_static", "transformers_dynamic"}
@@ -121,7 +121,7 @@ def test_bench_response_only_writes_json(tmp_path):
     cmd = [sys.executable, "-m", "bench.response_only", "--model", "tiny", "--groups", "1",
            "--n", "2", "--prompt-len", "8", "--response-len", "8", "--micro-batch", "2", "--steps", "1", "--warmup",
            "0", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     r = json.loads(out.read_text())["result"]
     row = 384 * 4  # tiny's vocabulary 320, padded to 384, fp32
     assert r["all_positions"]["logits_bytes_per_update"] == r["tokens_per_step"] * row == 32 * row
@@ -139,7 +139,7 @@ def test_bench_vs_trl_grpo_mega_side_writes_json(tmp_path):
     cmd = [sys.executable, "-m", "bench.vs_trl", "--systems", "grpo_mega", "--steps", "2",
            "--rounds", "1", "--prompts", "1", "--n", "2", "--max-new-tokens", "2", "--model", str(smollm2_dir()),
            "--workdir", str(tmp_path / "runs"), "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     assert run["system"] == "grpo_mega" and [s["step"] for s in run["steps"]] == [1, 2]
@@ -168,7 +168,7 @@ def test_bench_fused_output_writes_json(tmp_path):
     out = tmp_path / "fo.json"
     cmd = [sys.executable, "-m", "bench.fused_output", "--model", "tiny", "--tokens", "512",
            "--steps", "1", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     rows = {(r["impl"], r["full_kl"], r["chunk"]) for r in data["loss_side"]}
     auto = data["shapes"]["auto_chunk"]
@@ -185,7 +185,7 @@ def test_bench_data_writes_json(tmp_path):
     out = tmp_path / "data.json"
     cmd = [sys.executable, "-m", "bench.data", "--rows", "2000", "--batch", "64", "--batches", "2",
            "--val", "16", "--tokenizer", "toy", "--dir", str(tmp_path), "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     got = {(r["format"], r["rows"], r["run"]): r for r in data["results"]}
     assert set(got) == {(f, n, run) for n in (2000,) for f, run in

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from tests.proc import run_tree
+from tests.bench import run_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,7 +14,7 @@ def test_bench_checkpoint_writes_json(tmp_path):
     out = tmp_path / "checkpoint.json"
     cmd = [sys.executable, "-m", "bench.checkpoint", "--mb", "2", "--repeats", "1",
            "--piece-mb", "0.25", "--worlds", "1", "2", "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     assert [(r["world"], r["mode"]) for r in data["rows"]] == [(1, "sharded"), (2, "rank0"), (2, "sharded")]
     assert all(r["total_bytes"] == 2_000_000 and r["hash_s_max"] > 0 and r["verify_s"] > 0 for r in data["rows"])

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.bench import run_bench
+from tests.fork_server import run_module
 from tests.proc import run_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,7 +48,7 @@ def test_gpu_check_dry_run_prints_each_step():
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 
-def test_gpu_check_python_steps_accept_their_arguments():
+def test_gpu_check_python_steps_accept_their_arguments(tmp_path):
     """Every python step of the plan, run here with its own arguments and a flag that stops after parsing them:
     the bench modules' --dry-run, Hydra's --cfg job for the trainer (its overrides composed and validated),
     pytest's --collect-only for the gpu tests. A flag the script passes that a parser refuses fails here."""
@@ -64,8 +66,13 @@ def test_gpu_check_python_steps_accept_their_arguments():
                     "pytest": ["--collect-only"]}[module]
             if module == "grpo_mega.train":
                 args = [a for a in args if not a.startswith("hydra.run.dir=")]
-            proc = run_tree([sys.executable, "-W", "ignore", "-m", module, *args, *stop], capture_output=True,
-                            text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+            # forked from the warm server (tests/fork_server.py), as `python -m MODULE`; pytest, which cannot
+            # run inside a forked pytest worker's server, in a new interpreter
+            if module == "pytest":
+                proc = run_tree([sys.executable, "-W", "ignore", "-m", module, *args, *stop], capture_output=True,
+                                text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+            else:
+                proc = run_module(module, [*args, *stop], 300, REPO, tmp_path, env=dict(os.environ, PYTHONPATH=REPO))
             assert proc.returncode == 0, f"{module} {args}: {proc.stderr[-2000:]}"
             if module.startswith("bench."):
                 assert "'dry_run': True" in proc.stdout
@@ -78,7 +85,7 @@ def test_gpu_check_python_steps_accept_their_arguments():
 def _bench(tmp_path, *args) -> dict:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-W", "ignore", "-m", "bench.step", *args, "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300)
     return json.loads(out.read_text())
 
 

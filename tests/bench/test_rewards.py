@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from tests.proc import run_tree
+from tests.bench import run_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,7 +14,7 @@ def test_bench_rewards_writes_json(tmp_path):
     out = tmp_path / "rewards.json"
     cmd = [sys.executable, "-m", "bench.rewards", "--math-samples", "6", "--rm-samples", "3",
            "--out", str(out)]
-    run_tree(cmd, check=True, timeout=300, capture_output=True, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    run_bench(cmd, tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
     data = json.loads(out.read_text())
     assert data["pool"]["samples"] == 6 and data["pool"]["workers_1_seconds"] > 0 and data["pool"]["speedup_2_vs_1"] > 0
     assert set(data["pool"]["worker_start_seconds"]) == {"forkserver", "spawn", "fork"}
