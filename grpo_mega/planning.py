@@ -17,6 +17,9 @@ with selective recompute and 2sbh (/t with SP) with full recompute. `layer_activ
 paper's per-tensor accounting and puts in this project's block instead of GPT-3's: RMSNorm, GQA (K and V
 are g*d wide, not h), SwiGLU (the fc1 output is 2f wide and kept for the gate), no dropout (no masks),
 and flash attention on the GPU (TE's fused attention keeps no [a, s, s] scores, as selective recompute).
+
+Long on purpose: one formula sheet, every byte count beside the others it is summed with (and the meta-device
+check of the parameter arithmetic at its end); split, a term and its sum would sit in different files.
 """
 
 from __future__ import annotations

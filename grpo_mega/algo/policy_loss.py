@@ -21,6 +21,9 @@ tests/trainer/test_policy_loss_layouts.py checks them against a single process u
 Every entry has the signature of `ppo_clip` and returns (loss, metric sums): the loss a scalar with a
 gradient graph, the sums detached scalars the trainer adds over micro-batches (`token_metrics` gives the
 ones every loss reports).
+
+Long on purpose: every registered loss beside the others, each a short function over the same `Objective` and
+token statistics, so they are read against each other and against verl's core_algos.py in one place.
 """
 
 from __future__ import annotations

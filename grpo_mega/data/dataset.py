@@ -23,6 +23,9 @@ Multi-turn rows (rollout.multi_turn, verl's fields): `extra_info.tools_kwargs` (
 `tools=`; a name not among the run's tools is refused) and the keyword arguments their calls get;
 `extra_info.need_tools_kwargs: true` requires them. A row without tools_kwargs is offered every tool of the run.
 The row travels with its prompt to the multi-turn engine, so rows with the same prompt may differ in kwargs.
+
+Long on purpose: the two formats' readers share the row checks, the rendering and the per-epoch permutation;
+split, one row's rules would live in three files.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ never repeated (each is paired with a broadcast).
 Authentication: with GRPO_MEGA_SERVER_API_KEY in the environment (slurm/train.sbatch makes one per job), every
 request carries `Authorization: Bearer KEY`, what SGLang's --api-key and the stand-in server check. The key is
 read from the environment only: never from a config file or argv, which other users of a node can read.
+
+Long on purpose: every request the trainer makes of a server, each with its timeout, retry rule and answer
+checks, in one file: the whole protocol a server must speak is read here.
 """
 
 from __future__ import annotations

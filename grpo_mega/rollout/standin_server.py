@@ -32,6 +32,9 @@ any byte is received or any weight changes.
 
 `launch` starts the stand-in as a process of its own; `grpo_mega.processes.stop` ends it
 (`grpo_mega.rollout.sglang_launch` starts real SGLang servers).
+
+Long on purpose: each HTTP route beside the hardening that guards it (sizes, types, auth) and the launcher
+that starts either server: what a request may do is read in one file.
 """
 
 from __future__ import annotations

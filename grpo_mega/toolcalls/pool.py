@@ -17,7 +17,11 @@ call of theirs starts a fresh instance, counted in `lost_instances`).
 
 Every failure is an answer, never an exception: a call that raises, times out (its worker and everything under
 it killed by PID with grpo_mega.processes.kill_tree, and replaced), crashes its worker, cannot be pickled, or
-finds no worker that can start, answers with an error message as its turn (`ToolResult.error`)."""
+finds no worker that can start, answers with an error message as its turn (`ToolResult.error`).
+
+Long on purpose: the pool's thread, its workers' lifecycles and the failure answers are one state machine
+(a kill, a replacement and a lost instance change the same tables).
+"""
 
 from __future__ import annotations
 

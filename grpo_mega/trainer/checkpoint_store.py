@@ -21,6 +21,9 @@ refused while the holder lives; a holder that is gone (its pid dead on this host
 Slurm job, or no heartbeat for the holder's own `stale_after_s` on another host) is taken over, and only one
 taker can win: it must first create `.lock.takeover-<digest of the stale record>` with O_EXCL. `release()`
 removes the lock only when it still holds this run's token.
+
+Long on purpose: the write protocol, its verification and the run lock are one contract on one directory
+tree, kept in one file so that a change to one is read against the others.
 """
 
 from __future__ import annotations
