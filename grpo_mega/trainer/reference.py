@@ -1,11 +1,11 @@
 """The frozen reference policy: its own copy of the weights (Reference), or under LoRA the actor with its
-adapters off (AdapterOffReference, no second copy).
+adapters off (AdapterOffReference, no second copy). `actor` below is a grpo_mega.trainer.actor.Actor (not
+imported: the actor imports this module).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +16,6 @@ from grpo_mega.conf.parallel import ParallelConfig
 from grpo_mega.models.builder import Built, build_reference, copy_weights, move_module
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.forward import forward_logprobs
-
-if TYPE_CHECKING:
-    from grpo_mega.trainer.actor import Actor
 
 
 class Reference:
@@ -54,7 +51,7 @@ class Reference:
         with self.on_device():
             return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
 
-    def load_from(self, actor: "Actor") -> None:
+    def load_from(self, actor) -> None:
         """Iterative RL: the reference becomes a copy of the current policy."""
         copy_weights(actor.built.gpt, self.built.gpt)
 
@@ -63,7 +60,7 @@ class AdapterOffReference:
     """The reference under LoRA: the actor itself with its adapters off (grpo_mega.models.lora), the same
     placement, forward and lockstep path as `Reference`, no second copy of the weights."""
 
-    def __init__(self, actor: "Actor"):
+    def __init__(self, actor):
         self.model_cfg, self.parallel, self.batch = actor.model_cfg, actor.parallel, actor.batch
         gpt = actor.built.gpt
         self.built = Built(module=gpt, gpt=gpt, config=actor.built.config)
@@ -78,7 +75,7 @@ class AdapterOffReference:
         with adapters_disabled(self.built.gpt):
             return forward_logprobs(self.built.module, self.model_cfg, self.parallel, self.batch, rollout, temperature)
 
-    def load_from(self, actor: "Actor") -> None:
+    def load_from(self, actor) -> None:
         """Nothing to copy: the base weights are the actor's, frozen."""
         if actor.built.gpt is not self.built.gpt:
             raise ValueError("AdapterOffReference.load_from: a different actor; the reference is its own actor's base")
