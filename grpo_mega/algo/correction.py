@@ -151,3 +151,61 @@ def histogram_quantiles(counts: torch.Tensor, qs=QUANTILES) -> list[float]:
         i = int(torch.searchsorted(cdf, torch.tensor([max(math.ceil(q * total), 1)], dtype=cdf.dtype)))
         out.append(math.exp(0.5 * (float(_EDGES[i]) + float(_EDGES[i + 1]))))
     return out
+
+
+# ---- off-policy diagnostics (verl's rollout_corr/* metrics) -----------------------------------------------
+
+OFFPOLICY_SUMS = ("tokens", "seqs", "kl", "k3_kl", "rho_sq", "seq_rho_sq", "training_log_ppl", "rollout_log_ppl",
+                  "training_ppl", "rollout_ppl", "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio", "w", "w_sq")
+"""The additive sums behind `offpolicy_metrics`, in the order of `offpolicy_sums`' vector (one SUM over ranks)."""
+
+
+@torch.no_grad()
+def offpolicy_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                   weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The engine/trainer divergence sums of some rows: [B, T] each -> float64 [len(OFFPOLICY_SUMS)], to be summed
+    over ranks and read by `offpolicy_metrics`. With lr_t = log pi_old(y_t) - log pi_engine(y_t), over valid tokens:
+    sum -lr_t (k1 of KL(engine || old)), sum e^lr_t - 1 - lr_t (k3), sum e^(2 lr_t) (chi2), and over responses with a
+    valid token: e^(2 sum_t lr_t), each side's mean -log p (log perplexity) and its exp, their difference
+    mean_t(log p_engine) - mean_t(log p_old) (= log(ppl_old / ppl_engine)), its abs and exp. `weight`: the token
+    weights whose effective sample size is logged (the correction's; None: rho_t itself). Ratios are clamped at
+    e^+-20 as the correction's (log-ratio sums too)."""
+    m = mask.to(torch.float64)
+    old, eng = old_logp.detach().to(torch.float64), engine_logp.detach().to(torch.float64)
+    lr = (old - eng) * m
+    lr_safe = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    n = m.sum(dim=-1)
+    seq = n > 0
+    nn = n.clamp(min=1.0)
+    old_mean, eng_mean = (old * m).sum(-1) / nn, (eng * m).sum(-1) / nn
+    diff = (eng_mean - old_mean)[seq]
+    seq_lr = lr.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[seq]
+    w = lr_safe.exp() if weight is None else weight.detach().to(torch.float64)
+    return torch.stack([
+        m.sum(), seq.sum().to(torch.float64),
+        (-lr * m).sum(), ((lr_safe.exp() - 1.0 - lr_safe) * m).sum(), ((2.0 * lr_safe).exp() * m).sum(),
+        (2.0 * seq_lr).exp().sum(),
+        (-old_mean[seq]).sum(), (-eng_mean[seq]).sum(), (-old_mean[seq]).exp().sum(), (-eng_mean[seq]).exp().sum(),
+        diff.sum(), diff.abs().sum(), diff.exp().sum(),
+        (w * m).sum(), (w * w * m).sum(),
+    ])
+
+
+def offpolicy_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """`offpolicy_sums` (summed over ranks) -> the rollout_corr/* metrics, as verl names them: kl and k3_kl
+    (token means of k1 and k3 of KL(engine || old)), chi2_token = E_t[rho_t^2] - 1, chi2_seq = E_i[(prod_t rho_t)^2]
+    - 1, training_ppl / rollout_ppl (means over responses of exp(mean_t -log p)), their logs' means, log_ppl_diff
+    (mean over responses of log(ppl_old / ppl_engine)), its abs, ppl_ratio (mean of ppl_old / ppl_engine), and ess,
+    the effective sample size of the token weights as a share of the tokens: (sum w)^2 / (N sum w^2) in (0, 1]
+    (verl's rollout_is_eff_sample_size, 1 / mean((w / mean w)^2)). Empty when there are no valid tokens."""
+    s = dict(zip(OFFPOLICY_SUMS, sums.tolist()))
+    if s["tokens"] == 0:
+        return {}
+    t, q = s["tokens"], max(s["seqs"], 1.0)
+    out = {"kl": s["kl"] / t, "k3_kl": s["k3_kl"] / t, "chi2_token": s["rho_sq"] / t - 1.0,
+           "chi2_seq": s["seq_rho_sq"] / q - 1.0, "training_ppl": s["training_ppl"] / q,
+           "rollout_ppl": s["rollout_ppl"] / q, "training_log_ppl": s["training_log_ppl"] / q,
+           "rollout_log_ppl": s["rollout_log_ppl"] / q, "log_ppl_diff": s["log_ppl_diff"] / q,
+           "log_ppl_abs_diff": s["log_ppl_abs_diff"] / q, "ppl_ratio": s["ppl_ratio"] / q,
+           "ess": s["w"] ** 2 / (t * s["w_sq"]) if s["w_sq"] > 0 else 0.0}
+    return {f"rollout_corr/{k}": v for k, v in out.items()}

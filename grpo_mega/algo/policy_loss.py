@@ -213,8 +213,9 @@ def token_metrics(obj: Objective, loss: torch.Tensor, logp: torch.Tensor, old_lo
     by the summed `tokens` and `seqs`, see `mini_batch_metrics`): loss, entropy, KL (the loss's, else k3 to the
     reference when there is one), importance ratio sum/min/max, the rollout correction's mean weight, the
     share of tokens and of sequences where its bound acted (truncated or masked) and its ratio's mean/min/max,
-    and whether a ratio is extreme (algo.early_stop_imp_ratio). The loss-specific sums (pg_loss_sum,
-    clipped_sum) are the entry's own. Keys: METRIC_SUMS, METRIC_MINS, METRIC_MAXS."""
+    whether a ratio is extreme (algo.early_stop_imp_ratio), and verl's ppo_kl sum (of log pi_old - log pi). The
+    loss-specific sums (pg_loss_sum, clipped_sum, and clipped_lower_sum, 0 here: where a dual clip acted) are the
+    entry's own. Keys: METRIC_SUMS, METRIC_MINS, METRIC_MAXS."""
     m = mask.to(torch.float32)
     valid = mask.bool()
     ratio = log_ratio(logp, old_logp).exp()
@@ -241,13 +242,16 @@ def token_metrics(obj: Objective, loss: torch.Tensor, logp: torch.Tensor, old_lo
         "is_ratio_sum": (rho * m).sum(),
         "is_ratio_min": rho[valid].min() if valid.any() else torch.tensor(math.inf),
         "is_ratio_max": rho[valid].max() if valid.any() else torch.tensor(-math.inf),
+        "ppo_kl_sum": ((old_logp.detach() - logp.detach()) * m).sum(),
+        "clipped_lower_sum": torch.zeros(()),
         "extreme": has_extreme_ratio(logp, old_logp, mask, obj.early_stop_imp_ratio).float()
         if obj.early_stop_imp_ratio else torch.zeros(()),
     }
 
 
 METRIC_SUMS = ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "seqs", "ratio_sum",
-               "extreme", "is_weight_sum", "is_capped_sum", "is_seq_capped_sum", "is_ratio_sum")
+               "extreme", "is_weight_sum", "is_capped_sum", "is_seq_capped_sum", "is_ratio_sum", "ppo_kl_sum",
+               "clipped_lower_sum")
 """The metric sums every policy loss returns, added over micro-batches and DP ranks."""
 METRIC_MINS = ("ratio_min", "is_ratio_min")
 METRIC_MAXS = ("ratio_max", "is_ratio_max")
@@ -255,8 +259,9 @@ METRIC_MAXS = ("ratio_max", "is_ratio_max")
 
 def mini_batch_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float]) -> dict[str, float]:
     """A mini-batch's loss metrics from its sums (over micro-batches and ranks), minima and maxima: per-token
-    means, and the rollout correction's token and sequence shares (is_capped_fraction, is_seq_capped_fraction;
-    truncated or masked)."""
+    means, the rollout correction's token and sequence shares (is_capped_fraction, is_seq_capped_fraction;
+    truncated or masked), and verl's ppo_kl (mean of log pi_old - log pi) and pg_clipfrac_lower (the share of
+    tokens whose loss the dual clip bounded: A < 0 and ratio > c)."""
     tokens, seqs = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0)
     return {
         "loss": sums["loss"],
@@ -264,6 +269,8 @@ def mini_batch_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dic
         "entropy": sums["entropy_sum"] / tokens,
         "kl": sums["kl_sum"] / tokens,
         "clip_fraction": sums["clipped_sum"] / tokens,
+        "pg_clipfrac_lower": sums["clipped_lower_sum"] / tokens,
+        "ppo_kl": sums["ppo_kl_sum"] / tokens,
         "ratio_mean": sums["ratio_sum"] / tokens,
         "is_weight_mean": sums["is_weight_sum"] / tokens,
         "is_capped_fraction": sums["is_capped_sum"] / tokens,
@@ -311,6 +318,7 @@ def ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, adva
     with torch.no_grad():
         stats["pg_loss_sum"] = (terms["pg_loss"] * m).sum()
         stats["clipped_sum"] = (terms["clipped"] * m).sum()
+        stats["clipped_lower_sum"] = (dual_clip_hit(log_ratio(logp, old_logp).exp(), advantages, obj.dual_clip) * m).sum()
     return loss, stats
 
 
@@ -377,13 +385,29 @@ def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high:
     return loss, clipped > unclipped
 
 
-def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w):
+def dual_clip_hit(ratio: torch.Tensor, advantages: torch.Tensor, dual_clip: Optional[float]) -> torch.Tensor:
+    """Where the dual clip bounded the loss (verl's pg_clipfrac_lower): A < 0 and the ratio above c (for A < 0,
+    max(-A r, -A clip(r)) = |A| max(r, 1 - eps_low) exceeds -c A iff r > c, as c > 1). All False without a dual
+    clip. ratio: [B, T] or [B]; advantages: [B] or [B, T]; broadcast to [B, T] (float, no gradient)."""
+    r = ratio.detach()
+    if r.dim() == 1:
+        r = r.unsqueeze(-1)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    if dual_clip is None:
+        return torch.zeros(torch.broadcast_shapes(r.shape, adv.shape), dtype=torch.float32)
+    return ((adv < 0) & (r > dual_clip)).to(torch.float32)
+
+
+def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w,
+            lower: Optional[torch.Tensor] = None):
     loss = aggregate(token_loss, mask, obj.loss_agg_mode, normaliser)
     stats = token_metrics(obj, loss, logp, old_logp, mask, entropy, kl, ref_logp, w)
     m = mask.to(torch.float32)
     with torch.no_grad():
         stats["pg_loss_sum"] = (pg.detach() * m).sum()
         stats["clipped_sum"] = (clipped.to(m.dtype) * m).sum()
+        if lower is not None:
+            stats["clipped_lower_sum"] = (lower.expand_as(m) * m).sum()
     return loss, stats
 
 
@@ -417,7 +441,8 @@ def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantag
     pg = pg_seq.unsqueeze(-1).expand_as(logp)
     clipped = clipped_seq.unsqueeze(-1).expand_as(logp)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
-    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w,
+                   dual_clip_hit(s, advantages, obj.dual_clip))
 
 
 @POLICY_LOSSES.register("gspo_token")
@@ -443,7 +468,8 @@ def gspo_token(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, ad
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high, obj.dual_clip)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
-    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w,
+                   dual_clip_hit(s_t, adv, obj.dual_clip))
 
 
 @POLICY_LOSSES.register("cispo")
