@@ -116,6 +116,110 @@ def correction_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
     return weight, rho, hit
 
 
+# ---- rejection on a divergence statistic, and the weights' batch normalisation --------------------------
+
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+REJECTIONS = tuple(f"{lv}_{k}" for lv in REJECTION_LEVELS for k in ("k2", "k3"))
+"""algo.rollout_rejection's values, verl's rollout_rs names: a divergence statistic of lr_t = log rho_t (clamped to
++-20) per token, k2 = lr^2 / 2 or k3 = e^lr - 1 - lr, taken per token or as its sum, mean or max over the response's
+valid tokens; a token (a whole response at the seq_* levels) is rejected when it exceeds the threshold. The k1
+rejections are the correction's mask mode (rollout_correction=token / sequence / geometric, mode mask)."""
+
+
+class Rejection(NamedTuple):
+    level: str
+    stat: str
+    threshold: float
+
+
+def resolve_rejection(name: Optional[str], threshold: Optional[float]) -> Optional[Rejection]:
+    """The rejection of `algo.rollout_rejection` (one of REJECTIONS; null: off) at `algo.rollout_rejection_threshold`
+    (> 0, required with it). None when off. Raises a ValueError naming the field for a bad value."""
+    if name is None:
+        if threshold is not None:
+            raise ValueError(f"algo.rollout_rejection_threshold={threshold} without algo.rollout_rejection: set "
+                             f"algo.rollout_rejection to one of {', '.join(REJECTIONS)}")
+        return None
+    if name not in REJECTIONS:
+        raise ValueError(f"algo.rollout_rejection={name!r} must be one of {', '.join(REJECTIONS)} (or null: off; the "
+                         f"k1 rejections are algo.rollout_correction_mode=mask)")
+    if threshold is None or not float(threshold) > 0:
+        raise ValueError(f"algo.rollout_rejection={name!r} needs algo.rollout_rejection_threshold > 0 (the largest "
+                         f"kept value of its statistic), got {threshold!r}")
+    level, stat = name.rsplit("_", 1)
+    return Rejection(level, stat, float(threshold))
+
+
+def rejection_statistic(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                        r: Rejection) -> torch.Tensor:
+    """The statistic `r` thresholds, on every position of its response (a response's at the seq_* levels; 0 for a
+    response without valid tokens). All [B, T] -> [B, T], no gradient."""
+    lr = (old_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if r.stat == "k2":
+        d = 0.5 * lr * lr
+    elif r.stat == "k3":
+        d = lr.exp() - 1.0 - lr
+    else:
+        raise ValueError(f"rollout rejection statistic {r.stat!r} must be k2 or k3")
+    if r.level == "token":
+        return d
+    m = mask.to(d.dtype)
+    if r.level == "seq_sum":
+        s = (d * m).sum(dim=-1)
+    elif r.level == "seq_mean":
+        s = (d * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    elif r.level == "seq_max":
+        s = d.masked_fill(~mask.bool(), -math.inf).max(dim=-1).values
+        s = torch.where(torch.isinf(s), torch.zeros_like(s), s)
+    else:
+        raise ValueError(f"rollout rejection level {r.level!r} must be one of {', '.join(REJECTION_LEVELS)}")
+    return s.unsqueeze(-1).expand_as(d)
+
+
+def rollout_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, c: Optional[Correction],
+                   rejection: Optional[Rejection] = None,
+                   batch_mean: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, rho, hit), each [B, T]: the correction's weight (1 without one), divided by `batch_mean` (its mean
+    over the batch, `batch_mean_sums`; IS batch normalisation), times the rejection's keep mask (0 where the
+    statistic exceeds the threshold); rho at the correction's level (token level without one); hit where the
+    correction's bound acted or the rejection rejected. Neither carries a gradient."""
+    if c is not None:
+        weight, rho, hit = correction_weight(old_logp, engine_logp, mask, c)
+    else:
+        rho = correction_ratio(old_logp, engine_logp, mask, "token")
+        weight, hit = torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)
+    if batch_mean is not None:
+        weight = weight / batch_mean
+    if rejection is not None:
+        rejected = rejection_statistic(old_logp, engine_logp, mask, rejection) > rejection.threshold
+        weight = torch.where(rejected, torch.zeros_like(weight), weight)
+        hit = hit | rejected
+    return weight, rho, hit
+
+
+@torch.no_grad()
+def batch_mean_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                    c: Correction) -> torch.Tensor:
+    """(sum of weights, count) of some rows, float64 [2], to be summed over ranks: the correction's weights over
+    valid tokens (token level) or one per response with a valid token (sequence, geometric: the response's weight),
+    verl's rollout_is_batch_normalize means. `batch_mean` = sum / count (1 when the sum is not positive)."""
+    weight = correction_weight(old_logp, engine_logp, mask, c)[0].to(torch.float64)
+    m = mask.to(torch.float64)
+    if c.level == "token":
+        return torch.stack([(weight * m).sum(), m.sum()])
+    seq = m.sum(dim=-1) > 0
+    return torch.stack([weight[:, 0][seq].sum() if weight.shape[-1] else torch.zeros((), dtype=torch.float64),
+                        seq.sum().to(torch.float64)])
+
+
+def batch_mean(sums: torch.Tensor) -> float:
+    """The IS batch normaliser from `batch_mean_sums` (summed over ranks): the mean weight, or 1.0 when there is
+    none or it is not above 1e-8 (verl's guard)."""
+    total, count = sums.tolist()
+    mean = total / count if count else 1.0
+    return mean if mean > 1e-8 else 1.0
+
+
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 """The quantiles of rho the trainer logs each step (`rollout_ratio/q01` ... `q99`)."""
 _SCALE = 1e-4

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from grpo_mega.algo.correction import Correction, correction_weight, resolve
+from grpo_mega.algo.correction import Correction, Rejection, resolve, resolve_rejection, rollout_weight
 from grpo_mega.algo.kl import KL_ESTIMATORS, kl_penalty
 from grpo_mega.algo.loss import (
     AGG_MODES,
@@ -79,6 +79,16 @@ class Objective:
     """Lower bound on the correction's ratio (None: the default)."""
     rollout_correction_high: Optional[float] = None
     """Upper bound on the correction's ratio (None: the default)."""
+    rollout_rejection: Optional[str] = None
+    """Rejection on a divergence statistic between the trainer's old and the engine's logprobs (one of
+    grpo_mega.algo.correction.REJECTIONS), combined with the correction's weight; None: off."""
+    rollout_rejection_threshold: Optional[float] = None
+    """The largest kept value of the rejection's statistic (> 0; required with it)."""
+    rollout_is_batch_norm: bool = False
+    """Divide the correction's weights by their mean over the step's batch (needs a correction)."""
+    is_batch_mean: Optional[float] = None
+    """Runtime, not a setting: the batch's mean correction weight, set per update when rollout_is_batch_norm is on
+    (grpo_mega.algo.correction.batch_mean)."""
     early_stop_imp_ratio: Optional[float] = None
     """Flag a micro-batch with an importance ratio above this (or below its inverse), or None."""
     gspo_clip_low: float = 3e-4
@@ -122,6 +132,10 @@ class Objective:
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
         _ = self.correction  # a bad correction setting fails here, not in the first micro-batch
+        _ = self.rejection
+        if self.rollout_is_batch_norm and self.correction is None:
+            raise ValueError("algo.rollout_is_batch_norm=true normalises the rollout correction's weights: set "
+                             "algo.rollout_correction (or algo.engine_is_cap), or rollout_is_batch_norm=false")
         if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
             raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
                              f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
@@ -152,6 +166,16 @@ class Objective:
         """The rollout correction (level, mode, low, high), or None when off."""
         return resolve(self.rollout_correction, self.rollout_correction_mode, self.rollout_correction_low,
                        self.rollout_correction_high, self.engine_is_cap)
+
+    @property
+    def rejection(self) -> Optional[Rejection]:
+        """The rollout rejection (level, statistic, threshold), or None when off."""
+        return resolve_rejection(self.rollout_rejection, self.rollout_rejection_threshold)
+
+    @property
+    def rollout_weighted(self) -> bool:
+        """The loss weights its tokens by the engine/trainer ratio (a correction or a rejection): needs engine_logp."""
+        return self.correction is not None or self.rejection is not None
 
     @property
     def kl_in_loss(self) -> bool:
@@ -192,15 +216,21 @@ class Weights(NamedTuple):
 def token_weights(obj: Objective, mask: torch.Tensor, old_logp: torch.Tensor,
                   engine_logp: Optional[torch.Tensor]) -> Weights:
     """The per-token weights every loss applies: DAPO's valid-token scale (dapo_token_scale) times the rollout
-    correction's weight (grpo_mega.algo.correction; algo.engine_is_cap is its token-level truncation)."""
+    correction's weight (grpo_mega.algo.correction; algo.engine_is_cap is its token-level truncation), divided by
+    its batch mean (rollout_is_batch_norm), times the rollout rejection's keep mask."""
     token_scale = valid_token_scale(mask) if obj.dapo_token_scale else None
-    c = obj.correction
-    if c is None:
+    c, rejection = obj.correction, obj.rejection
+    if c is None and rejection is None:
         return Weights(token_scale)
     if engine_logp is None:
-        which = "algo.engine_is_cap" if obj.engine_is_cap is not None else "algo.rollout_correction"
+        which = ("algo.engine_is_cap" if obj.engine_is_cap is not None else "algo.rollout_correction" if c is not None
+                 else "algo.rollout_rejection")
         raise ValueError(f"{which} needs the engine's logprobs (rollout.engine_logp)")
-    is_weight, rho, hit = correction_weight(old_logp, engine_logp, mask, c)  # engine_is_cap: TIS, bit for bit
+    if obj.rollout_is_batch_norm and obj.is_batch_mean is None:
+        raise ValueError("algo.rollout_is_batch_norm=true needs the batch's mean weight (Objective.is_batch_mean, "
+                         "set by Actor.update from rollout.is_batch_mean)")
+    is_weight, rho, hit = rollout_weight(old_logp, engine_logp, mask, c, rejection,
+                                         obj.is_batch_mean if obj.rollout_is_batch_norm else None)
     token_scale = is_weight if token_scale is None else token_scale * is_weight
     return Weights(token_scale, is_weight, rho, hit)
 

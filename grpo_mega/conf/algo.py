@@ -117,6 +117,18 @@ class AlgoConfig:
     """Lower bound on rho; null: 0 when truncating, 1/high when masking (icepop: 0.5)."""
     rollout_correction_high: Optional[float] = None
     """Upper bound on rho (> low); null: 2.0 (icepop: 5.0)."""
+    rollout_rejection: Optional[str] = None
+    """Rejection on a divergence statistic of lr_t = log rho_t (verl's rollout_rs): 'token_k2', 'token_k3' (per
+    token: lr^2 / 2, e^lr - 1 - lr), 'seq_sum_k2/k3', 'seq_mean_k2/k3', 'seq_max_k2/k3' (its sum, mean or max over
+    the response: the whole response is rejected). A rejected token's weight is 0 (it stays in the normaliser); a
+    kept one keeps the correction's weight (1 without rollout_correction). null: off. The k1 rejections are
+    rollout_correction_mode=mask."""
+    rollout_rejection_threshold: Optional[float] = None
+    """The largest kept value of rollout_rejection's statistic (> 0; required with it)."""
+    rollout_is_batch_norm: bool = False
+    """Divide the rollout correction's weights by their mean over the step's response tokens (token level) or
+    responses (sequence, geometric), before any rejection (verl's rollout_is_batch_normalize). Needs a correction;
+    runs the old-logprob pass before the update."""
     routing_replay: str = "none"
     """MoE models: 'rollout' (R3) routes each token in the trainer's passes to the top-k experts the rollout engine
     chose for it (prompt and response; grpo_mega.models.routing_replay); 'measure': the engine's choices are
@@ -173,7 +185,7 @@ class AlgoConfig:
 
         from grpo_mega.algo.policy_loss import Objective
 
-        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective)})
+        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective) if f.name != "is_batch_mean"})
 
     @property
     def records_routes(self) -> bool:

@@ -171,7 +171,7 @@ class TrainConfig:
         """The update is exactly on-policy: the old-logprob pass is skipped (algo.recompute_old_logprobs)."""
         a = self.algo
         return (a.ppo_epochs == 1 and self.batch.mini_batches_per_step == 1 and not self.rollout.off_policy_steps
-                and not a.kl_in_reward and not a.recompute_old_logprobs)
+                and not a.kl_in_reward and not a.recompute_old_logprobs and not a.rollout_is_batch_norm)
 
     def shaping(self):
         """The settings of the per-step shaping (grpo_mega.algo.shaping), as plain values."""

@@ -15,11 +15,13 @@ import torch
 
 from grpo_mega.algo.correction import (
     QUANTILES,
-    correction_weight,
+    batch_mean,
+    batch_mean_sums,
     histogram_quantiles,
     log_ratio_histogram,
     offpolicy_metrics,
     offpolicy_sums,
+    rollout_weight,
 )
 from grpo_mega.algo.shaping import shape_step
 from grpo_mega.parallel import comm
@@ -70,13 +72,15 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
             write_dump(Path(cfg.rollout.dump_dir) / f"train_step_{step:08d}.jsonl", step, samples, gen,
                        rewards.tolist(), shaped.advantages.tolist(), run.tok)
         rb.engine_logp = engine_logprobs(gen, rb)
+        if cfg.algo.rollout_is_batch_norm:  # the old logprobs are in (the config runs their pass)
+            rb.is_batch_mean = world_is_batch_mean(rb, owned, cfg.algo.correction())
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
         diverged = run.skips.check(step, updates)  # non-finite mini-batches in a row (stops after the metrics)
         if cfg.on_policy:  # the update's own forward was the pass on the engine's weights
             routing = actor.routing_agreement()
         mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
-        offpolicy = world_offpolicy(rb, owned, cfg.algo.correction())
+        offpolicy = world_offpolicy(rb, owned, actor.objective)
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
             rollouts.wait()
         with timer("weight_sync"):
@@ -146,15 +150,25 @@ def world_ratio_quantiles(rb: RolloutBatch, owned: list[int]) -> dict:
     return {f"rollout_ratio/q{round(q * 100):02d}": v for q, v in zip(QUANTILES, histogram_quantiles(counts))}
 
 
-def world_offpolicy(rb: RolloutBatch, owned: list[int], correction=None) -> dict:
+def world_is_batch_mean(rb: RolloutBatch, owned: list[int], correction) -> float:
+    """algo.rollout_is_batch_norm: the correction's mean weight over the step's response tokens (token level) or
+    responses (sequence, geometric), each rank summing the rows it owns, one SUM over the world (collective)."""
+    index = torch.tensor(owned, dtype=torch.long)
+    sums = batch_mean_sums(rb.old_logp[index], rb.engine_logp[index], rb.response_mask()[index], correction)
+    return batch_mean(comm.world_all_reduce_sum(sums))
+
+
+def world_offpolicy(rb: RolloutBatch, owned: list[int], objective) -> dict:
     """verl's off-policy diagnostics between the engine's and the trainer's old logprobs over the step's response
     tokens (`rollout_corr/kl`, `k3_kl`, `chi2_token`, `chi2_seq`, the perplexities and their ratio, and `ess` of
-    the correction's token weights, of rho itself when it is off; grpo_mega.algo.correction.offpolicy_metrics):
+    the loss's token weights (correction and rejection), of rho itself when both are off;
+    grpo_mega.algo.correction.offpolicy_metrics):
     each rank sums the rows it owns, one SUM over the world (collective)."""
     index = torch.tensor(owned, dtype=torch.long)
     mask = rb.response_mask()[index]
     old, eng = rb.old_logp[index], rb.engine_logp[index]
-    weight = correction_weight(old, eng, mask, correction)[0] if correction is not None else None
+    weight = (rollout_weight(old, eng, mask, objective.correction, objective.rejection)[0]
+              if objective.rollout_weighted else None)
     return offpolicy_metrics(comm.world_all_reduce_sum(offpolicy_sums(old, eng, mask, weight)))
 
 
