@@ -153,8 +153,9 @@ def resolve_rejection(name: Optional[str], threshold: Optional[float]) -> Option
 def rejection_statistic(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
                         r: Rejection) -> torch.Tensor:
     """The statistic `r` thresholds, on every position of its response (a response's at the seq_* levels; 0 for a
-    response without valid tokens). All [B, T] -> [B, T], no gradient."""
-    lr = (old_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    response without valid tokens). All [B, T] -> [B, T] float64 (k3 = e^lr - 1 - lr of a log-ratio near 1e-7 is
+    all rounding in float32), no gradient."""
+    lr = (old_logp.detach().double() - engine_logp.detach().double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if r.stat == "k2":
         d = 0.5 * lr * lr
     elif r.stat == "k3":

@@ -96,7 +96,8 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         row = dict(step=step, reward=float(shaped.rewards.mean()), **_val_metrics(val),
                    overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(shaped.in_loss.sum()),
                    response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
-                   weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"], **ratio_quantiles, **offpolicy,
+                   weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"], **ratio_quantiles,
+                   **offpolicy,
                    **update_means(updates), **routing, **reward_metrics, **rollout_metrics(gen), **rollouts.metrics(), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
         history.rows.append(row)
         if log is not None:
