@@ -7,7 +7,8 @@ computes the token statistics from the logits (vocab-parallel logprobs, entropy,
 normaliser over micro-batches and ranks, and scales the loss for Megatron; a new loss is a new function
 registered in `POLICY_LOSSES`, not a branch in the trainer (verl `core_algos.py`, `@register_policy_loss`):
 `ppo_clip` (GRPO/DAPO), `gspo` and `gspo_token` (Zheng et al. 2025), `cispo` (MiniMax-M1), `geo_mean` (GMPO),
-`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025), `dppo_tv` and `dppo_kl` (DPPO). The rollout
+`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025), `dppo_tv` and `dppo_kl` (DPPO), `dro`, and
+verl's bypass mode `bypass_ppo_clip` / `bypass_reinforce` (the engine's logprobs as the old policy). The rollout
 correction against the engine's logprobs (grpo_mega.algo.correction) weights every loss's tokens the same way.
 Pure tensor math: the settings arrive as an `Objective` of plain values.
 
@@ -127,6 +128,8 @@ class Objective:
     """DPPO: the divergence threshold for tokens with A > 0 (TV: p - p_old <= high; KL: binary KL <= high)."""
     dppo_is_cap: float = 20.0
     """DPPO: the stop-gradient IS weight min(r_t, cap) on every kept token (verl's clip_ratio_c fallback 20)."""
+    dro_beta: float = 1.0
+    """DRO: the coefficient of the quadratic log-ratio penalty (beta / 2) (log pi - log pi_old)^2."""
 
     def __post_init__(self):
         KL_ESTIMATORS.get(self.kl_estimator)
@@ -157,6 +160,8 @@ class Objective:
             raise ValueError(f"algo.clip_cov_lb={self.clip_cov_lb} must be < algo.clip_cov_ub={self.clip_cov_ub}")
         if self.kl_cov_coef < 0:
             raise ValueError(f"algo.kl_cov_coef={self.kl_cov_coef} must be >= 0")
+        if not self.dro_beta >= 0:
+            raise ValueError(f"algo.dro_beta={self.dro_beta} must be >= 0 (the weight of DRO's quadratic penalty)")
         if self.dppo_div_low < 0 or self.dppo_div_high < 0 or not self.dppo_is_cap > 0:
             raise ValueError(f"algo.dppo_div_low={self.dppo_div_low} and algo.dppo_div_high={self.dppo_div_high} must "
                              f"be >= 0 and algo.dppo_is_cap={self.dppo_is_cap} > 0")
@@ -348,7 +353,8 @@ def ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, adva
     with torch.no_grad():
         stats["pg_loss_sum"] = (terms["pg_loss"] * m).sum()
         stats["clipped_sum"] = (terms["clipped"] * m).sum()
-        stats["clipped_lower_sum"] = (dual_clip_hit(log_ratio(logp, old_logp).exp(), advantages, obj.dual_clip) * m).sum()
+        lower = dual_clip_hit(log_ratio(logp, old_logp).exp(), advantages, obj.dual_clip)
+        stats["clipped_lower_sum"] = (lower * m).sum()
     return loss, stats
 
 
@@ -755,3 +761,86 @@ def dppo_kl(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advan
                        (d <= obj.dppo_div_low) | (p >= p_old))
     return _dppo(obj, keep, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, normaliser=normaliser,
                  entropy=entropy, ref_logp=ref_logp, full_kl=full_kl, engine_logp=engine_logp)
+
+
+# ---- DRO and verl's bypass mode -----------------------------------------------------------------------------
+
+@POLICY_LOSSES.register("dro")
+def dro(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+        mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+        ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+        engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO (verl's `dro`, Tinker's DRO loss): the policy gradient with a quadratic penalty on the log-ratio instead
+    of a clip,
+
+        L_t = -(A_t log pi(y_t) - (beta / 2) (log pi(y_t) - log pi_old(y_t))^2),   beta = dro_beta,
+
+    the log-ratio not clamped; plus ppo_clip's KL and entropy terms and token weights, aggregated by
+    `loss_agg_mode`. advantages [B] or [B, T]. clipped_sum is 0. Arguments and return as `ppo_clip`."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    d = logp - old_logp
+    pg = -(_token_adv(advantages) * logp - 0.5 * obj.dro_beta * d * d)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+BYPASS_LOSSES = ("bypass_ppo_clip", "bypass_reinforce")
+"""verl's bypass_mode (loss_type ppo_clip / reinforce): the engine's logprobs stand in for the old ones."""
+
+
+def _bypass_engine_logp(name: str, obj: Objective, engine_logp: Optional[torch.Tensor]) -> torch.Tensor:
+    if engine_logp is None:
+        raise ValueError(f"algo.policy_loss={name!r} takes the rollout engine's logprobs as the old policy: it needs "
+                         f"them (rollout.engine_logp)")
+    if obj.rollout_is_batch_norm:
+        raise ValueError(f"algo.policy_loss={name!r} with algo.rollout_is_batch_norm=true: the batch mean is of "
+                         f"p_old / p_engine, which bypass mode does not use; set rollout_is_batch_norm=false")
+    return engine_logp
+
+
+@POLICY_LOSSES.register("bypass_ppo_clip")
+def bypass_ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+                    ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+                    engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's bypass mode with loss_type ppo_clip: `ppo_clip` with the engine's logprobs as the old policy (two
+    policies, not three: r_t = pi / pi_engine, its clip the only importance correction, so no correction weight;
+    algo.rollout_correction is refused), the rollout rejection judged on pi / pi_engine (the current policy,
+    detached). The trainer's old_logp is not read. Metrics' ratio and ppo_kl are against the engine. Arguments and
+    return as `ppo_clip`; engine_logp required."""
+    eng = _bypass_engine_logp("bypass_ppo_clip", obj, engine_logp)
+    if obj.correction is not None:
+        raise ValueError("algo.policy_loss='bypass_ppo_clip' clips r = p / p_engine, its own importance correction: "
+                         "unset algo.rollout_correction and algo.engine_is_cap (algo.rollout_rejection applies)")
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, logp.detach(), eng)
+    token_loss, terms = grpo_token_loss(
+        logp, eng, advantages, obj.clip_ratio_low, obj.clip_ratio_high, obj.dual_clip,
+        kl=kl, kl_coef=obj.kl_coef if obj.kl_in_loss else 0.0,
+        entropy=entropy if obj.entropy_coef else None, entropy_coef=obj.entropy_coef, token_scale=w.token_scale)
+    return _finish(obj, token_loss, terms["pg_loss"], terms["clipped"].bool(), logp, eng, mask, normaliser, entropy,
+                   kl, ref_logp, w, dual_clip_hit(log_ratio(logp, eng).exp(), advantages, obj.dual_clip))
+
+
+@POLICY_LOSSES.register("bypass_reinforce")
+def bypass_reinforce(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+                     ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+                     engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's bypass mode with loss_type reinforce: the policy gradient with an explicit importance weight against
+    the engine,
+
+        L_t = -A_t w_t log pi(y_t),   w_t = the rollout correction's weight of sg[pi] / pi_engine
+
+    (algo.rollout_correction's level, mode and bounds, times the rollout rejection's keep mask; w = 1 with neither:
+    plain REINFORCE, as `gpg`), no clip; plus ppo_clip's KL and entropy terms. The trainer's old_logp is not read;
+    metrics' ratio and ppo_kl are against the engine. Arguments and return as `ppo_clip`; engine_logp required."""
+    eng = _bypass_engine_logp("bypass_reinforce", obj, engine_logp)
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, logp.detach(), eng)
+    pg = -_token_adv(advantages) * logp
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(obj, token_loss, pg, clipped, logp, eng, mask, normaliser, entropy, kl, ref_logp, w)

@@ -18,7 +18,10 @@ class AlgoConfig:
     clipped, stop-gradient IS weight on log pi), 'geo_mean' (GMPO: geometric mean of log-clipped token ratios),
     'sapo' (SAPO's smooth gate), 'gpg' (plain -A log pi), 'clip_cov' / 'kl_cov' (PPO with the gradient cut, or a KL
     added, on high-covariance tokens), 'dppo_tv' / 'dppo_kl' (DPPO: tokens outside a probability-divergence trust
-    region leave the update). gspo, gspo_token, geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
+    region leave the update), 'dro' (-A log pi plus a quadratic log-ratio penalty), 'bypass_ppo_clip' /
+    'bypass_reinforce' (verl's bypass mode: the engine's logprobs are the old policy; ppo_clip on pi / pi_engine, or
+    -A w log pi with the rollout correction's weight of pi / pi_engine). gspo, gspo_token, geo_mean and sapo need
+    loss_agg_mode=seq-mean-token-mean."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -64,6 +67,8 @@ class AlgoConfig:
     """dppo_tv / dppo_kl: the divergence threshold for tokens with A > 0 (verl reads clip_ratio_high here)."""
     dppo_is_cap: float = 20.0
     """dppo_tv / dppo_kl: the cap of the stop-gradient IS weight on kept tokens (verl's clip_ratio_c, 20 there)."""
+    dro_beta: float = 1.0
+    """dro: the coefficient beta of the quadratic penalty (beta / 2) (log pi - log pi_old)^2 (>= 0)."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
@@ -176,6 +181,13 @@ class AlgoConfig:
                              f"must be >= 0")
         if not self.seq_log_ratio_cap > 0:
             raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
+        if self.policy_loss == "bypass_ppo_clip" and self.correction() is not None:
+            raise ValueError("algo.policy_loss='bypass_ppo_clip' clips r = p / p_engine, its own importance "
+                             "correction: unset algo.rollout_correction and algo.engine_is_cap (rollout_rejection "
+                             "applies), or use bypass_reinforce for an explicit weight")
+        if self.policy_loss.startswith("bypass_") and self.rollout_is_batch_norm:
+            raise ValueError(f"algo.policy_loss={self.policy_loss!r} with algo.rollout_is_batch_norm=true: the batch "
+                             f"mean is of p_old / p_engine, which bypass mode does not use; set it false")
         self.objective()  # the loss's own checks (grpo_mega.algo.policy_loss.Objective), at start-up
 
     def objective(self):

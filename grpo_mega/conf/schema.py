@@ -81,8 +81,10 @@ class TrainConfig:
             self.check_async()
         if self.lora.enabled:
             self.check_lora()
-        if self.rollout.off_policy_steps and self.algo.correction() is None:
-            # One step behind: truncated importance correction against the engine's logprobs covers the lag.
+        bypass_clip = self.algo.policy_loss == "bypass_ppo_clip"
+        if self.rollout.off_policy_steps and self.algo.correction() is None and not bypass_clip:
+            # One step behind: truncated importance correction against the engine's logprobs covers the lag
+            # (bypass_ppo_clip's ratio is already against the engine's logprobs).
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
 
     def check_async(self) -> None:
