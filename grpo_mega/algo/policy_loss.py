@@ -27,7 +27,7 @@ ones every loss reports).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -87,9 +87,9 @@ class Objective:
     """The largest kept value of the rejection's statistic (> 0; required with it)."""
     rollout_is_batch_norm: bool = False
     """Divide the correction's weights by their mean over the step's batch (needs a correction)."""
-    is_batch_mean: Optional[float] = None
-    """Runtime, not a setting: the batch's mean correction weight, set per update when rollout_is_batch_norm is on
-    (grpo_mega.algo.correction.batch_mean)."""
+    is_batch_mean: Optional[float] = field(default=None, metadata={"runtime": True})
+    """Runtime, not a setting (metadata runtime: AlgoConfig has no field of it): the batch's mean correction
+    weight, set per update when rollout_is_batch_norm is on (grpo_mega.algo.correction.batch_mean)."""
     early_stop_imp_ratio: Optional[float] = None
     """Flag a micro-batch with an importance ratio above this (or below its inverse), or None."""
     gspo_clip_low: float = 3e-4

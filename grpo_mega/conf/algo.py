@@ -197,7 +197,7 @@ class AlgoConfig:
 
         from grpo_mega.algo.policy_loss import Objective
 
-        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective) if f.name != "is_batch_mean"})
+        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective) if not f.metadata.get("runtime")})
 
     @property
     def records_routes(self) -> bool:
