@@ -116,6 +116,111 @@ def correction_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
     return weight, rho, hit
 
 
+# ---- rejection on a divergence statistic, and the weights' batch normalisation --------------------------
+
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+REJECTIONS = tuple(f"{lv}_{k}" for lv in REJECTION_LEVELS for k in ("k2", "k3"))
+"""algo.rollout_rejection's values, verl's rollout_rs names: a divergence statistic of lr_t = log rho_t (clamped to
++-20) per token, k2 = lr^2 / 2 or k3 = e^lr - 1 - lr, taken per token or as its sum, mean or max over the response's
+valid tokens; a token (a whole response at the seq_* levels) is rejected when it exceeds the threshold. The k1
+rejections are the correction's mask mode (rollout_correction=token / sequence / geometric, mode mask)."""
+
+
+class Rejection(NamedTuple):
+    level: str
+    stat: str
+    threshold: float
+
+
+def resolve_rejection(name: Optional[str], threshold: Optional[float]) -> Optional[Rejection]:
+    """The rejection of `algo.rollout_rejection` (one of REJECTIONS; null: off) at `algo.rollout_rejection_threshold`
+    (> 0, required with it). None when off. Raises a ValueError naming the field for a bad value."""
+    if name is None:
+        if threshold is not None:
+            raise ValueError(f"algo.rollout_rejection_threshold={threshold} without algo.rollout_rejection: set "
+                             f"algo.rollout_rejection to one of {', '.join(REJECTIONS)}")
+        return None
+    if name not in REJECTIONS:
+        raise ValueError(f"algo.rollout_rejection={name!r} must be one of {', '.join(REJECTIONS)} (or null: off; the "
+                         f"k1 rejections are algo.rollout_correction_mode=mask)")
+    if threshold is None or not float(threshold) > 0:
+        raise ValueError(f"algo.rollout_rejection={name!r} needs algo.rollout_rejection_threshold > 0 (the largest "
+                         f"kept value of its statistic), got {threshold!r}")
+    level, stat = name.rsplit("_", 1)
+    return Rejection(level, stat, float(threshold))
+
+
+def rejection_statistic(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                        r: Rejection) -> torch.Tensor:
+    """The statistic `r` thresholds, on every position of its response (a response's at the seq_* levels; 0 for a
+    response without valid tokens). All [B, T] -> [B, T] float64 (k3 = e^lr - 1 - lr of a log-ratio near 1e-7 is
+    all rounding in float32), no gradient."""
+    lr = (old_logp.detach().double() - engine_logp.detach().double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if r.stat == "k2":
+        d = 0.5 * lr * lr
+    elif r.stat == "k3":
+        d = lr.exp() - 1.0 - lr
+    else:
+        raise ValueError(f"rollout rejection statistic {r.stat!r} must be k2 or k3")
+    if r.level == "token":
+        return d
+    m = mask.to(d.dtype)
+    if r.level == "seq_sum":
+        s = (d * m).sum(dim=-1)
+    elif r.level == "seq_mean":
+        s = (d * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    elif r.level == "seq_max":
+        s = d.masked_fill(~mask.bool(), -math.inf).max(dim=-1).values
+        s = torch.where(torch.isinf(s), torch.zeros_like(s), s)
+    else:
+        raise ValueError(f"rollout rejection level {r.level!r} must be one of {', '.join(REJECTION_LEVELS)}")
+    return s.unsqueeze(-1).expand_as(d)
+
+
+def rollout_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, c: Optional[Correction],
+                   rejection: Optional[Rejection] = None,
+                   batch_mean: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, rho, hit), each [B, T]: the correction's weight (1 without one), divided by `batch_mean` (its mean
+    over the batch, `batch_mean_sums`; IS batch normalisation), times the rejection's keep mask (0 where the
+    statistic exceeds the threshold); rho at the correction's level (token level without one); hit where the
+    correction's bound acted or the rejection rejected. Neither carries a gradient."""
+    if c is not None:
+        weight, rho, hit = correction_weight(old_logp, engine_logp, mask, c)
+    else:
+        rho = correction_ratio(old_logp, engine_logp, mask, "token")
+        weight, hit = torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)
+    if batch_mean is not None:
+        weight = weight / batch_mean
+    if rejection is not None:
+        rejected = rejection_statistic(old_logp, engine_logp, mask, rejection) > rejection.threshold
+        weight = torch.where(rejected, torch.zeros_like(weight), weight)
+        hit = hit | rejected
+    return weight, rho, hit
+
+
+@torch.no_grad()
+def batch_mean_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                    c: Correction) -> torch.Tensor:
+    """(sum of weights, count) of some rows, float64 [2], to be summed over ranks: the correction's weights over
+    valid tokens (token level) or one per response with a valid token (sequence, geometric: the response's weight),
+    verl's rollout_is_batch_normalize means. `batch_mean` = sum / count (1 when the sum is not positive)."""
+    weight = correction_weight(old_logp, engine_logp, mask, c)[0].to(torch.float64)
+    m = mask.to(torch.float64)
+    if c.level == "token":
+        return torch.stack([(weight * m).sum(), m.sum()])
+    seq = m.sum(dim=-1) > 0
+    return torch.stack([weight[:, 0][seq].sum() if weight.shape[-1] else torch.zeros((), dtype=torch.float64),
+                        seq.sum().to(torch.float64)])
+
+
+def batch_mean(sums: torch.Tensor) -> float:
+    """The IS batch normaliser from `batch_mean_sums` (summed over ranks): the mean weight, or 1.0 when there is
+    none or it is not above 1e-8 (verl's guard)."""
+    total, count = sums.tolist()
+    mean = total / count if count else 1.0
+    return mean if mean > 1e-8 else 1.0
+
+
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 """The quantiles of rho the trainer logs each step (`rollout_ratio/q01` ... `q99`)."""
 _SCALE = 1e-4
@@ -151,3 +256,61 @@ def histogram_quantiles(counts: torch.Tensor, qs=QUANTILES) -> list[float]:
         i = int(torch.searchsorted(cdf, torch.tensor([max(math.ceil(q * total), 1)], dtype=cdf.dtype)))
         out.append(math.exp(0.5 * (float(_EDGES[i]) + float(_EDGES[i + 1]))))
     return out
+
+
+# ---- off-policy diagnostics (verl's rollout_corr/* metrics) -----------------------------------------------
+
+OFFPOLICY_SUMS = ("tokens", "seqs", "kl", "k3_kl", "rho_sq", "seq_rho_sq", "training_log_ppl", "rollout_log_ppl",
+                  "training_ppl", "rollout_ppl", "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio", "w", "w_sq")
+"""The additive sums behind `offpolicy_metrics`, in the order of `offpolicy_sums`' vector (one SUM over ranks)."""
+
+
+@torch.no_grad()
+def offpolicy_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                   weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The engine/trainer divergence sums of some rows: [B, T] each -> float64 [len(OFFPOLICY_SUMS)], to be summed
+    over ranks and read by `offpolicy_metrics`. With lr_t = log pi_old(y_t) - log pi_engine(y_t), over valid tokens:
+    sum -lr_t (k1 of KL(engine || old)), sum e^lr_t - 1 - lr_t (k3), sum e^(2 lr_t) (chi2), and over responses with a
+    valid token: e^(2 sum_t lr_t), each side's mean -log p (log perplexity) and its exp, their difference
+    mean_t(log p_engine) - mean_t(log p_old) (= log(ppl_old / ppl_engine)), its abs and exp. `weight`: the token
+    weights whose effective sample size is logged (the correction's; None: rho_t itself). Ratios are clamped at
+    e^+-20 as the correction's (log-ratio sums too)."""
+    m = mask.to(torch.float64)
+    old, eng = old_logp.detach().to(torch.float64), engine_logp.detach().to(torch.float64)
+    lr = (old - eng) * m
+    lr_safe = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    n = m.sum(dim=-1)
+    seq = n > 0
+    nn = n.clamp(min=1.0)
+    old_mean, eng_mean = (old * m).sum(-1) / nn, (eng * m).sum(-1) / nn
+    diff = (eng_mean - old_mean)[seq]
+    seq_lr = lr.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[seq]
+    w = lr_safe.exp() if weight is None else weight.detach().to(torch.float64)
+    return torch.stack([
+        m.sum(), seq.sum().to(torch.float64),
+        (-lr * m).sum(), ((lr_safe.exp() - 1.0 - lr_safe) * m).sum(), ((2.0 * lr_safe).exp() * m).sum(),
+        (2.0 * seq_lr).exp().sum(),
+        (-old_mean[seq]).sum(), (-eng_mean[seq]).sum(), (-old_mean[seq]).exp().sum(), (-eng_mean[seq]).exp().sum(),
+        diff.sum(), diff.abs().sum(), diff.exp().sum(),
+        (w * m).sum(), (w * w * m).sum(),
+    ])
+
+
+def offpolicy_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """`offpolicy_sums` (summed over ranks) -> the rollout_corr/* metrics, as verl names them: kl and k3_kl
+    (token means of k1 and k3 of KL(engine || old)), chi2_token = E_t[rho_t^2] - 1, chi2_seq = E_i[(prod_t rho_t)^2]
+    - 1, training_ppl / rollout_ppl (means over responses of exp(mean_t -log p)), their logs' means, log_ppl_diff
+    (mean over responses of log(ppl_old / ppl_engine)), its abs, ppl_ratio (mean of ppl_old / ppl_engine), and ess,
+    the effective sample size of the token weights as a share of the tokens: (sum w)^2 / (N sum w^2) in (0, 1]
+    (verl's rollout_is_eff_sample_size, 1 / mean((w / mean w)^2)). Empty when there are no valid tokens."""
+    s = dict(zip(OFFPOLICY_SUMS, sums.tolist()))
+    if s["tokens"] == 0:
+        return {}
+    t, q = s["tokens"], max(s["seqs"], 1.0)
+    out = {"kl": s["kl"] / t, "k3_kl": s["k3_kl"] / t, "chi2_token": s["rho_sq"] / t - 1.0,
+           "chi2_seq": s["seq_rho_sq"] / q - 1.0, "training_ppl": s["training_ppl"] / q,
+           "rollout_ppl": s["rollout_ppl"] / q, "training_log_ppl": s["training_log_ppl"] / q,
+           "rollout_log_ppl": s["rollout_log_ppl"] / q, "log_ppl_diff": s["log_ppl_diff"] / q,
+           "log_ppl_abs_diff": s["log_ppl_abs_diff"] / q, "ppl_ratio": s["ppl_ratio"] / q,
+           "ess": s["w"] ** 2 / (t * s["w_sq"]) if s["w_sq"] > 0 else 0.0}
+    return {f"rollout_corr/{k}": v for k, v in out.items()}

@@ -7,7 +7,8 @@ computes the token statistics from the logits (vocab-parallel logprobs, entropy,
 normaliser over micro-batches and ranks, and scales the loss for Megatron; a new loss is a new function
 registered in `POLICY_LOSSES`, not a branch in the trainer (verl `core_algos.py`, `@register_policy_loss`):
 `ppo_clip` (GRPO/DAPO), `gspo` and `gspo_token` (Zheng et al. 2025), `cispo` (MiniMax-M1), `geo_mean` (GMPO),
-`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025), `dppo_tv` and `dppo_kl` (DPPO). The rollout
+`sapo` (SAPO), `gpg` (GPG), `clip_cov` and `kl_cov` (Cui et al. 2025), `dppo_tv` and `dppo_kl` (DPPO), `dro`, and
+verl's bypass mode `bypass_ppo_clip` / `bypass_reinforce` (the engine's logprobs as the old policy). The rollout
 correction against the engine's logprobs (grpo_mega.algo.correction) weights every loss's tokens the same way.
 Pure tensor math: the settings arrive as an `Objective` of plain values.
 
@@ -29,12 +30,12 @@ token statistics, so they are read against each other and against verl's core_al
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from grpo_mega.algo.correction import Correction, correction_weight, resolve
+from grpo_mega.algo.correction import Correction, Rejection, resolve, resolve_rejection, rollout_weight
 from grpo_mega.algo.kl import KL_ESTIMATORS, kl_penalty
 from grpo_mega.algo.loss import (
     AGG_MODES,
@@ -82,6 +83,16 @@ class Objective:
     """Lower bound on the correction's ratio (None: the default)."""
     rollout_correction_high: Optional[float] = None
     """Upper bound on the correction's ratio (None: the default)."""
+    rollout_rejection: Optional[str] = None
+    """Rejection on a divergence statistic between the trainer's old and the engine's logprobs (one of
+    grpo_mega.algo.correction.REJECTIONS), combined with the correction's weight; None: off."""
+    rollout_rejection_threshold: Optional[float] = None
+    """The largest kept value of the rejection's statistic (> 0; required with it)."""
+    rollout_is_batch_norm: bool = False
+    """Divide the correction's weights by their mean over the step's batch (needs a correction)."""
+    is_batch_mean: Optional[float] = field(default=None, metadata={"runtime": True})
+    """Runtime, not a setting (metadata runtime: AlgoConfig has no field of it): the batch's mean correction
+    weight, set per update when rollout_is_batch_norm is on (grpo_mega.algo.correction.batch_mean)."""
     early_stop_imp_ratio: Optional[float] = None
     """Flag a micro-batch with an importance ratio above this (or below its inverse), or None."""
     gspo_clip_low: float = 3e-4
@@ -120,11 +131,17 @@ class Objective:
     """DPPO: the divergence threshold for tokens with A > 0 (TV: p - p_old <= high; KL: binary KL <= high)."""
     dppo_is_cap: float = 20.0
     """DPPO: the stop-gradient IS weight min(r_t, cap) on every kept token (verl's clip_ratio_c fallback 20)."""
+    dro_beta: float = 1.0
+    """DRO: the coefficient of the quadratic log-ratio penalty (beta / 2) (log pi - log pi_old)^2."""
 
     def __post_init__(self):
         KL_ESTIMATORS.get(self.kl_estimator)
         AGG_MODES.get(self.loss_agg_mode)
         _ = self.correction  # a bad correction setting fails here, not in the first micro-batch
+        _ = self.rejection
+        if self.rollout_is_batch_norm and self.correction is None:
+            raise ValueError("algo.rollout_is_batch_norm=true normalises the rollout correction's weights: set "
+                             "algo.rollout_correction (or algo.engine_is_cap), or rollout_is_batch_norm=false")
         if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0:
             raise ValueError(f"algo.cispo_eps_low={self.cispo_eps_low} must be in [0, 1] and "
                              f"algo.cispo_eps_high={self.cispo_eps_high} >= 0")
@@ -146,6 +163,8 @@ class Objective:
             raise ValueError(f"algo.clip_cov_lb={self.clip_cov_lb} must be < algo.clip_cov_ub={self.clip_cov_ub}")
         if self.kl_cov_coef < 0:
             raise ValueError(f"algo.kl_cov_coef={self.kl_cov_coef} must be >= 0")
+        if not self.dro_beta >= 0:
+            raise ValueError(f"algo.dro_beta={self.dro_beta} must be >= 0 (the weight of DRO's quadratic penalty)")
         if self.dppo_div_low < 0 or self.dppo_div_high < 0 or not self.dppo_is_cap > 0:
             raise ValueError(f"algo.dppo_div_low={self.dppo_div_low} and algo.dppo_div_high={self.dppo_div_high} must "
                              f"be >= 0 and algo.dppo_is_cap={self.dppo_is_cap} > 0")
@@ -155,6 +174,16 @@ class Objective:
         """The rollout correction (level, mode, low, high), or None when off."""
         return resolve(self.rollout_correction, self.rollout_correction_mode, self.rollout_correction_low,
                        self.rollout_correction_high, self.engine_is_cap)
+
+    @property
+    def rejection(self) -> Optional[Rejection]:
+        """The rollout rejection (level, statistic, threshold), or None when off."""
+        return resolve_rejection(self.rollout_rejection, self.rollout_rejection_threshold)
+
+    @property
+    def rollout_weighted(self) -> bool:
+        """The loss weights its tokens by the engine/trainer ratio (a correction or a rejection): needs engine_logp."""
+        return self.correction is not None or self.rejection is not None
 
     @property
     def kl_in_loss(self) -> bool:
@@ -195,15 +224,21 @@ class Weights(NamedTuple):
 def token_weights(obj: Objective, mask: torch.Tensor, old_logp: torch.Tensor,
                   engine_logp: Optional[torch.Tensor]) -> Weights:
     """The per-token weights every loss applies: DAPO's valid-token scale (dapo_token_scale) times the rollout
-    correction's weight (grpo_mega.algo.correction; algo.engine_is_cap is its token-level truncation)."""
+    correction's weight (grpo_mega.algo.correction; algo.engine_is_cap is its token-level truncation), divided by
+    its batch mean (rollout_is_batch_norm), times the rollout rejection's keep mask."""
     token_scale = valid_token_scale(mask) if obj.dapo_token_scale else None
-    c = obj.correction
-    if c is None:
+    c, rejection = obj.correction, obj.rejection
+    if c is None and rejection is None:
         return Weights(token_scale)
     if engine_logp is None:
-        which = "algo.engine_is_cap" if obj.engine_is_cap is not None else "algo.rollout_correction"
+        which = ("algo.engine_is_cap" if obj.engine_is_cap is not None else "algo.rollout_correction" if c is not None
+                 else "algo.rollout_rejection")
         raise ValueError(f"{which} needs the engine's logprobs (rollout.engine_logp)")
-    is_weight, rho, hit = correction_weight(old_logp, engine_logp, mask, c)  # engine_is_cap: TIS, bit for bit
+    if obj.rollout_is_batch_norm and obj.is_batch_mean is None:
+        raise ValueError("algo.rollout_is_batch_norm=true needs the batch's mean weight (Objective.is_batch_mean, "
+                         "set by Actor.update from rollout.is_batch_mean)")
+    is_weight, rho, hit = rollout_weight(old_logp, engine_logp, mask, c, rejection,
+                                         obj.is_batch_mean if obj.rollout_is_batch_norm else None)
     token_scale = is_weight if token_scale is None else token_scale * is_weight
     return Weights(token_scale, is_weight, rho, hit)
 
@@ -216,8 +251,9 @@ def token_metrics(obj: Objective, loss: torch.Tensor, logp: torch.Tensor, old_lo
     by the summed `tokens` and `seqs`, see `mini_batch_metrics`): loss, entropy, KL (the loss's, else k3 to the
     reference when there is one), importance ratio sum/min/max, the rollout correction's mean weight, the
     share of tokens and of sequences where its bound acted (truncated or masked) and its ratio's mean/min/max,
-    and whether a ratio is extreme (algo.early_stop_imp_ratio). The loss-specific sums (pg_loss_sum,
-    clipped_sum) are the entry's own. Keys: METRIC_SUMS, METRIC_MINS, METRIC_MAXS."""
+    whether a ratio is extreme (algo.early_stop_imp_ratio), and verl's ppo_kl sum (of log pi_old - log pi). The
+    loss-specific sums (pg_loss_sum, clipped_sum, and clipped_lower_sum, 0 here: where a dual clip acted) are the
+    entry's own. Keys: METRIC_SUMS, METRIC_MINS, METRIC_MAXS."""
     m = mask.to(torch.float32)
     valid = mask.bool()
     ratio = log_ratio(logp, old_logp).exp()
@@ -244,13 +280,16 @@ def token_metrics(obj: Objective, loss: torch.Tensor, logp: torch.Tensor, old_lo
         "is_ratio_sum": (rho * m).sum(),
         "is_ratio_min": rho[valid].min() if valid.any() else torch.tensor(math.inf),
         "is_ratio_max": rho[valid].max() if valid.any() else torch.tensor(-math.inf),
+        "ppo_kl_sum": ((old_logp.detach() - logp.detach()) * m).sum(),
+        "clipped_lower_sum": torch.zeros(()),
         "extreme": has_extreme_ratio(logp, old_logp, mask, obj.early_stop_imp_ratio).float()
         if obj.early_stop_imp_ratio else torch.zeros(()),
     }
 
 
 METRIC_SUMS = ("loss", "pg_loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "tokens", "seqs", "ratio_sum",
-               "extreme", "is_weight_sum", "is_capped_sum", "is_seq_capped_sum", "is_ratio_sum")
+               "extreme", "is_weight_sum", "is_capped_sum", "is_seq_capped_sum", "is_ratio_sum", "ppo_kl_sum",
+               "clipped_lower_sum")
 """The metric sums every policy loss returns, added over micro-batches and DP ranks."""
 METRIC_MINS = ("ratio_min", "is_ratio_min")
 METRIC_MAXS = ("ratio_max", "is_ratio_max")
@@ -258,8 +297,9 @@ METRIC_MAXS = ("ratio_max", "is_ratio_max")
 
 def mini_batch_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dict[str, float]) -> dict[str, float]:
     """A mini-batch's loss metrics from its sums (over micro-batches and ranks), minima and maxima: per-token
-    means, and the rollout correction's token and sequence shares (is_capped_fraction, is_seq_capped_fraction;
-    truncated or masked)."""
+    means, the rollout correction's token and sequence shares (is_capped_fraction, is_seq_capped_fraction;
+    truncated or masked), and verl's ppo_kl (mean of log pi_old - log pi) and pg_clipfrac_lower (the share of
+    tokens whose loss the dual clip bounded: A < 0 and ratio > c)."""
     tokens, seqs = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0)
     return {
         "loss": sums["loss"],
@@ -267,6 +307,8 @@ def mini_batch_metrics(sums: dict[str, float], mins: dict[str, float], maxs: dic
         "entropy": sums["entropy_sum"] / tokens,
         "kl": sums["kl_sum"] / tokens,
         "clip_fraction": sums["clipped_sum"] / tokens,
+        "pg_clipfrac_lower": sums["clipped_lower_sum"] / tokens,
+        "ppo_kl": sums["ppo_kl_sum"] / tokens,
         "ratio_mean": sums["ratio_sum"] / tokens,
         "is_weight_mean": sums["is_weight_sum"] / tokens,
         "is_capped_fraction": sums["is_capped_sum"] / tokens,
@@ -314,6 +356,8 @@ def ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, adva
     with torch.no_grad():
         stats["pg_loss_sum"] = (terms["pg_loss"] * m).sum()
         stats["clipped_sum"] = (terms["clipped"] * m).sum()
+        lower = dual_clip_hit(log_ratio(logp, old_logp).exp(), advantages, obj.dual_clip)
+        stats["clipped_lower_sum"] = (lower * m).sum()
     return loss, stats
 
 
@@ -380,13 +424,29 @@ def _sequence_clip(s: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high:
     return loss, clipped > unclipped
 
 
-def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w):
+def dual_clip_hit(ratio: torch.Tensor, advantages: torch.Tensor, dual_clip: Optional[float]) -> torch.Tensor:
+    """Where the dual clip bounded the loss (verl's pg_clipfrac_lower): A < 0 and the ratio above c (for A < 0,
+    max(-A r, -A clip(r)) = |A| max(r, 1 - eps_low) exceeds -c A iff r > c, as c > 1). All False without a dual
+    clip. ratio: [B, T] or [B]; advantages: [B] or [B, T]; broadcast to [B, T] (float, no gradient)."""
+    r = ratio.detach()
+    if r.dim() == 1:
+        r = r.unsqueeze(-1)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    if dual_clip is None:
+        return torch.zeros(torch.broadcast_shapes(r.shape, adv.shape), dtype=torch.float32)
+    return ((adv < 0) & (r > dual_clip)).to(torch.float32)
+
+
+def _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w,
+            lower: Optional[torch.Tensor] = None):
     loss = aggregate(token_loss, mask, obj.loss_agg_mode, normaliser)
     stats = token_metrics(obj, loss, logp, old_logp, mask, entropy, kl, ref_logp, w)
     m = mask.to(torch.float32)
     with torch.no_grad():
         stats["pg_loss_sum"] = (pg.detach() * m).sum()
         stats["clipped_sum"] = (clipped.to(m.dtype) * m).sum()
+        if lower is not None:
+            stats["clipped_lower_sum"] = (lower.expand_as(m) * m).sum()
     return loss, stats
 
 
@@ -420,7 +480,8 @@ def gspo(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantag
     pg = pg_seq.unsqueeze(-1).expand_as(logp)
     clipped = clipped_seq.unsqueeze(-1).expand_as(logp)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
-    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w,
+                   dual_clip_hit(s, advantages, obj.dual_clip))
 
 
 @POLICY_LOSSES.register("gspo_token")
@@ -446,7 +507,8 @@ def gspo_token(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, ad
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     pg, clipped = _sequence_clip(s_t, adv, obj.gspo_clip_low, obj.gspo_clip_high, obj.dual_clip)
     token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
-    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w,
+                   dual_clip_hit(s_t, adv, obj.dual_clip))
 
 
 @POLICY_LOSSES.register("cispo")
@@ -702,3 +764,86 @@ def dppo_kl(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advan
                        (d <= obj.dppo_div_low) | (p >= p_old))
     return _dppo(obj, keep, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, normaliser=normaliser,
                  entropy=entropy, ref_logp=ref_logp, full_kl=full_kl, engine_logp=engine_logp)
+
+
+# ---- DRO and verl's bypass mode -----------------------------------------------------------------------------
+
+@POLICY_LOSSES.register("dro")
+def dro(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+        mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+        ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+        engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO (verl's `dro`, Tinker's DRO loss): the policy gradient with a quadratic penalty on the log-ratio instead
+    of a clip,
+
+        L_t = -(A_t log pi(y_t) - (beta / 2) (log pi(y_t) - log pi_old(y_t))^2),   beta = dro_beta,
+
+    the log-ratio not clamped; plus ppo_clip's KL and entropy terms and token weights, aggregated by
+    `loss_agg_mode`. advantages [B] or [B, T]. clipped_sum is 0. Arguments and return as `ppo_clip`."""
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, old_logp, engine_logp)
+    d = logp - old_logp
+    pg = -(_token_adv(advantages) * logp - 0.5 * obj.dro_beta * d * d)
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(obj, token_loss, pg, clipped, logp, old_logp, mask, normaliser, entropy, kl, ref_logp, w)
+
+
+BYPASS_LOSSES = ("bypass_ppo_clip", "bypass_reinforce")
+"""verl's bypass_mode (loss_type ppo_clip / reinforce): the engine's logprobs stand in for the old ones."""
+
+
+def _bypass_engine_logp(name: str, obj: Objective, engine_logp: Optional[torch.Tensor]) -> torch.Tensor:
+    if engine_logp is None:
+        raise ValueError(f"algo.policy_loss={name!r} takes the rollout engine's logprobs as the old policy: it needs "
+                         f"them (rollout.engine_logp)")
+    if obj.rollout_is_batch_norm:
+        raise ValueError(f"algo.policy_loss={name!r} with algo.rollout_is_batch_norm=true: the batch mean is of "
+                         f"p_old / p_engine, which bypass mode does not use; set rollout_is_batch_norm=false")
+    return engine_logp
+
+
+@POLICY_LOSSES.register("bypass_ppo_clip")
+def bypass_ppo_clip(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+                    ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+                    engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's bypass mode with loss_type ppo_clip: `ppo_clip` with the engine's logprobs as the old policy (two
+    policies, not three: r_t = pi / pi_engine, its clip the only importance correction, so no correction weight;
+    algo.rollout_correction is refused), the rollout rejection judged on pi / pi_engine (the current policy,
+    detached). The trainer's old_logp is not read. Metrics' ratio and ppo_kl are against the engine. Arguments and
+    return as `ppo_clip`; engine_logp required."""
+    eng = _bypass_engine_logp("bypass_ppo_clip", obj, engine_logp)
+    if obj.correction is not None:
+        raise ValueError("algo.policy_loss='bypass_ppo_clip' clips r = p / p_engine, its own importance correction: "
+                         "unset algo.rollout_correction and algo.engine_is_cap (algo.rollout_rejection applies)")
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, logp.detach(), eng)
+    token_loss, terms = grpo_token_loss(
+        logp, eng, advantages, obj.clip_ratio_low, obj.clip_ratio_high, obj.dual_clip,
+        kl=kl, kl_coef=obj.kl_coef if obj.kl_in_loss else 0.0,
+        entropy=entropy if obj.entropy_coef else None, entropy_coef=obj.entropy_coef, token_scale=w.token_scale)
+    return _finish(obj, token_loss, terms["pg_loss"], terms["clipped"].bool(), logp, eng, mask, normaliser, entropy,
+                   kl, ref_logp, w, dual_clip_hit(log_ratio(logp, eng).exp(), advantages, obj.dual_clip))
+
+
+@POLICY_LOSSES.register("bypass_reinforce")
+def bypass_reinforce(obj: Objective, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+                     ref_logp: Optional[torch.Tensor] = None, full_kl: Optional[torch.Tensor] = None,
+                     engine_logp: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's bypass mode with loss_type reinforce: the policy gradient with an explicit importance weight against
+    the engine,
+
+        L_t = -A_t w_t log pi(y_t),   w_t = the rollout correction's weight of sg[pi] / pi_engine
+
+    (algo.rollout_correction's level, mode and bounds, times the rollout rejection's keep mask; w = 1 with neither:
+    plain REINFORCE, as `gpg`), no clip; plus ppo_clip's KL and entropy terms. The trainer's old_logp is not read;
+    metrics' ratio and ppo_kl are against the engine. Arguments and return as `ppo_clip`; engine_logp required."""
+    eng = _bypass_engine_logp("bypass_reinforce", obj, engine_logp)
+    kl = kl_term(obj, logp, ref_logp, full_kl)
+    w = token_weights(obj, mask, logp.detach(), eng)
+    pg = -_token_adv(advantages) * logp
+    token_loss = _with_terms(obj, pg, kl, entropy, w.token_scale)
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    return _finish(obj, token_loss, pg, clipped, logp, eng, mask, normaliser, entropy, kl, ref_logp, w)

@@ -18,7 +18,10 @@ class AlgoConfig:
     clipped, stop-gradient IS weight on log pi), 'geo_mean' (GMPO: geometric mean of log-clipped token ratios),
     'sapo' (SAPO's smooth gate), 'gpg' (plain -A log pi), 'clip_cov' / 'kl_cov' (PPO with the gradient cut, or a KL
     added, on high-covariance tokens), 'dppo_tv' / 'dppo_kl' (DPPO: tokens outside a probability-divergence trust
-    region leave the update). gspo, gspo_token, geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
+    region leave the update), 'dro' (-A log pi plus a quadratic log-ratio penalty), 'bypass_ppo_clip' /
+    'bypass_reinforce' (verl's bypass mode: the engine's logprobs are the old policy; ppo_clip on pi / pi_engine, or
+    -A w log pi with the rollout correction's weight of pi / pi_engine). gspo, gspo_token, geo_mean and sapo need
+    loss_agg_mode=seq-mean-token-mean."""
     ppo_epochs: int = 1
     """Passes over the step's responses."""
     clip_ratio_low: float = 0.2
@@ -64,6 +67,8 @@ class AlgoConfig:
     """dppo_tv / dppo_kl: the divergence threshold for tokens with A > 0 (verl reads clip_ratio_high here)."""
     dppo_is_cap: float = 20.0
     """dppo_tv / dppo_kl: the cap of the stop-gradient IS weight on kept tokens (verl's clip_ratio_c, 20 there)."""
+    dro_beta: float = 1.0
+    """dro: the coefficient beta of the quadratic penalty (beta / 2) (log pi - log pi_old)^2 (>= 0)."""
     kl_coef: float = 0.001
     """beta: weight of the KL term in the loss (0 disables the reference in the loss)."""
     kl_estimator: str = "k3"
@@ -117,6 +122,18 @@ class AlgoConfig:
     """Lower bound on rho; null: 0 when truncating, 1/high when masking (icepop: 0.5)."""
     rollout_correction_high: Optional[float] = None
     """Upper bound on rho (> low); null: 2.0 (icepop: 5.0)."""
+    rollout_rejection: Optional[str] = None
+    """Rejection on a divergence statistic of lr_t = log rho_t (verl's rollout_rs): 'token_k2', 'token_k3' (per
+    token: lr^2 / 2, e^lr - 1 - lr), 'seq_sum_k2/k3', 'seq_mean_k2/k3', 'seq_max_k2/k3' (its sum, mean or max over
+    the response: the whole response is rejected). A rejected token's weight is 0 (it stays in the normaliser); a
+    kept one keeps the correction's weight (1 without rollout_correction). null: off. The k1 rejections are
+    rollout_correction_mode=mask."""
+    rollout_rejection_threshold: Optional[float] = None
+    """The largest kept value of rollout_rejection's statistic (> 0; required with it)."""
+    rollout_is_batch_norm: bool = False
+    """Divide the rollout correction's weights by their mean over the step's response tokens (token level) or
+    responses (sequence, geometric), before any rejection (verl's rollout_is_batch_normalize). Needs a correction;
+    runs the old-logprob pass before the update."""
     routing_replay: str = "none"
     """MoE models: 'rollout' (R3) routes each token in the trainer's passes to the top-k experts the rollout engine
     chose for it (prompt and response; grpo_mega.models.routing_replay); 'measure': the engine's choices are
@@ -164,6 +181,13 @@ class AlgoConfig:
                              f"must be >= 0")
         if not self.seq_log_ratio_cap > 0:
             raise ValueError(f"algo.seq_log_ratio_cap={self.seq_log_ratio_cap} must be > 0 (verl's GSPO uses 10)")
+        if self.policy_loss == "bypass_ppo_clip" and self.correction() is not None:
+            raise ValueError("algo.policy_loss='bypass_ppo_clip' clips r = p / p_engine, its own importance "
+                             "correction: unset algo.rollout_correction and algo.engine_is_cap (rollout_rejection "
+                             "applies), or use bypass_reinforce for an explicit weight")
+        if self.policy_loss.startswith("bypass_") and self.rollout_is_batch_norm:
+            raise ValueError(f"algo.policy_loss={self.policy_loss!r} with algo.rollout_is_batch_norm=true: the batch "
+                             f"mean is of p_old / p_engine, which bypass mode does not use; set it false")
         self.objective()  # the loss's own checks (grpo_mega.algo.policy_loss.Objective), at start-up
 
     def objective(self):
@@ -173,7 +197,7 @@ class AlgoConfig:
 
         from grpo_mega.algo.policy_loss import Objective
 
-        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective)})
+        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective) if not f.metadata.get("runtime")})
 
     @property
     def records_routes(self) -> bool:

@@ -81,8 +81,10 @@ class TrainConfig:
             self.check_async()
         if self.lora.enabled:
             self.check_lora()
-        if self.rollout.off_policy_steps and self.algo.correction() is None:
-            # One step behind: truncated importance correction against the engine's logprobs covers the lag.
+        bypass_clip = self.algo.policy_loss == "bypass_ppo_clip"
+        if self.rollout.off_policy_steps and self.algo.correction() is None and not bypass_clip:
+            # One step behind: truncated importance correction against the engine's logprobs covers the lag
+            # (bypass_ppo_clip's ratio is already against the engine's logprobs).
             self.algo.engine_is_cap = OFF_POLICY_IS_CAP
 
     def check_async(self) -> None:
@@ -171,7 +173,7 @@ class TrainConfig:
         """The update is exactly on-policy: the old-logprob pass is skipped (algo.recompute_old_logprobs)."""
         a = self.algo
         return (a.ppo_epochs == 1 and self.batch.mini_batches_per_step == 1 and not self.rollout.off_policy_steps
-                and not a.kl_in_reward and not a.recompute_old_logprobs)
+                and not a.kl_in_reward and not a.recompute_old_logprobs and not a.rollout_is_batch_norm)
 
     def shaping(self):
         """The settings of the per-step shaping (grpo_mega.algo.shaping), as plain values."""

@@ -12,6 +12,7 @@ reference.py (the frozen reference). The math is grpo_mega.algo's, the collectiv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -134,6 +135,11 @@ class Actor:
         gradient and metrics are those of the path with a separate old-logprob pass, without its forward."""
         if rollout.advantages is None:
             raise ValueError("update() needs rollout.advantages")
+        if self.objective.rollout_is_batch_norm:  # the weights' normaliser over the whole batch, this update's
+            if rollout.is_batch_mean is None:
+                raise ValueError("algo.rollout_is_batch_norm=true needs rollout.is_batch_mean (the batch's mean "
+                                 "correction weight, grpo_mega.trainer.loop.world_is_batch_mean)")
+            self.objective = dataclasses.replace(self.objective, is_batch_mean=float(rollout.is_batch_mean))
         rollout.check_vocab(self.model_cfg.vocab_size)
         if self.full_kl_in_loss and reference is None:
             raise ValueError("algo.kl_estimator='full' with algo.kl_coef != 0 needs the reference's logits: "

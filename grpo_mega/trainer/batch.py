@@ -29,6 +29,9 @@ class RolloutBatch:
     ref_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned
     engine_logp: Optional[torch.Tensor] = None  # [N, L] float32, position-aligned: the rollout engine's logprobs
     in_loss: Optional[torch.Tensor] = None  # [N] bool: rows that count in the loss (overlong=mask, dynamic sampling)
+    is_batch_mean: Optional[float] = None
+    """algo.rollout_is_batch_norm: the rollout correction's mean weight over the whole batch (all ranks' rows),
+    which the update divides every weight by (grpo_mega.algo.correction.batch_mean)."""
     model_mask: Optional[torch.Tensor] = None
     """[N, L] bool, position-aligned: False where the predicted response token is not the model's (a tool result
     or chat-template glue of a multi-turn rollout, grpo_mega.rollout.multi_turn); None: every response token is."""

@@ -13,7 +13,16 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo_mega.algo.correction import QUANTILES, histogram_quantiles, log_ratio_histogram
+from grpo_mega.algo.correction import (
+    QUANTILES,
+    batch_mean,
+    batch_mean_sums,
+    histogram_quantiles,
+    log_ratio_histogram,
+    offpolicy_metrics,
+    offpolicy_sums,
+    rollout_weight,
+)
 from grpo_mega.algo.shaping import shape_step
 from grpo_mega.parallel import comm
 from grpo_mega.rollout.multi_turn import rollout_metrics
@@ -63,12 +72,15 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
             write_dump(Path(cfg.rollout.dump_dir) / f"train_step_{step:08d}.jsonl", step, samples, gen,
                        rewards.tolist(), shaped.advantages.tolist(), run.tok)
         rb.engine_logp = engine_logprobs(gen, rb)
+        if cfg.algo.rollout_is_batch_norm:  # the old logprobs are in (the config runs their pass)
+            rb.is_batch_mean = world_is_batch_mean(rb, owned, cfg.algo.correction())
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
         diverged = run.skips.check(step, updates)  # non-finite mini-batches in a row (stops after the metrics)
         if cfg.on_policy:  # the update's own forward was the pass on the engine's weights
             routing = actor.routing_agreement()
         mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
+        offpolicy = world_offpolicy(rb, owned, actor.objective)
         with timer("generate_wait"):  # the next step's samples: a server's weights never change under a generation
             rollouts.wait()
         with timer("weight_sync"):
@@ -85,6 +97,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
                    overlong_fraction=float(overlong.float().mean()), rows_in_loss=int(shaped.in_loss.sum()),
                    response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
                    weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"], **ratio_quantiles,
+                   **offpolicy,
                    **update_means(updates), **routing, **reward_metrics, **rollout_metrics(gen), **rollouts.metrics(), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
         history.rows.append(row)
         if log is not None:
@@ -101,7 +114,7 @@ def _val_metrics(val: Optional[dict]) -> dict:
 
 
 UPDATE_MEANS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "is_weight_mean", "is_capped_fraction",
-                "is_seq_capped_fraction")
+                "is_seq_capped_fraction", "pg_clipfrac_lower", "ppo_kl")
 
 
 def update_means(updates: list[dict]) -> dict:
@@ -136,6 +149,28 @@ def world_ratio_quantiles(rb: RolloutBatch, owned: list[int]) -> dict:
     lr = (rb.old_logp.double() - rb.engine_logp.double())[index][mask]
     counts = comm.world_all_reduce_sum(log_ratio_histogram(lr))
     return {f"rollout_ratio/q{round(q * 100):02d}": v for q, v in zip(QUANTILES, histogram_quantiles(counts))}
+
+
+def world_is_batch_mean(rb: RolloutBatch, owned: list[int], correction) -> float:
+    """algo.rollout_is_batch_norm: the correction's mean weight over the step's response tokens (token level) or
+    responses (sequence, geometric), each rank summing the rows it owns, one SUM over the world (collective)."""
+    index = torch.tensor(owned, dtype=torch.long)
+    sums = batch_mean_sums(rb.old_logp[index], rb.engine_logp[index], rb.response_mask()[index], correction)
+    return batch_mean(comm.world_all_reduce_sum(sums))
+
+
+def world_offpolicy(rb: RolloutBatch, owned: list[int], objective) -> dict:
+    """verl's off-policy diagnostics between the engine's and the trainer's old logprobs over the step's response
+    tokens (`rollout_corr/kl`, `k3_kl`, `chi2_token`, `chi2_seq`, the perplexities and their ratio, and `ess` of
+    the loss's token weights (correction and rejection), of rho itself when both are off;
+    grpo_mega.algo.correction.offpolicy_metrics):
+    each rank sums the rows it owns, one SUM over the world (collective)."""
+    index = torch.tensor(owned, dtype=torch.long)
+    mask = rb.response_mask()[index]
+    old, eng = rb.old_logp[index], rb.engine_logp[index]
+    weight = (rollout_weight(old, eng, mask, objective.correction, objective.rejection)[0]
+              if objective.rollout_weighted else None)
+    return offpolicy_metrics(comm.world_all_reduce_sum(offpolicy_sums(old, eng, mask, weight)))
 
 
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:

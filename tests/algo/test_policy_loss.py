@@ -95,8 +95,9 @@ def _via_registry(obj, mb, logp, entropy, full_kl, normaliser):
 
 def test_registry_lookup_and_unknown_name():
     assert POLICY_LOSSES.get("ppo_clip") is ppo_clip and "ppo_clip" in POLICY_LOSSES
-    with pytest.raises(ValueError, match=r"unknown policy loss 'gspo9'; valid: cispo, clip_cov, dppo_kl, dppo_tv, "
-                                         r"geo_mean, gpg, gspo, gspo_token, kl_cov, ppo_clip, sapo"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'gspo9'; valid: bypass_ppo_clip, bypass_reinforce, "
+                                         r"cispo, clip_cov, dppo_kl, dppo_tv, dro, geo_mean, gpg, gspo, gspo_token, "
+                                         r"kl_cov, ppo_clip, sapo"):
         POLICY_LOSSES.get("gspo9")
 
 

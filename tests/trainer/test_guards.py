@@ -83,7 +83,8 @@ def test_the_skip_streak_counts_non_finite_mini_batches_in_a_row_across_steps():
 def test_grad_norm_is_the_mean_over_the_mini_batches_that_stepped():
     def mb(grad_norm, skipped):
         return dict(loss=0.1, pg_loss=0.1, kl=0.0, entropy=1.0, clip_fraction=0.0, grad_norm=grad_norm,
-                    is_weight_mean=1.0, is_capped_fraction=0.0, is_seq_capped_fraction=0.0, skipped=skipped)
+                    is_weight_mean=1.0, is_capped_fraction=0.0, is_seq_capped_fraction=0.0, pg_clipfrac_lower=0.0,
+                    ppo_kl=0.0, skipped=skipped)
 
     means = update_means([mb(2.0, 0.0), mb(float("nan"), 1.0), mb(4.0, 0.0)])
     assert means["grad_norm"] == 3.0 and means["skipped"] == 1.0
