@@ -164,9 +164,10 @@ CONFIG_CASES = {
     "model_unknown_yaml": (["model=gpt-9"], r"unknown model 'gpt-9': .*known models: .*llama-3\.1-70b"),
     "model_hf_dir_missing": (["model=/nonexistent/Llama-3-8B"], r"unknown model '/nonexistent/Llama-3-8B'"),
     "option_unknown_kl_estimator": (["algo.kl_estimator=k9"], r"unknown KL estimator 'k9'; valid:"),
-    "option_unknown_policy_loss": (["algo.policy_loss=ppo9"], r"unknown policy loss 'ppo9'; valid: cispo, clip_cov, "
-                                                              r"dppo_kl, dppo_tv, geo_mean, gpg, gspo, gspo_token, "
-                                                              r"kl_cov, ppo_clip, sapo"),
+    "option_unknown_policy_loss": (["algo.policy_loss=ppo9"], r"unknown policy loss 'ppo9'; valid: bypass_ppo_clip, "
+                                                              r"bypass_reinforce, cispo, clip_cov, dppo_kl, dppo_tv, "
+                                                              r"dro, geo_mean, gpg, gspo, gspo_token, kl_cov, "
+                                                              r"ppo_clip, sapo"),
     "option_gspo_token_level_agg_mode": (["algo.policy_loss=gspo"],
                                          r"algo\.policy_loss='gspo' needs algo\.loss_agg_mode=seq-mean-token-mean "
                                          r"\(got 'token-mean'\)"),
