@@ -20,6 +20,7 @@ every trajectory has its results (turns in lockstep, batches independent of timi
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -327,9 +328,13 @@ class _Driver:
                 self.waited += time.perf_counter() - idle_since
             trajs = [t for t, _ in batch]
             t0 = time.perf_counter()
-            gen = self.engine.inner.generate(
+            call = functools.partial(
+                self.engine.inner.generate,
                 [t.prompt_ids + t.ids for t in trajs], 1, self.temperature, self.top_p, max(t.room for t in trajs),
                 self.stop, self.seed, row_seeds=[sample_seed(t.seed, t.model_turns, 0) % 2**31 for t in trajs])
+            # an engine that runs an event loop of its own (SGLang's Engine: run_until_complete) cannot be called
+            # inside this running loop: it runs in a worker thread while this loop waits
+            gen = await asyncio.to_thread(call) if getattr(self.engine.inner, "runs_own_event_loop", False) else call()
             idle_since = time.perf_counter()
             last_call_s = idle_since - t0
             self.engine_calls += 1

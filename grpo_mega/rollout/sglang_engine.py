@@ -41,6 +41,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @ENGINES.register("sglang")
 class SGLangEngine(RolloutEngine):
+    runs_own_event_loop = True
+    """generate runs SGLang's asyncio loop (run_until_complete), which cannot run inside another running loop:
+    the multi-turn agent loop calls it from a worker thread (grpo_mega.rollout.agent_loop; no SIGALRM deadline
+    there, signals reach the main thread only)."""
+
     def __init__(self, model_path: str, tp: int = 1, dtype: str = "float32", mem_tokens: Optional[int] = None,
                  timeout_s: float = 300.0, log_level: str = "error", **engine_kwargs):
         cuda = torch.cuda.is_available()
