@@ -6,9 +6,38 @@ from __future__ import annotations
 import socket
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago (for a rendezvous or a server's --port)."""
-    with socket.socket() as s:
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", low: int = 20000) -> int:
+    """A TCP port that was free on `host` a moment ago, for a rendezvous or a server's --port: a port some other
+    process binds later. It is drawn below the kernel's ephemeral range (bind(0) and every outgoing connect()
+    take their ports from that range, so a port drawn there can be taken by any connection opened before the
+    server binds it: a CI run's second SGLang server once lost its port that way) and never handed out twice by
+    this process."""
+    import random
+
+    high = _ephemeral_low() - 1
+    if high - low >= 1000:
+        for port in random.sample(range(low, high + 1), 64):
+            if port in _GIVEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range on this machine: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -73,11 +73,13 @@ def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int 
 
 
 def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None, env: Optional[dict] = None,
-                  timeout_s: float = 300.0, **command_kwargs) -> list:
+                  timeout_s: float = 300.0, bind_attempts: int = 3, **command_kwargs) -> list:
     """Start `count` SGLang servers at once, each on a free port of 127.0.0.1 (or `host`), and wait until every
     one answers /health; returns [(process, URL)]. Each server's output goes to `log_dir`/sglang-PORT.log (a
-    new temporary directory by default). A server that exits or does not answer within `timeout_s`: all of
-    them are stopped and a RuntimeError carries its log's last lines."""
+    new temporary directory by default). A server that finds its port taken (SGLang 0.5.23 logs uvicorn's
+    "address already in use" and keeps running without serving) is stopped and started again on another port,
+    up to `bind_attempts` ports. A server that exits or does not answer within `timeout_s`: all of them are
+    stopped and a RuntimeError carries its log's last lines."""
     import subprocess
     import tempfile
     import time
@@ -85,20 +87,27 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="grpo_mega_sglang_")
     host = command_kwargs.get("host", "127.0.0.1")
-    started, waiting = [], {}
+    running, waiting = {}, {}  # url -> (process, log path, attempt); waiting: not answering /health yet
+
+    def start(attempt: int) -> None:
+        port = free_port(host)
+        log_path = os.path.join(log_dir, f"sglang-{port}.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(sglang_command(model_path, port, env=env, **command_kwargs), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        running[f"http://{host}:{port}"] = waiting[f"http://{host}:{port}"] = (proc, log_path, attempt)
+
     try:
         for _ in range(count):
-            port = free_port()
-            log_path = os.path.join(log_dir, f"sglang-{port}.log")
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(sglang_command(model_path, port, env=env, **command_kwargs), stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            url = f"http://{host}:{port}"
-            started.append((proc, url))
-            waiting[url] = (proc, log_path)
+            start(1)
         deadline = time.monotonic() + timeout_s
         while waiting:
-            for url, (proc, log_path) in list(waiting.items()):
+            for url, (proc, log_path, attempt) in list(waiting.items()):
+                if _lost_its_port(log_path) and attempt < bind_attempts:
+                    stop(proc)
+                    del running[url], waiting[url]
+                    start(attempt + 1)
+                    continue
                 if proc.poll() is not None:
                     raise RuntimeError(f"the SGLang server for {url} exited with {proc.returncode} while starting; "
                                        f"the end of {log_path}:\n{tail(log_path)}")
@@ -109,16 +118,25 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
                 except OSError:  # not listening yet, or 503 while it starts
                     pass
             if waiting and time.monotonic() > deadline:
-                url, (_, log_path) = next(iter(waiting.items()))
+                url, (_, log_path, _) = next(iter(waiting.items()))
                 raise RuntimeError(f"the SGLang server for {url} did not answer /health within {timeout_s:.0f} s; "
                                    f"the end of {log_path}:\n{tail(log_path)}")
             if waiting:
                 time.sleep(1)
     except BaseException:
-        for proc, _ in started:
+        for proc, _, _ in running.values():
             stop(proc)
         raise
-    return started
+    return [(proc, url) for url, (proc, _, _) in running.items()]
+
+
+def _lost_its_port(log_path: str) -> bool:
+    """Whether the server logging to `log_path` failed to bind its HTTP port (errno 98, EADDRINUSE)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return "address already in use" in f.read()
+    except OSError:
+        return False
 
 
 REDACTED = "<redacted>"

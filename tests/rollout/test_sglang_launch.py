@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_mega.processes import stop
 from grpo_mega.rollout.sglang_launch import sglang_command, training_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,3 +111,50 @@ def test_log_records_have_the_key_redacted():
         log.removeHandler(handler)
     assert stream.getvalue().splitlines() == [f"server_args={{'api_key': '{REDACTED}', 'port': 1}}",
                                               f"key {REDACTED} in the message, 0 args", "nothing to hide: x"]
+
+
+FAKE_SERVER = """import http.server, socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), type("H", (http.server.BaseHTTPRequestHandler,), {
+        "do_GET": lambda self: (self.send_response(200), self.end_headers()), "log_message": lambda *a: None}))
+except OSError as e:  # as SGLang 0.5.23 does: uvicorn logs the bind failure and the server process stays up
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): {e.strerror.lower()}",
+          flush=True)
+    time.sleep(600)
+server.serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_restarts_on_another(tmp_path, monkeypatch):
+    """The CI failure of 2026-11-27: a second SGLang server's port was taken between drawing it and binding it,
+    and SGLang logged 'address already in use' and hung until the 240 s deadline. launch_sglang now restarts such
+    a server on another port (here the first port it draws is held by this test; the stand-in server behaves as
+    SGLang 0.5.23 does on a bind failure)."""
+    import socket
+
+    from grpo_mega.processes import free_port
+    from grpo_mega.rollout import sglang_launch
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    held = socket.socket()
+    held.bind(("127.0.0.1", free_port()))
+    held.listen()
+    taken = held.getsockname()[1]
+    ports = iter([taken])
+    monkeypatch.setattr(sglang_launch, "free_port", lambda host: next(ports, None) or free_port(host))
+    monkeypatch.setattr(sglang_launch, "sglang_command",
+                        lambda model_path, port, env=None, **kw: [sys.executable, str(script), "--port", str(port)])
+    try:
+        started = sglang_launch.launch_sglang("/m", count=2, log_dir=str(tmp_path), timeout_s=60)
+    finally:
+        held.close()
+    try:
+        urls = sorted(url for _, url in started)
+        assert len(set(urls)) == 2 and f"http://127.0.0.1:{taken}" not in urls
+        assert all(proc.poll() is None for proc, _ in started)
+        assert "address already in use" in (tmp_path / f"sglang-{taken}.log").read_text()
+    finally:
+        for proc, _ in started:
+            stop(proc)
