@@ -19,7 +19,7 @@ CKPT_INTERVAL=${CKPT_INTERVAL:-}
 
 launcher=("$PYTHON")
 if (( NPROC > 1 )); then
-  port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$("$PYTHON" -c 'from grpo_mega.processes import free_port; print(free_port())')
   launcher+=(-m grpo_mega.cli.torchrun --nproc-per-node "$NPROC" --master-port "$port")
 fi
 checkpoints=()

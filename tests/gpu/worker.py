@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 
 from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
+from grpo_mega.processes import free_port
 from tests.trainer import layouts as L
 
 
 def _setup():
     from grpo_mega.parallel.state import init_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     init_distributed(tp=1, pp=1, seed=1234)
 

@@ -43,16 +43,10 @@ def missing_requirements() -> list[str]:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct ports for the daemons to bind (below the ephemeral range: grpo_mega.processes.free_port)."""
+    from grpo_mega.processes import free_port
+
+    return [free_port() for _ in range(n)]
 
 
 def _ensure_hosts(names: list[str]) -> None:
