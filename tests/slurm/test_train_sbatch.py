@@ -65,22 +65,6 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in (json.loads(line) for line in open(run_dir / "metrics.jsonl"))}
 
 
-def test_two_nodes_tp2_dp2_and_a_second_job_resumes(cluster, tmp_path):
-    t0 = time.monotonic()
-    first = _submit(cluster, tmp_path, "grpo-tp2dp2", ["run.steps=4"], nproc_env=True)
-    _finished(cluster, tmp_path, first)
-    job_root = tmp_path / "logs" / "grpo-tp2dp2"
-    assert sorted(_metrics(job_root / str(first))) == [1, 2, 3, 4]
-    assert sorted(p.name for p in (job_root / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
-    t1 = time.monotonic()
-
-    # The same job name, more steps: resume=auto continues from the first job's step 4.
-    second = _submit(cluster, tmp_path, "grpo-tp2dp2", ["run.steps=6"], nproc_env=False)
-    _finished(cluster, tmp_path, second)
-    assert sorted(_metrics(job_root / str(second))) == [5, 6]
-    print(f"job 1 {t1 - t0:.1f} s, job 2 {time.monotonic() - t1:.1f} s (submit to completion)")
-
-
 def test_moe_at_tp2_ep2_across_two_nodes(cluster, tmp_path):
     """tiny-qwen3-moe at TP2 x EP2 (dp2: each node's TP pair is one EP rank, so the experts are split across the
     nodes): 2 steps with audited weight syncs, every expert gathered from the node that holds it."""
@@ -94,7 +78,10 @@ def test_moe_at_tp2_ep2_across_two_nodes(cluster, tmp_path):
     print("TP2xEP2 on 2 nodes: logprob mismatch", [f"{r['logprob_mismatch']:.1e}" for r in rows.values()])
 
 
-def test_usr1_requeues_the_job_and_the_restart_resumes(cluster, tmp_path):
+def test_usr1_requeues_the_job_its_restart_resumes_and_a_second_job_continues(cluster, tmp_path):
+    """TP2 x DP2 across the two nodes: USR1 makes the training checkpoint the step it is in and stop, the job is
+    requeued and its restart resumes from exactly that step; then a second job of the same name (its ranks per
+    node from the fake GPUs this time) continues from the first one's last checkpoint."""
     t0 = time.monotonic()
     job = _submit(cluster, tmp_path, "grpo-requeue", ["run.steps=10"], nproc_env=True)
     job_root = tmp_path / "logs" / "grpo-requeue"
@@ -120,6 +107,13 @@ def test_usr1_requeues_the_job_and_the_restart_resumes(cluster, tmp_path):
     assert (job_root / "checkpoints" / f"step_{resumed_from:08d}" / "manifest.json").is_file()
     print(f"requeue: first attempt ran steps 1-{max(before)}, restart resumed after step {resumed_from}; "
           f"{time.monotonic() - t0:.1f} s submit to completion")
+
+    # The same job name, more steps: resume=auto continues from the first job's step 10.
+    t1 = time.monotonic()
+    second = _submit(cluster, tmp_path, "grpo-requeue", ["run.steps=12"], nproc_env=False)
+    _finished(cluster, tmp_path, second)
+    assert sorted(_metrics(job_root / str(second))) == [11, 12]
+    print(f"second job {time.monotonic() - t1:.1f} s (submit to completion)")
 
 
 def test_a_failing_training_fails_the_job_with_its_exit_code(cluster, tmp_path):

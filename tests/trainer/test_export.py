@@ -68,8 +68,10 @@ def _check(step_dir: Path, tokens: torch.Tensor) -> float:
 
 
 def test_smollm2_example_runs_and_its_export_matches_the_trainer(tmp_path):
-    """The README's real-model example: 2 GRPO steps of SmolLM2-135M-Instruct on CPU, then the exported HF
-    checkpoint (loaded by transformers) gives the trainer's logits."""
+    """The README's real-model example: 2 GRPO steps of SmolLM2-135M-Instruct from its HF directory on CPU
+    (arithmetic prompts in verl's schema, math-verify reward, validation before and after), the embedded
+    engine (transformers) and the trainer (Megatron) agreeing on every sampled token's logprob, then the exported
+    HF checkpoint (loaded by transformers) gives the trainer's logits."""
     from transformers import AutoTokenizer
 
     from tests.models.hf_fixtures import smollm2_dir
@@ -86,6 +88,8 @@ def test_smollm2_example_runs_and_its_export_matches_the_trainer(tmp_path):
     # with this seed and the lazy data's order, loss 0.0, grad_norm 5.8).
     assert [r["step"] for r in rows] == [1, 2] and all(r["skipped"] == 0 for r in rows)
     assert all(r["grad_norm"] == 0 for r in rows if r["reward"] in (0.0, 1.0)) and any(r["grad_norm"] > 0 for r in rows)
+    assert all(r["logprob_mismatch"] < 1e-4 for r in rows)  # engine (transformers) vs trainer (Megatron), fp32
+    assert "validation reward (greedy)" in proc.stdout
 
     step_dir = tmp_path / "checkpoints" / "step_00000002"
     assert (step_dir / "manifest.json").is_file() and (step_dir / "hf" / "tokenizer.json").is_file()
