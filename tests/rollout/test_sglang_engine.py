@@ -40,7 +40,25 @@ def _mismatch(actor, gen, prompts, temperature):
     return algo.logprob_mismatch(engine_lp, trainer, rb.response_mask())
 
 
-def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1):
+def _kill_and_generate(engine, before: set) -> dict:
+    """SIGKILL the engine's own processes (by PID) and ask it for more: an EngineError within seconds, not a hang."""
+    from grpo_mega.rollout.sglang_engine import EngineError
+
+    engine.timeout_s = 30  # a dead engine noticed by the timeout alone would still be an error within the minute
+    for p in _children():
+        if p.pid not in before:
+            os.kill(p.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=3, stop_token_ids=[], seed=0)
+        time.sleep(5)  # the watchdog's signal may come a moment later
+        engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=3, stop_token_ids=[], seed=0)
+    except EngineError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {}
+
+
+def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1, kill=False):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.rollout.interface import Bucket, TensorMeta
     from grpo_mega.rollout.sglang_engine import SGLangEngine
@@ -60,6 +78,7 @@ def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1):
         batch.old_logp = actor.logprobs(batch, 1.0)
         actor.update(batch, 1.0)  # the engine must now receive trained weights
 
+        before = {p.pid for p in _children()}
         engine = SGLangEngine(hf_dir, dtype="float32", timeout_s=120) if dist.get_rank() == 0 else None
         try:
             t0 = time.perf_counter()
@@ -93,9 +112,16 @@ def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1):
                     check_audit({name: stats.checksums[name]}, engine.weight_checksums({name: stats.shapes[name]}))
                 except WeightSyncError as e:
                     out["corrupt"] = str(e)
+            if engine is not None and kill:
+                out["death"] = _kill_and_generate(engine, before)
         finally:
             if engine is not None:
-                engine.shutdown()
+                try:
+                    engine.shutdown()
+                except Exception:  # noqa: BLE001 - after a kill there may be nothing left to shut down
+                    if not kill:
+                        raise
+                time.sleep(1 if kill else 0)
                 out["children_after_shutdown"] = [p.pid for p in _children() if p.is_running() and p.status() != "zombie"]
         destroy_distributed()
     return out
@@ -107,10 +133,11 @@ def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp
     Qwen3-MoE (8 experts, top-2, every layer sparse: SGLang 0.5.23 ignores mlp_only_layers; its CPU MoE path)
     at EP2, each expert gathered from the EP rank that holds it. SGLang 0.5.23 cannot read Qwen3's or
     Qwen3-MoE's weights back (no get_weights_by_name, as rollout.audit_weights's refusal says): there the
-    logprobs to 1e-5 are the check."""
+    logprobs to 1e-5 are the check. At the end the Llama engine's processes are SIGKILLed: asking it for more is
+    an EngineError within a minute, not a hang, and nothing of it is left."""
     audit = family == "llama"
     hf_dir = str(tiny_hf(tmp_path / family, family, dtype=torch.float32, mlp_only_layers=()))
-    res = run_ranks(_sync_sglang, tp * pp * ep, hf_dir, tp, pp, audit, ep, timeout=600)
+    res = run_ranks(_sync_sglang, tp * pp * ep, hf_dir, tp, pp, audit, ep, audit, timeout=600)
     r0 = res[0]
     print(f"sync {r0['stats'].bytes} bytes in {r0['stats'].buckets} buckets, {r0['stats'].seconds:.2f} s")
     assert r0["stats"].audited == audit and r0["stats"].buckets > 3
@@ -122,41 +149,6 @@ def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp
     assert res[0]["stale_mismatch"] > 100 * LOGP_TOL
     assert not audit or "model.layers.1.mlp.down_proj.weight" in r0["corrupt"]
     assert r0["children_after_shutdown"] == []
-
-
-def _kill_engine_then_generate(hf_dir):
-    from grpo_mega.rollout.sglang_engine import EngineError, SGLangEngine
-
-    before = {p.pid for p in _children()}
-    engine = SGLangEngine(hf_dir, dtype="float32", timeout_s=30)
-    out = {}
-    try:
-        ok = engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=3, stop_token_ids=[], seed=0)
-        out["first"] = ok.token_ids
-        for p in _children():
-            if p.pid not in before:
-                os.kill(p.pid, signal.SIGKILL)  # the engine's own processes, by PID
-        t0 = time.monotonic()
-        try:
-            engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=3, stop_token_ids=[], seed=0)
-            time.sleep(5)  # the watchdog's signal may come a moment later
-            engine.generate([[1, 2, 3]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=3, stop_token_ids=[], seed=0)
-        except EngineError as e:
-            out["error"], out["seconds"] = str(e), time.monotonic() - t0
-    finally:
-        try:
-            engine.shutdown()
-        except Exception:
-            pass
-    time.sleep(1)
-    out["left"] = [p.pid for p in _children() if p.pid not in before and p.status() != "zombie"]
-    return out
-
-
-def test_a_dead_engine_is_an_error_not_a_hang(tmp_path):
-    hf_dir = str(tiny_hf(tmp_path / "llama", "llama", dtype=torch.float32))
-    (res,) = run_ranks(_kill_engine_then_generate, 1, hf_dir, timeout=300)
-    assert len(res["first"][0]) == 3
-    assert "error" in res and res["seconds"] < 60, res
-    print("engine death:", res["error"], f"after {res['seconds']:.1f} s")
-    assert res["left"] == []
+    if audit:
+        assert "error" in r0["death"] and r0["death"]["seconds"] < 60, r0["death"]
+        print("engine death:", r0["death"]["error"], f"after {r0['death']['seconds']:.1f} s")
