@@ -1,6 +1,7 @@
 """gspo, cispo, geo_mean (GMPO), sapo and gpg, each with a rollout correction, are the same under TP2 + sequence
-parallelism, PP2 and DP2 as in
-one process: loss, grad norm, the full gradient and the correction's metrics (tests/trainer/layouts.py).
+parallelism, PP2 and DP2 as in one process: loss, grad norm, the full gradient and the correction's metrics
+(tests/trainer/layouts.py); clip_cov and kl_cov (their token selection per micro-batch), dro, dppo_tv, dppo_kl and the
+two bypass losses (on the engine's logprobs) are, at TP2 x PP2.
 
 GSPO's and GMPO's sequence ratios and the sequence-level correction reduce over a whole response: this checks that every
 response reaches the loss whole (packed rows unpacked per sequence, the sequence gathered before the output layer
@@ -33,9 +34,24 @@ LOSSES = {  # name: (combo (mode, micro-batch size), AlgoConfig fields)
             dict(policy_loss="gpg", dual_clip=None, rollout_correction="geometric", rollout_correction_mode="mask",
                  rollout_correction_low=0.9, rollout_correction_high=1.1)),
 }
+CORRECTED = tuple(LOSSES)
+"""The losses above run with a rollout correction whose caps the reference must hit."""
+LOSSES.update({  # the token-level entries: one TP2 x PP2 run each (their reductions are the ones checked above)
+    "clip_cov": (("token-mean", 1), dict(policy_loss="clip_cov", dual_clip=None, clip_cov_ratio=0.1, clip_cov_lb=-1.0,
+                                         clip_cov_ub=5.0, rollout_correction="token", rollout_correction_high=1.2)),
+    "kl_cov": (("token-mean", 1), dict(policy_loss="kl_cov", dual_clip=None, kl_cov_ratio=0.1, kl_cov_coef=0.5,
+                                       rollout_correction="token", rollout_correction_high=1.2)),
+    "dro": (("token-mean", 1), dict(policy_loss="dro", dual_clip=None, dro_beta=1.0)),
+    "bypass_ppo_clip": (("token-mean", 1), dict(policy_loss="bypass_ppo_clip", dual_clip=None)),
+    "bypass_reinforce": (("token-mean", 1), dict(policy_loss="bypass_reinforce", dual_clip=None)),
+    "dppo_tv": (("token-mean", 1), dict(policy_loss="dppo_tv", dual_clip=None, dppo_div_high=0.05)),
+    "dppo_kl": (("token-mean", 1), dict(policy_loss="dppo_kl", dual_clip=None, dppo_div_high=0.01)),
+})
 CLIPPING = ("gspo", "cispo", "geo_mean")
 """The losses with a clip whose both sides the reference must take (sapo's gate and gpg have none)."""
-LAYOUTS = {"TP2-SP": (2, 1, 1, True), "PP2": (1, 2, 1, False), "DP2": (1, 1, 2, False)}
+LAYOUTS = {"TP2-SP": (2, 1, 1, True), "PP2": (1, 2, 1, False), "DP2": (1, 1, 2, False), "TP2xPP2": (2, 2, 1, False)}
+CASES = [(name, layout) for name in CORRECTED for layout in ("TP2-SP", "PP2", "DP2")] + \
+    [(name, "TP2xPP2") for name in LOSSES if name not in CORRECTED]
 METRICS = ("is_weight_mean", "is_capped_fraction", "is_seq_capped_fraction", "clip_fraction", "pg_loss")
 
 
@@ -51,14 +67,14 @@ def references(tmp_path_factory):
 
 
 def test_references_exercise_the_bounds(references):
-    for name, (combo, _) in LOSSES.items():
+    for name in CORRECTED:
+        combo = LOSSES[name][0]
         m, _ = references[1][name][3][combo]
         assert 0 < m["is_seq_capped_fraction"] < 1, (name, {k: m[k] for k in METRICS})
         assert name not in CLIPPING or 0 < m["clip_fraction"] < 1, (name, {k: m[k] for k in METRICS})
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("name,layout", CASES)
 def test_policy_loss_layout_matches_single_process(references, name, layout):
     tmp, refs = references
     (combo, algo_kw), (tp, pp, dp, sp) = LOSSES[name], LAYOUTS[layout]
