@@ -20,9 +20,10 @@ A's full tensor is drawn on the CPU from `lora.seed` and the layer's global inde
 keeping its shard; B starts at 0 (step 0 is the base model).
 
 The adapters are left out of the module's state_dict (base checkpoints, weight sync and HF conversion see the base
-model alone); `adapter_state` reads them. They are in its sharded_state_dict (megatron's distributed checkpoint), sharded
-as above (fc1's B of a gated MLP as megatron shards the fused gate/up weight), so that a training checkpoint can hold
-the adapters alone (`ADAPTER_KEYS`) and reload them at any TP/PP layout.
+model alone); `adapter_state` reads them. Asked for with `ADAPTERS_METADATA`, they are in its sharded_state_dict
+(megatron's distributed checkpoint), sharded as above (fc1's B of a gated MLP as megatron shards the fused gate/up
+weight), so that a training checkpoint can hold the adapters alone (`ADAPTER_KEYS`) and reload them at any TP/PP
+layout; without it a LoRA model's sharded_state_dict is its base model's (a base checkpoint loads into it).
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ def _row_forward(m):
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
 """The endings of the adapters' keys in a (sharded) state dict."""
+ADAPTERS_METADATA = "grpo_mega_lora_adapters"
+"""sharded_state_dict(metadata={ADAPTERS_METADATA: True}): the adapters too."""
 
 
 def _sharded_state_dict(m):
@@ -167,6 +170,8 @@ def _sharded_state_dict(m):
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
         out = base(prefix, sharded_offsets, metadata)
+        if not (metadata or {}).get(ADAPTERS_METADATA):
+            return out
         adapters = make_sharded_tensors_for_checkpoint(
             {"lora_A": m.lora_A, "lora_B": m.lora_B}, prefix, {"lora_B": 0} if m._lora_column else {"lora_A": 1},
             sharded_offsets, tp_group=m.tp_group, dp_cp_group=(metadata or {})["dp_cp_group"])

@@ -58,11 +58,13 @@ def _patch_distrib_optimizer_load() -> None:
 
 
 def _sharded(actor, reference, loading: bool) -> dict:
-    model_sd = actor.built.gpt.sharded_state_dict()
     if _lora(actor) is not None:  # the adapters alone; the reference is the base (the actor with adapters off)
-        from grpo_mega.models.lora import ADAPTER_KEYS
+        from grpo_mega.models.lora import ADAPTER_KEYS, ADAPTERS_METADATA
 
+        model_sd = actor.built.gpt.sharded_state_dict(metadata={ADAPTERS_METADATA: True})
         model_sd, reference = {k: v for k, v in model_sd.items() if k.endswith(ADAPTER_KEYS)}, None
+    else:
+        model_sd = actor.built.gpt.sharded_state_dict()
     out = {"actor": model_sd,
            "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)}
     if reference is not None:

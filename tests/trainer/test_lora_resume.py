@@ -120,6 +120,10 @@ def test_lora_checkpoint_holds_the_adapters_alone(uninterrupted, tmp_path):
     b = {key: torch.empty(meta.state_dict_metadata[key].size)}
     dcp_load(b, storage_reader=FileSystemReader(str(step / "model")), no_dist=True)
     assert float(b[key].abs().max()) > 0, "B starts at 0 and has trained"
+    from grpo_mega.trainer.checkpoint import model_dir
+
+    with pytest.raises(ValueError, match=r"is a LoRA checkpoint: its model/ holds the adapters alone"):
+        model_dir(str(step))  # grpo-mega-convert-to-hf's reading of a checkpoint
     loop = json.loads((step / "loop_state.json").read_text())
     assert loop["lora"] == {"rank": 4, "alpha": 16.0, "target_modules": ["qkv", "proj", "fc1", "fc2"],
                             "base_model": {"path": "tiny", "init_seed": loop["config"]["run"]["seed"]}}
