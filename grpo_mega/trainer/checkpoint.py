@@ -4,7 +4,8 @@ resolved config), sealed by the CheckpointStore so that only complete checkpoint
 
 Layout of `step_XXXXXXXX/`: `model/` (the distributed checkpoint, with grpo_mega.json so that
 grpo-mega-convert-to-hf can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
-`checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang),
+`checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang; under LoRA the
+merged weights W + (alpha / r) B A, and `peft/` the adapters as a PEFT LoRA directory, `export_peft`),
 `rollout_routes.safetensors` when an in-flight batch carries routed experts (algo.routing_replay=rollout or measure;
 `save_routes`), and the store's manifest.json over all of them.
 
@@ -236,6 +237,51 @@ def export_hf(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optio
         raise
 
 
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def peft_tensors(gpt, model_cfg) -> dict[str, torch.Tensor]:
+    """Collective over TP: this pipeline stage's adapters as full tensors under PEFT's names
+    (base_model.model.<HF module>.lora_A.weight [r, in] / .lora_B.weight [out, r]). A fused adapter is split per HF
+    projection as the bridge splits its base weight: qkv's B rows into q/k/v (per query group), fc1's into gate/up,
+    each projection keeping the shared A, so that (alpha / r) B_q A is exactly the q rows of (alpha / r) B A."""
+    from grpo_mega.models import bridge
+    from grpo_mega.models.lora import adapted, adapter_state
+
+    state, offset, out = adapter_state(gpt), bridge.layer_offset(gpt), {}
+    for path, m in adapted(gpt):
+        name = bridge.global_name(f"{path}.weight", offset)
+        a, b = state[f"{path}.lora_A"], state[f"{path}.lora_B"]
+        for hf_name, part in bridge.to_hf(name, b, model_cfg):
+            stem = "base_model.model." + hf_name.removesuffix(".weight")
+            out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = a.clone(), part.contiguous()
+    return out
+
+
+def export_peft(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optional[str] = None) -> None:
+    """Collective: the actor's adapters as a PEFT LoRA directory at `out_dir` (rank 0 writes adapter_config.json
+    and adapter_model.safetensors; PEFT's scaling lora_alpha / r is ours). Each pipeline stage's first TP rank of
+    the first DP replica sends its stage's adapters to rank 0."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    lora = _lora(actor)
+    tensors = peft_tensors(actor.built.gpt, model_cfg)
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    gathered = comm.gather_objects({k: v.to("cpu", dtype) for k, v in tensors.items()} if first else {})
+    if dist.get_rank() != 0:
+        return
+    merged = {k: v for part in gathered for k, v in part.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(merged, str(out_dir / PEFT_FILES[1]), metadata={"format": "pt"})
+    targets = sorted({k.split(".")[-3] for k in merged})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hf_dir, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": targets, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+              "inference_mode": True}
+    (out_dir / PEFT_FILES[0]).write_text(json.dumps(config, indent=2))
+
+
 def model_dir(path: str) -> str:
     """The Megatron checkpoint to export from `path`: a training checkpoint (step_XXXXXXXX/, verified
     against its manifest first) gives its `model/`; anything else is taken as a converted checkpoint."""
@@ -316,6 +362,8 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
                        **extra)
         if export.get("hf"):
             export_hf(tmp / "hf", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
+            if _lora(actor) is not None:
+                export_peft(tmp / "peft", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in _rng_state().items()}, str(tmp / "rng" / f"rank_{dist.get_rank():05d}.safetensors"))
     if dist.get_rank() == 0:

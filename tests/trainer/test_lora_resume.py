@@ -47,7 +47,7 @@ def _bytes(d: Path) -> int:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_full")
-    return d, _train(d / "run", d / "ckpt", 5, 1, *LORA)
+    return d, _train(d / "run", d / "ckpt", 5, 1, *LORA, "checkpoint.export_hf=true")
 
 
 def _resumed_from_step_2(full_dir: Path, tmp_path: Path, tp: int):
@@ -103,6 +103,7 @@ def test_lora_checkpoint_holds_the_adapters_alone(uninterrupted, tmp_path):
     """No base weight is written: every tensor of model/ is an adapter or an adapter's optimizer state, B has
     trained (non-zero), and the checkpoint is a small fraction of a full one of the same model."""
     import torch
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
     full_dir, _ = uninterrupted
@@ -124,6 +125,9 @@ def test_lora_checkpoint_holds_the_adapters_alone(uninterrupted, tmp_path):
 
     with pytest.raises(ValueError, match=r"is a LoRA checkpoint: its model/ holds the adapters alone"):
         model_dir(str(step))  # grpo-mega-convert-to-hf's reading of a checkpoint
+    peft = load_file(step / "peft" / "adapter_model.safetensors")  # checkpoint.export_hf: merged hf/ and peft/
+    assert len(peft) == 4 * 7 * 2 and (step / "peft" / "adapter_config.json").is_file()  # tests/trainer/test_lora_export.py
+    assert (step / "hf" / "model.safetensors").is_file()
     loop = json.loads((step / "loop_state.json").read_text())
     assert loop["lora"] == {"rank": 4, "alpha": 16.0, "target_modules": ["qkv", "proj", "fc1", "fc2"],
                             "base_model": {"path": "tiny", "init_seed": loop["config"]["run"]["seed"]}}
