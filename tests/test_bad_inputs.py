@@ -220,8 +220,6 @@ CONFIG_CASES = {
     "lora_rank_larger_than_a_layer": (["lora.rank=100000"],
                                       r"lora\.rank=100000 is larger than decoder\.layers\.0\.self_attention\.linear_\w+'s "
                                       r"smaller dimension 64 \(64 x 64\); choose lora\.rank <= 64"),
-    "lora_with_a_checkpoint_dir": (["lora.rank=4", "checkpoint.dir=CKPT"],
-                                   r"lora\.rank=4 with checkpoint\.dir=.*LoRA checkpoints .* are not written yet"),
     "lora_with_reference_updates": (["lora.rank=4", "algo.kl_coef=0.01", "algo.ref_update_interval=5"],
                                     r"lora\.rank=4 with algo\.ref_update_interval=5: under LoRA the reference is the frozen base"),
     "routing_replay_unknown": (["algo.routing_replay=always"],

@@ -38,7 +38,9 @@ class CheckpointConfig:
     USR1, before a time limit or preemption, and requeues the job; the restart loses nothing)."""
     export_hf: bool = False
     """Also write the actor as an HF directory (`hf/`, loadable by transformers/SGLang) into every checkpoint.
-    Any checkpoint can be exported later: grpo-mega-convert-to-hf --ckpt DIR/step_XXXXXXXX."""
+    Any checkpoint can be exported later: grpo-mega-convert-to-hf --ckpt DIR/step_XXXXXXXX. Under LoRA `hf/` is the
+    merged model W + (alpha / r) B A and `peft/` the adapters as a PEFT LoRA directory (a LoRA checkpoint's model/
+    holds the adapters alone: export it here, not later)."""
     lock_stale_s: float = 300.0
     """The run holding `dir` heartbeats its lock from a thread every lock_stale_s / 10; a lock on another host
     without a heartbeat for this long is taken over (a holder on this host or in this Slurm job is checked

@@ -125,10 +125,6 @@ class TrainConfig:
     def check_lora(self) -> None:
         """What LoRA cannot be combined with yet: a ValueError naming the setting."""
         r = self.lora.rank
-        if self.checkpoint.dir:
-            raise ValueError(f"lora.rank={r} with checkpoint.dir={self.checkpoint.dir!r}: LoRA checkpoints (adapters and "
-                             "their optimizer state) are not written yet and a base checkpoint would drop the adapters; "
-                             "unset checkpoint.dir or set lora.rank=null")
         if self.algo.ref_update_interval:
             raise ValueError(f"lora.rank={r} with algo.ref_update_interval={self.algo.ref_update_interval}: under LoRA the "
                              "reference is the frozen base (the actor with adapters off) and cannot follow the policy; "

@@ -20,7 +20,10 @@ A's full tensor is drawn on the CPU from `lora.seed` and the layer's global inde
 keeping its shard; B starts at 0 (step 0 is the base model).
 
 The adapters are left out of the module's state_dict (base checkpoints, weight sync and HF conversion see the base
-model alone); `adapter_state` reads them.
+model alone); `adapter_state` reads them. Asked for with `ADAPTERS_METADATA`, they are in its sharded_state_dict
+(megatron's distributed checkpoint), sharded as above (fc1's B of a gated MLP as megatron shards the fused gate/up
+weight), so that a training checkpoint can hold the adapters alone (`ADAPTER_KEYS`) and reload them at any TP/PP
+layout; without it a LoRA model's sharded_state_dict is its base model's (a base checkpoint loads into it).
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ def _add(module, name: str, target: str, lora: LoraConfig, layer_number: int, co
     module._lora_scale, module._lora_on, module._lora_column, module._lora_target = lora.scale, True, column, target
     module._lora_base_forward = module.forward
     module.forward = _column_forward(module) if column else _row_forward(module)
+    module.sharded_state_dict = _sharded_state_dict(module)
     module._register_state_dict_hook(_drop_adapters)
     module.register_load_state_dict_post_hook(_ignore_missing_adapters)
 
@@ -148,6 +152,36 @@ def _row_forward(m):
         return out + m._lora_scale * F.linear(h, m.lora_B), bias
 
     return forward
+
+
+ADAPTER_KEYS = ("lora_A", "lora_B")
+"""The endings of the adapters' keys in a (sharded) state dict."""
+ADAPTERS_METADATA = "grpo_mega_lora_adapters"
+"""sharded_state_dict(metadata={ADAPTERS_METADATA: True}): the adapters too."""
+
+
+def _sharded_state_dict(m):
+    """The base linear's sharded_state_dict plus the adapters, TP-sharded as they are (column base: B on its rows,
+    with megatron's gate/up split for a gated fc1; row base: A on its columns; the other one replicated)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    base = m.sharded_state_dict
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = base(prefix, sharded_offsets, metadata)
+        if not (metadata or {}).get(ADAPTERS_METADATA):
+            return out
+        adapters = make_sharded_tensors_for_checkpoint(
+            {"lora_A": m.lora_A, "lora_B": m.lora_B}, prefix, {"lora_B": 0} if m._lora_column else {"lora_A": 1},
+            sharded_offsets, tp_group=m.tp_group, dp_cp_group=(metadata or {})["dp_cp_group"])
+        if _gated(m):
+            adapters[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
+                adapters[f"{prefix}lora_B"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+        out.update(adapters)
+        return out
+
+    return sharded_state_dict
 
 
 def _drop_adapters(module, state_dict, prefix, local_metadata):

@@ -4,14 +4,20 @@ resolved config), sealed by the CheckpointStore so that only complete checkpoint
 
 Layout of `step_XXXXXXXX/`: `model/` (the distributed checkpoint, with grpo_mega.json so that
 grpo-mega-convert-to-hf can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
-`checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang),
+`checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang; under LoRA the
+merged weights W + (alpha / r) B A, and `peft/` the adapters as a PEFT LoRA directory, `export_peft`),
 `rollout_routes.safetensors` when an in-flight batch carries routed experts (algo.routing_replay=rollout or measure;
 `save_routes`), and the store's manifest.json over all of them.
+
+Under LoRA (lora.rank) `model/` holds the adapters and their optimizer state alone: the frozen base weights come from
+the model path, whose identity (`base_model_identity`) loop_state.json keeps under "lora"; a resume on another base
+model, or with other adapter shapes, is refused (`check_lora`).
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -53,12 +59,87 @@ def _patch_distrib_optimizer_load() -> None:
 
 
 def _sharded(actor, reference, loading: bool) -> dict:
-    model_sd = actor.built.gpt.sharded_state_dict()
+    if _lora(actor) is not None:  # the adapters alone; the reference is the base (the actor with adapters off)
+        from grpo_mega.models.lora import ADAPTER_KEYS, ADAPTERS_METADATA
+
+        model_sd = actor.built.gpt.sharded_state_dict(metadata={ADAPTERS_METADATA: True})
+        model_sd, reference = {k: v for k, v in model_sd.items() if k.endswith(ADAPTER_KEYS)}, None
+    else:
+        model_sd = actor.built.gpt.sharded_state_dict()
     out = {"actor": model_sd,
            "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)}
     if reference is not None:
         out["reference"] = reference.built.gpt.sharded_state_dict(prefix="reference.")
     return out
+
+
+def _lora(actor):
+    """The actor's LoraConfig, None when every weight trains."""
+    return getattr(actor, "lora", None)
+
+
+def base_model_identity(model: str, hf_dir: Optional[str], seed: int) -> dict:
+    """What a LoRA checkpoint's adapters were trained on: an HF directory's resolved path and the sha256 of its
+    weight files' bytes (*.safetensors, else *.bin, in name order, each name hashed before its bytes); a
+    model_configs/ model (no weights on disk) is its name and run.seed, from which its weights are initialised."""
+    if hf_dir is None:
+        return {"path": model, "init_seed": seed}
+    files = sorted(Path(hf_dir).glob("*.safetensors")) or sorted(Path(hf_dir).glob("*.bin"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return {"path": str(Path(hf_dir).resolve()), "sha256": h.hexdigest(), "files": len(files)}
+
+
+def lora_state(actor, base_model: Optional[dict]) -> Optional[dict]:
+    """What loop_state.json keeps of a LoRA run (None without LoRA): the adapters' shape settings and the base."""
+    lora = _lora(actor)
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules),
+            "base_model": base_model}
+
+
+def _describe(base: Optional[dict]) -> str:
+    if not base:
+        return "an unrecorded base model"
+    if "sha256" in base:
+        return f"{base['path']} (sha256 of its weights {base['sha256'][:16]}...)"
+    return f"{base['path']} (random init, run.seed={base.get('init_seed')})"
+
+
+def _same_base(a: Optional[dict], b: Optional[dict]) -> bool:
+    if a and b and "sha256" in a and "sha256" in b:
+        return a["sha256"] == b["sha256"]  # the same bytes, wherever they were moved
+    return a == b
+
+
+def check_lora(path: Path, state: dict, actor, base_model: Optional[dict]) -> None:
+    """A CheckpointError in one line when checkpoint `path` (its loop state `state`) cannot continue this run's
+    training: a full checkpoint under LoRA or the reverse, other adapter shapes or scale, another base model."""
+    saved, now = state.get("lora"), lora_state(actor, base_model)
+    if saved is None and now is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"{path} is a full checkpoint (every weight trained) and this run trains LoRA adapters "
+                              f"(lora.rank={now['rank']}): resume it with lora.rank=null, or start the LoRA run in "
+                              "another checkpoint.dir")
+    if now is None:
+        raise CheckpointError(f"{path} holds LoRA adapters only (lora.rank={saved['rank']}) and this run trains every "
+                              f"weight (lora.rank=null): resume with lora.rank={saved['rank']}, or start the full run "
+                              "in another checkpoint.dir")
+    diffs = [f"lora.{k} {saved.get(k)!r} (this run: {now[k]!r})" for k in ("rank", "alpha", "target_modules")
+             if saved.get(k) != now[k]]
+    if diffs:
+        raise CheckpointError(f"{path} was trained with other adapters: {', '.join(diffs)}; resume with its lora "
+                              "settings, or start a new run in another checkpoint.dir")
+    if not _same_base(saved.get("base_model"), base_model):
+        raise CheckpointError(f"{path} holds LoRA adapters trained on base model {_describe(saved.get('base_model'))}, "
+                              f"not on this run's {_describe(base_model)}: resume with the base model it was trained "
+                              "on (model=...), or start a new run in another checkpoint.dir")
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -156,6 +237,51 @@ def export_hf(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optio
         raise
 
 
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def peft_tensors(gpt, model_cfg) -> dict[str, torch.Tensor]:
+    """Collective over TP: this pipeline stage's adapters as full tensors under PEFT's names
+    (base_model.model.<HF module>.lora_A.weight [r, in] / .lora_B.weight [out, r]). A fused adapter is split per HF
+    projection as the bridge splits its base weight: qkv's B rows into q/k/v (per query group), fc1's into gate/up,
+    each projection keeping the shared A, so that (alpha / r) B_q A is exactly the q rows of (alpha / r) B A."""
+    from grpo_mega.models import bridge
+    from grpo_mega.models.lora import adapted, adapter_state
+
+    state, offset, out = adapter_state(gpt), bridge.layer_offset(gpt), {}
+    for path, m in adapted(gpt):
+        name = bridge.global_name(f"{path}.weight", offset)
+        a, b = state[f"{path}.lora_A"], state[f"{path}.lora_B"]
+        for hf_name, part in bridge.to_hf(name, b, model_cfg):
+            stem = "base_model.model." + hf_name.removesuffix(".weight")
+            out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = a.clone(), part.contiguous()
+    return out
+
+
+def export_peft(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optional[str] = None) -> None:
+    """Collective: the actor's adapters as a PEFT LoRA directory at `out_dir` (rank 0 writes adapter_config.json
+    and adapter_model.safetensors; PEFT's scaling lora_alpha / r is ours). Each pipeline stage's first TP rank of
+    the first DP replica sends its stage's adapters to rank 0."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    lora = _lora(actor)
+    tensors = peft_tensors(actor.built.gpt, model_cfg)
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    gathered = comm.gather_objects({k: v.to("cpu", dtype) for k, v in tensors.items()} if first else {})
+    if dist.get_rank() != 0:
+        return
+    merged = {k: v for part in gathered for k, v in part.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(merged, str(out_dir / PEFT_FILES[1]), metadata={"format": "pt"})
+    targets = sorted({k.split(".")[-3] for k in merged})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hf_dir, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": targets, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+              "inference_mode": True}
+    (out_dir / PEFT_FILES[0]).write_text(json.dumps(config, indent=2))
+
+
 def model_dir(path: str) -> str:
     """The Megatron checkpoint to export from `path`: a training checkpoint (step_XXXXXXXX/, verified
     against its manifest first) gives its `model/`; anything else is taken as a converted checkpoint."""
@@ -171,6 +297,9 @@ def model_dir(path: str) -> str:
     CheckpointStore(str(p.parent)).verify(p)
     if not (p / "model" / META_FILE).is_file():
         raise ValueError(f"{path}/model has no {META_FILE} (written by an older grpo-mega?); cannot tell its model")
+    if json.loads((p / "model" / META_FILE).read_text()).get("lora"):
+        raise ValueError(f"{path} is a LoRA checkpoint: its model/ holds the adapters alone, not a model to export; "
+                         f"its merged HF model is {path}/hf when it was saved with checkpoint.export_hf=true")
     return str(p / "model")
 
 
@@ -228,9 +357,13 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
             from grpo_mega.models.hf_io import read_hf_config
 
             hf_config = read_hf_config(export["hf_dir"])[0] if export.get("hf_dir") else {}
-            write_meta(str(tmp / "model"), export["model_cfg"], hf_config, export["dtype"], source=export.get("hf_dir"))
+            extra = {"lora": lora_state(actor, (loop_state.get("lora") or {}).get("base_model"))} if _lora(actor) else {}
+            write_meta(str(tmp / "model"), export["model_cfg"], hf_config, export["dtype"], source=export.get("hf_dir"),
+                       **extra)
         if export.get("hf"):
             export_hf(tmp / "hf", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
+            if _lora(actor) is not None:
+                export_peft(tmp / "peft", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in _rng_state().items()}, str(tmp / "rng" / f"rank_{dist.get_rank():05d}.safetensors"))
     if dist.get_rank() == 0:
@@ -323,9 +456,10 @@ def check_model(path: Path, model_cfg) -> None:
                               "new run in another checkpoint.dir")
 
 
-def load(path: Path, actor, reference) -> dict:
+def load(path: Path, actor, reference, base_model: Optional[dict] = None) -> dict:
     """Load a verified checkpoint into this layout; returns the loop state, with "path": the checkpoint's
-    directory (for the task's own files). RNG states are restored when the world size and the device kind
+    directory (for the task's own files). Under LoRA only the adapters and their optimizer state are read
+    (`base_model`: this run's base_model_identity, checked against the checkpoint's). RNG states are restored when the world size and the device kind
     match the saving run's (at another layout the streams cannot correspond; a GPU's generator states do not
     fit the CPU's): a checkpoint moves between GPU and CPU."""
     from megatron.core import dist_checkpointing
@@ -334,10 +468,12 @@ def load(path: Path, actor, reference) -> dict:
     check_model(path, actor.model_cfg)
     with open(path / "loop_state.json") as f:
         state = json.load(f)
+    check_lora(path, state, actor, base_model)
+    lora = _lora(actor) is not None
     rollout = state.get("rollout")
     if rollout is not None and rollout.get("routed_experts") is not None:
         rollout["routed_experts"] = load_routes(path, rollout["routed_experts"])
-    if reference is not None and not state.get("has_reference", True):
+    if reference is not None and not lora and not state.get("has_reference", True):
         kl = (state.get("config") or {}).get("algo", {}).get("kl_coef")
         raise CheckpointError(
             f"{path} was saved without a reference model (algo.kl_coef={kl}), and this run needs one for its KL "
@@ -346,7 +482,12 @@ def load(path: Path, actor, reference) -> dict:
     _patch_distrib_optimizer_load()
     prime_optimizer(actor)
     loaded = dist_checkpointing.load(_sharded(actor, reference, loading=True), str(path / "model"))
-    actor.built.gpt.load_state_dict(loaded["actor"])
+    if lora:  # the adapters; the base weights are the model path's, already loaded
+        with torch.no_grad():
+            for key, t in loaded["actor"].items():
+                actor.built.gpt.get_parameter(key).copy_(t)
+    else:
+        actor.built.gpt.load_state_dict(loaded["actor"])
     actor.optimizer.load_state_dict(loaded["optimizer"])
     # The param groups come back with the saving run's max_lr/min_lr, which the scheduler reads per group:
     # this run's optim.lr/min_lr must win (the loop reports the change), as for the scheduler itself.
@@ -354,7 +495,7 @@ def load(path: Path, actor, reference) -> dict:
         group["max_lr"], group["min_lr"] = actor.optim.lr, actor.optim.min_lr
     _unshare_steps(actor)
     actor.optimizer.reload_model_params()
-    if reference is not None:
+    if reference is not None and not lora:
         reference.built.gpt.load_state_dict({k[len("reference."):] if k.startswith("reference.") else k: v
                                              for k, v in loaded["reference"].items()})
     actor.scheduler.load_state_dict(state["scheduler"])
@@ -380,10 +521,11 @@ def config_changes(saved: Optional[dict], now: Optional[dict], prefix: str = "")
     return out
 
 
-def open_for_run(ckpt, actor, reference, resolved_config: Optional[dict] = None) -> tuple[CheckpointStore, Optional[dict]]:
+def open_for_run(ckpt, actor, reference, resolved_config: Optional[dict] = None,
+                 base_model: Optional[dict] = None) -> tuple[CheckpointStore, Optional[dict]]:
     """Collective, at the start of a run with checkpoint.dir: take the directory's lock, pick the checkpoint
     to resume from (checkpoint.resume), clean up interrupted writes, load it. Returns the store and the
-    loop state of the checkpoint loaded (None: a fresh start)."""
+    loop state of the checkpoint loaded (None: a fresh start). `base_model`: see `load`."""
     store = CheckpointStore(ckpt.dir, ckpt.keep_last)
     error = None
     if dist.get_rank() == 0:  # one run per checkpoint directory; decided on rank 0, for all
@@ -421,7 +563,7 @@ def open_for_run(ckpt, actor, reference, resolved_config: Optional[dict] = None)
     dist.barrier()
     if found is None:
         return store, None
-    state = load(found[1], actor, reference)
+    state = load(found[1], actor, reference, base_model)
     if dist.get_rank() == 0:
         print(f"resumed from {found[1]} (step {state['step']}, weight version {state.get('weight_version')})",
               flush=True)

@@ -1,0 +1,130 @@
+"""HF export under LoRA (checkpoint.export_hf with lora.rank): `hf/` is the merged model W + (alpha / r) B A and
+`peft/` the adapters in PEFT's layout, fused qkv and gate/up adapters split per HF projection.
+
+Held against transformers: a random Qwen2 HF model (qkv bias, 8 heads in 4 query groups: the grouped qkv layout)
+is the base; the actor (megatron, fp32) gets random nonzero adapters; its logits must equal transformers' on the
+merged export, and on the base with the PEFT tensors applied by PEFT's documented rule (W += lora_alpha / r *
+lora_B @ lora_A per module, done here by hand: the `peft` package is not installed in this environment), to 1e-5
+max-abs in fp32 (eager attention). The export at TP2 is the same files as at TP1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_mega.conf import LoraConfig, ParallelConfig, PrecisionConfig
+from grpo_mega.parallel import cpu_compat
+from grpo_mega.parallel.forked import run_ranks
+from grpo_mega.parallel.state import destroy_distributed, init_distributed
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+LOGIT_TOL = 1e-5
+TOKENS = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _export(src: str, out: str, tp: int):
+    """A LoRA actor on HF model `src` at TP`tp` with seeded random adapters: its merged and PEFT exports into
+    `out`/hf and `out`/peft, and (TP1) its logits on TOKENS."""
+    from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
+    from grpo_mega.models.lora import adapter_state, load_adapter_state
+    from grpo_mega.trainer.checkpoint import export_hf, export_peft
+    from tests.trainer import layouts as L
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=1)
+        from megatron.core import parallel_state as ps
+
+        _, _, cfg = read_hf_config(src)
+        base = L.tiny_actor(train=1, mini=1, micro=1)
+        actor = type(base)(cfg, ParallelConfig(tp=tp), PrecisionConfig(params_dtype="fp32"), base.optim, base.algo,
+                           base.batch, lora=LORA)
+        gpt = actor.built.gpt
+        load_hf_into_gpt(gpt, src, cfg, ps.get_tensor_model_parallel_rank(), tp)
+        g = torch.Generator().manual_seed(7)
+        load_adapter_state(gpt, {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in sorted(adapter_state(gpt).items())})
+        actor.optimizer.reload_model_params()
+        export_hf(Path(out) / "hf", actor, cfg, torch.float32, src)
+        export_peft(Path(out) / "peft", actor, cfg, torch.float32, src)
+        logits = None
+        if tp == 1:
+            gpt.eval()
+            b, s = TOKENS.shape
+            with torch.no_grad():
+                logits = gpt(TOKENS, torch.arange(s).expand(b, s).contiguous(), None)[..., : cfg.vocab_size].float()
+        destroy_distributed()
+    return logits
+
+
+def _hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from tests.models.hf_fixtures import tiny_hf
+
+    d = tmp_path_factory.mktemp("lora_export")
+    src = tiny_hf(d / "base", "qwen2", dtype=torch.float32)
+    (logits,) = run_ranks(_export, 1, str(src), str(d / "tp1"), 1, timeout=300)
+    return d, src, logits
+
+
+def test_merged_export_gives_the_trainers_logits(exported):
+    from transformers import AutoModelForCausalLM
+
+    d, _, logits = exported
+    merged = AutoModelForCausalLM.from_pretrained(d / "tp1" / "hf", dtype=torch.float32, attn_implementation="eager")
+    err = float((_hf_logits(merged) - logits).abs().max())
+    print(f"LoRA merged export vs trainer: max-abs logit error {err:.2e}")
+    assert err <= LOGIT_TOL, err
+
+
+def test_peft_export_on_the_base_gives_the_trainers_logits(exported):
+    from transformers import AutoModelForCausalLM
+
+    d, src, logits = exported
+    peft = d / "tp1" / "peft"
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"])
+    assert config["base_model_name_or_path"] == str(src)
+    tensors = load_file(peft / "adapter_model.safetensors")
+    assert len(tensors) == 4 * 7 * 2  # 4 layers x 7 HF projections x (A, B)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    weights = dict(model.named_parameters())
+    moved = float((_hf_logits(model) - logits).abs().max())
+    assert moved > 1e-2, moved  # the base alone is far from the trainer: the adapters carry the match below
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+              "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            stem = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            w = weights[f"{stem}.weight"]
+            assert tuple(w.shape) == shapes[stem.split(".")[-1]] and a.shape == (4, w.shape[1]) and b.shape == (w.shape[0], 4)
+            w += config["lora_alpha"] / config["r"] * b @ a
+    err = float((_hf_logits(model) - logits).abs().max())
+    print(f"LoRA PEFT export applied to the base vs trainer: max-abs logit error {err:.2e} (the base alone: {moved:.2e}; "
+          f"logits up to {float(logits.abs().max()):.2f})")
+    assert err <= LOGIT_TOL, err
+    merged = load_file(d / "tp1" / "hf" / "model.safetensors")
+    werr = max(float((weights[k].detach() - v).abs().max()) for k, v in merged.items() if k in weights)
+    assert werr <= 1e-6, werr  # the same W + s B A, per projection
+
+
+def test_export_at_tp2_is_tp1s(exported):
+    d, src, _ = exported
+    run_ranks(_export, 2, str(src), str(d / "tp2"), 2, timeout=300)
+    for rel in ("peft/adapter_model.safetensors", "hf/model.safetensors"):
+        a, b = load_file(d / "tp1" / rel), load_file(d / "tp2" / rel)
+        assert a.keys() == b.keys()
+        err = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert err <= 1e-6, (rel, err)  # the adapters bit for bit; W + s B A summed per shard at TP2
