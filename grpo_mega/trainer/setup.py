@@ -121,10 +121,10 @@ class Run:
         self.first_step, self.store, state, self.saved_step = 1, None, None, None
         self.base_model = None  # under LoRA with checkpoints: what the adapters are trained on (hashed once)
         if cfg.checkpoint.dir:
-            from grpo_mega.trainer import checkpoint
+            from grpo_mega.trainer import checkpoint, lora_checkpoint
 
             if cfg.lora.enabled:
-                self.base_model = comm.broadcast_object(checkpoint.base_model_identity(cfg.model, hf_dir, cfg.run.seed)
+                self.base_model = comm.broadcast_object(lora_checkpoint.base_model_identity(cfg.model, hf_dir, cfg.run.seed)
                                                         if torch.distributed.get_rank() == 0 else None)
             self.store, state = checkpoint.open_for_run(cfg.checkpoint, self.actor, self.reference, cfg.to_dict(),
                                                         base_model=self.base_model)
@@ -212,12 +212,12 @@ class Run:
 
     def save(self, step: int) -> None:
         """A checkpoint of step `step`, with the next step's batch when it is already generated (README)."""
-        from grpo_mega.trainer import checkpoint
+        from grpo_mega.trainer import checkpoint, lora_checkpoint
 
         c = self.cfg.checkpoint
         state = {"step": step, "weight_version": step, "config": self.cfg.to_dict(),
                  "task": self.rollouts.task_state() if self.task.get_state else None, "rollout": self.rollouts.state(),
-                 "lora": checkpoint.lora_state(self.actor, self.base_model)}
+                 "lora": lora_checkpoint.lora_state(self.actor, self.base_model)}
         checkpoint.save(self.store, step, self.actor, self.reference, state,
                         export=dict(model_cfg=self.model, dtype=self.actor.params_dtype, hf_dir=self.hf_dir,
                                     hf=c.export_hf),

@@ -31,7 +31,8 @@ def _export(src: str, out: str, tp: int):
     `out`/hf and `out`/peft, and (TP1) its logits on TOKENS."""
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.models.lora import adapter_state, load_adapter_state
-    from grpo_mega.trainer.checkpoint import export_hf, export_peft
+    from grpo_mega.trainer.checkpoint import export_hf
+    from grpo_mega.trainer.lora_checkpoint import export_peft
     from tests.trainer import layouts as L
 
     with cpu_compat.cpu_device_mode():

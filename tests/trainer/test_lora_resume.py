@@ -156,7 +156,8 @@ def _actor(rank):
 
 
 def test_check_lora_refuses_what_cannot_continue(tmp_path):
-    from grpo_mega.trainer.checkpoint import CheckpointError, base_model_identity, check_lora, lora_state
+    from grpo_mega.trainer.checkpoint_store import CheckpointError
+    from grpo_mega.trainer.lora_checkpoint import base_model_identity, check_lora, lora_state
 
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -1,0 +1,131 @@
+"""What a LoRA checkpoint adds to a training checkpoint (grpo_mega/trainer/checkpoint.py): the identity of the base
+model the adapters were trained on (`base_model_identity`, kept in loop_state.json under "lora" with the adapters'
+shape settings, `lora_state`), the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
+adapters as a PEFT LoRA directory (`export_peft`) beside the merged HF export."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.parallel import comm
+from grpo_mega.trainer.checkpoint_store import CheckpointError
+
+
+def _lora(actor):
+    """The actor's LoraConfig, None when every weight trains."""
+    return getattr(actor, "lora", None)
+
+
+def base_model_identity(model: str, hf_dir: Optional[str], seed: int) -> dict:
+    """What a LoRA checkpoint's adapters were trained on: an HF directory's resolved path and the sha256 of its
+    weight files' bytes (*.safetensors, else *.bin, in name order, each name hashed before its bytes); a
+    model_configs/ model (no weights on disk) is its name and run.seed, from which its weights are initialised."""
+    if hf_dir is None:
+        return {"path": model, "init_seed": seed}
+    files = sorted(Path(hf_dir).glob("*.safetensors")) or sorted(Path(hf_dir).glob("*.bin"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return {"path": str(Path(hf_dir).resolve()), "sha256": h.hexdigest(), "files": len(files)}
+
+
+def lora_state(actor, base_model: Optional[dict]) -> Optional[dict]:
+    """What loop_state.json keeps of a LoRA run (None without LoRA): the adapters' shape settings and the base."""
+    lora = _lora(actor)
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules),
+            "base_model": base_model}
+
+
+def _describe(base: Optional[dict]) -> str:
+    if not base:
+        return "an unrecorded base model"
+    if "sha256" in base:
+        return f"{base['path']} (sha256 of its weights {base['sha256'][:16]}...)"
+    return f"{base['path']} (random init, run.seed={base.get('init_seed')})"
+
+
+def _same_base(a: Optional[dict], b: Optional[dict]) -> bool:
+    if a and b and "sha256" in a and "sha256" in b:
+        return a["sha256"] == b["sha256"]  # the same bytes, wherever they were moved
+    return a == b
+
+
+def check_lora(path: Path, state: dict, actor, base_model: Optional[dict]) -> None:
+    """A CheckpointError in one line when checkpoint `path` (its loop state `state`) cannot continue this run's
+    training: a full checkpoint under LoRA or the reverse, other adapter shapes or scale, another base model."""
+    saved, now = state.get("lora"), lora_state(actor, base_model)
+    if saved is None and now is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"{path} is a full checkpoint (every weight trained) and this run trains LoRA adapters "
+                              f"(lora.rank={now['rank']}): resume it with lora.rank=null, or start the LoRA run in "
+                              "another checkpoint.dir")
+    if now is None:
+        raise CheckpointError(f"{path} holds LoRA adapters only (lora.rank={saved['rank']}) and this run trains every "
+                              f"weight (lora.rank=null): resume with lora.rank={saved['rank']}, or start the full run "
+                              "in another checkpoint.dir")
+    diffs = [f"lora.{k} {saved.get(k)!r} (this run: {now[k]!r})" for k in ("rank", "alpha", "target_modules")
+             if saved.get(k) != now[k]]
+    if diffs:
+        raise CheckpointError(f"{path} was trained with other adapters: {', '.join(diffs)}; resume with its lora "
+                              "settings, or start a new run in another checkpoint.dir")
+    if not _same_base(saved.get("base_model"), base_model):
+        raise CheckpointError(f"{path} holds LoRA adapters trained on base model {_describe(saved.get('base_model'))}, "
+                              f"not on this run's {_describe(base_model)}: resume with the base model it was trained "
+                              "on (model=...), or start a new run in another checkpoint.dir")
+
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def peft_tensors(gpt, model_cfg) -> dict[str, torch.Tensor]:
+    """Collective over TP: this pipeline stage's adapters as full tensors under PEFT's names
+    (base_model.model.<HF module>.lora_A.weight [r, in] / .lora_B.weight [out, r]). A fused adapter is split per HF
+    projection as the bridge splits its base weight: qkv's B rows into q/k/v (per query group), fc1's into gate/up,
+    each projection keeping the shared A, so that (alpha / r) B_q A is exactly the q rows of (alpha / r) B A."""
+    from grpo_mega.models import bridge
+    from grpo_mega.models.lora import adapted, adapter_state
+
+    state, offset, out = adapter_state(gpt), bridge.layer_offset(gpt), {}
+    for path, m in adapted(gpt):
+        name = bridge.global_name(f"{path}.weight", offset)
+        a, b = state[f"{path}.lora_A"], state[f"{path}.lora_B"]
+        for hf_name, part in bridge.to_hf(name, b, model_cfg):
+            stem = "base_model.model." + hf_name.removesuffix(".weight")
+            out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = a.clone(), part.contiguous()
+    return out
+
+
+def export_peft(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optional[str] = None) -> None:
+    """Collective: the actor's adapters as a PEFT LoRA directory at `out_dir` (rank 0 writes adapter_config.json
+    and adapter_model.safetensors; PEFT's scaling lora_alpha / r is ours). Each pipeline stage's first TP rank of
+    the first DP replica sends its stage's adapters to rank 0."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    lora = _lora(actor)
+    tensors = peft_tensors(actor.built.gpt, model_cfg)
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    gathered = comm.gather_objects({k: v.to("cpu", dtype) for k, v in tensors.items()} if first else {})
+    if dist.get_rank() != 0:
+        return
+    merged = {k: v for part in gathered for k, v in part.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(merged, str(out_dir / PEFT_FILES[1]), metadata={"format": "pt"})
+    targets = sorted({k.split(".")[-3] for k in merged})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hf_dir, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": targets, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+              "inference_mode": True}
+    (out_dir / PEFT_FILES[0]).write_text(json.dumps(config, indent=2))
