@@ -3,9 +3,8 @@
 
 Held against transformers: a random Qwen2 HF model (qkv bias, 8 heads in 4 query groups: the grouped qkv layout)
 is the base; the actor (megatron, fp32) gets random nonzero adapters; its logits must equal transformers' on the
-merged export, and on the base with the PEFT tensors applied by PEFT's documented rule (W += lora_alpha / r *
-lora_B @ lora_A per module, done here by hand: the `peft` package is not installed in this environment), to 1e-5
-max-abs in fp32 (eager attention). The export at TP2 is the same files as at TP1."""
+merged export, and on the base with the `peft/` directory loaded by the peft library (PeftModel.from_pretrained),
+to 1e-5 max-abs in fp32 (eager attention); peft's own merge_and_unload gives the merged export's weights to 1e-6. The export at TP2 is the same files as at TP1."""
 
 from __future__ import annotations
 
@@ -98,27 +97,31 @@ def test_peft_export_on_the_base_gives_the_trainers_logits(exported):
     tensors = load_file(peft / "adapter_model.safetensors")
     assert len(tensors) == 4 * 7 * 2  # 4 layers x 7 HF projections x (A, B)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
-    weights = dict(model.named_parameters())
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
     moved = float((_hf_logits(model) - logits).abs().max())
     assert moved > 1e-2, moved  # the base alone is far from the trainer: the adapters carry the match below
     shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
               "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
-    with torch.no_grad():
-        for key, a in tensors.items():
-            if ".lora_A." not in key:
-                continue
+    for key, a in tensors.items():
+        if ".lora_A." in key:
             stem = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            b = tensors[key.replace(".lora_A.", ".lora_B.")]
-            w = weights[f"{stem}.weight"]
+            b, w = tensors[key.replace(".lora_A.", ".lora_B.")], weights[f"{stem}.weight"]
             assert tuple(w.shape) == shapes[stem.split(".")[-1]] and a.shape == (4, w.shape[1]) and b.shape == (w.shape[0], 4)
-            w += config["lora_alpha"] / config["r"] * b @ a
-    err = float((_hf_logits(model) - logits).abs().max())
-    print(f"LoRA PEFT export applied to the base vs trainer: max-abs logit error {err:.2e} (the base alone: {moved:.2e}; "
-          f"logits up to {float(logits.abs().max()):.2f})")
+
+    # the peft library itself loads the directory onto the HF base model
+    from peft import PeftModel
+
+    lora_model = PeftModel.from_pretrained(model, str(peft))
+    lora_model.eval()
+    err = float((_hf_logits(lora_model) - logits).abs().max())
+    print(f"LoRA PEFT export loaded by peft on the base vs trainer: max-abs logit error {err:.2e} (the base alone: "
+          f"{moved:.2e}; logits up to {float(logits.abs().max()):.2f})")
     assert err <= LOGIT_TOL, err
+    # and peft's merge gives the merged export's weights, projection by projection
+    folded = dict(lora_model.merge_and_unload().named_parameters())
     merged = load_file(d / "tp1" / "hf" / "model.safetensors")
-    werr = max(float((weights[k].detach() - v).abs().max()) for k, v in merged.items() if k in weights)
-    assert werr <= 1e-6, werr  # the same W + s B A, per projection
+    werr = max(float((folded[k].detach() - v).abs().max()) for k, v in merged.items() if k in folded)
+    assert werr <= 1e-6, werr
 
 
 def test_export_at_tp2_is_tp1s(exported):
