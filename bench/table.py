@@ -177,7 +177,9 @@ SUPPLEMENTS = {
     "moe_demo.json": "the MoE demo runs, by hand",
     "tool_task_lookup_attempts.json": "tool_task's earlier attempts, by hand",
     "tool_task_tens.json": "tool_task on task=tens_tool",
-    "data_10m.json": "bench.data on 10M jsonl rows",
+    "data_10m.json": "bench.data on 10M jsonl and parquet rows",
+    "lora_checkpoint.json": "LoRA checkpoint and export sizes and errors, from the LoRA tests",
+    "lora_demo_sweep.json": "LoRA on the CPU demo at three lr/alpha settings, by hand",
 }
 
 
