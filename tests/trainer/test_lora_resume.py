@@ -58,13 +58,20 @@ def _resumed_from_step_2(full_dir: Path, tmp_path: Path, tp: int):
     return _train(tmp_path / "run", ckpt, 5, tp, *LORA)
 
 
-def test_lora_resume_at_the_same_layout_is_exact(uninterrupted, tmp_path):
-    full_dir, full = uninterrupted
-    resumed = _resumed_from_step_2(full_dir, tmp_path, 1)
+def _check_exact_resume(uninterrupted_run, tmp_path, tp: int) -> dict:
+    """Resumed at TP`tp` from the TP`tp` run's step-2 checkpoint: steps 3-5 equal the uninterrupted run's, bit for
+    bit; returns the uninterrupted run's metrics."""
+    full_dir, full = uninterrupted_run
+    resumed = _resumed_from_step_2(full_dir, tmp_path, tp)
     assert sorted(resumed) == [3, 4, 5]
     worst = _max_diff(full, resumed, [3, 4, 5])
-    print(f"LoRA resume TP1 -> TP1: largest per-step metric difference {worst:.3g}")
+    print(f"LoRA resume TP{tp} -> TP{tp}: largest per-step metric difference {worst:.3g}")
     assert worst == 0.0, "the same layout and RNG states: bit for bit"
+    return full
+
+
+def test_lora_resume_at_the_same_layout_is_exact(uninterrupted, tmp_path):
+    full = _check_exact_resume(uninterrupted, tmp_path, 1)
     assert full[3]["kl"] > 0, "the adapters had moved the policy away from the base by step 2"
 
 
@@ -77,12 +84,7 @@ def uninterrupted_tp2(tmp_path_factory):
 def test_lora_resume_at_tp2_is_exact(uninterrupted_tp2, tmp_path):
     """At TP2 the adapters are sharded (B of qkv/fc1 by rows, fc1's by megatron's gate/up factory; A of proj/fc2
     by columns), and so are their Adam moments."""
-    full_dir, full = uninterrupted_tp2
-    resumed = _resumed_from_step_2(full_dir, tmp_path, 2)
-    assert sorted(resumed) == [3, 4, 5]
-    worst = _max_diff(full, resumed, [3, 4, 5])
-    print(f"LoRA resume TP2 -> TP2: largest per-step metric difference {worst:.3g}")
-    assert worst == 0.0, "the same layout and RNG states: bit for bit"
+    _check_exact_resume(uninterrupted_tp2, tmp_path, 2)
 
 
 def test_lora_resume_across_layouts(uninterrupted_tp2, tmp_path):
