@@ -78,8 +78,8 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
     one answers /health; returns [(process, URL)]. Each server's output goes to `log_dir`/sglang-PORT.log (a
     new temporary directory by default). A server that finds its port taken (SGLang 0.5.23 logs uvicorn's
     "address already in use" and keeps running without serving) is stopped and started again on another port,
-    up to `bind_attempts` ports. A server that exits or does not answer within `timeout_s`: all of them are
-    stopped and a RuntimeError carries its log's last lines."""
+    up to `bind_attempts` ports. A server that exits, loses its last port, or does not answer within `timeout_s`:
+    all of them are stopped and a RuntimeError carries its log's last lines."""
     import subprocess
     import tempfile
     import time
@@ -103,7 +103,10 @@ def launch_sglang(model_path: str, count: int = 1, log_dir: Optional[str] = None
         deadline = time.monotonic() + timeout_s
         while waiting:
             for url, (proc, log_path, attempt) in list(waiting.items()):
-                if _lost_its_port(log_path) and attempt < bind_attempts:
+                if _lost_its_port(log_path):
+                    if attempt >= bind_attempts:
+                        raise RuntimeError(f"the SGLang server for {url} found its port taken, as did the "
+                                           f"{bind_attempts - 1} before it; the end of {log_path}:\n{tail(log_path)}")
                     stop(proc)
                     del running[url], waiting[url]
                     start(attempt + 1)

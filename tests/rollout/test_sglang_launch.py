@@ -158,3 +158,26 @@ def test_a_server_whose_port_was_taken_restarts_on_another(tmp_path, monkeypatch
     finally:
         for proc, _ in started:
             stop(proc)
+
+
+def test_a_server_that_loses_its_last_port_is_an_error_at_once(tmp_path, monkeypatch):
+    """With no attempt left, a taken port is a RuntimeError naming the server, not a wait for the deadline."""
+    import socket
+    import time
+
+    from grpo_mega.processes import free_port
+    from grpo_mega.rollout import sglang_launch
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(sglang_launch, "free_port", lambda host: taken)
+        monkeypatch.setattr(sglang_launch, "sglang_command",
+                            lambda model_path, port, env=None, **kw: [sys.executable, str(script), "--port", str(port)])
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{taken} found its port taken"):
+            sglang_launch.launch_sglang("/m", count=1, log_dir=str(tmp_path), timeout_s=120, bind_attempts=1)
+        assert time.monotonic() - t0 < 60
