@@ -51,6 +51,11 @@ QUICK = [
     "tests/trainer/test_layout_invariance.py::test_layout_matches_single_process[DP2]",
     "tests/test_train.py::test_golden_curve_first_10_steps",  # the numbers most sensitive to the CPU's kernels
 ]
+# Under a QUICK prefix but whole training runs (tens of seconds each): the main tier's.
+NOT_QUICK = [
+    "tests/algo/test_losses_learn.py",  # 80 demo steps per loss
+    "tests/algo/test_new_losses_run.py",  # the demo once per new loss
+]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
-        if item.nodeid.startswith(tuple(QUICK)):
+        if item.nodeid.startswith(tuple(QUICK)) and not item.nodeid.startswith(tuple(NOT_QUICK)):
             item.add_marker(pytest.mark.quick)
     if torch.cuda.is_available():
         return

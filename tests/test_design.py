@@ -1,7 +1,7 @@
 """docs/design.md, "Import direction" and "Where things live", held against the code: every import under
 grpo_mega/ (module level and inside functions, read with ast, nothing imported) follows the stated direction; the
 scripts under bench/ and experiments/ touch no sys.path and import nothing from tests/; every path the layout
-table names exists."""
+table names exists; a module over 450 lines says why it is one file."""
 
 from __future__ import annotations
 
@@ -146,3 +146,17 @@ def test_the_layout_table_names_paths_that_exist():
     assert len(paths) >= 15
     missing = [p for p in paths if not (REPO / p).exists()]
     assert not missing, f"docs/design.md's 'Where things live' names paths that do not exist: {missing}"
+
+
+LONG = 450
+"""Lines above which a module under grpo_mega/ says why it is one file (issue 36): its docstring has a paragraph
+that begins "Long on purpose:"."""
+
+
+def test_a_long_module_says_why_it_is_one_file():
+    unexplained = []
+    for rel, path in FILES.items():
+        text = path.read_text()
+        if text.count("\n") > LONG and "Long on purpose:" not in (ast.get_docstring(ast.parse(text)) or ""):
+            unexplained.append(f"{rel} ({text.count(chr(10))} lines)")
+    assert not unexplained, f"over {LONG} lines without a 'Long on purpose:' paragraph in the docstring: {unexplained}"
