@@ -260,6 +260,13 @@ def histogram_quantiles(counts: torch.Tensor, qs=QUANTILES) -> list[float]:
 
 # ---- off-policy diagnostics (verl's rollout_corr/* metrics) -----------------------------------------------
 
+def _response_means(old: torch.Tensor, eng: torch.Tensor, m: torch.Tensor):
+    """(responses with a valid token [B] bool, mean_t log p_old [B], mean_t log p_engine [B]), float64."""
+    n = m.sum(dim=-1)
+    nn = n.clamp(min=1.0)
+    return n > 0, (old * m).sum(-1) / nn, (eng * m).sum(-1) / nn
+
+
 OFFPOLICY_SUMS = ("tokens", "seqs", "kl", "k3_kl", "rho_sq", "seq_rho_sq", "training_log_ppl", "rollout_log_ppl",
                   "training_ppl", "rollout_ppl", "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio", "w", "w_sq")
 """The additive sums behind `offpolicy_metrics`, in the order of `offpolicy_sums`' vector (one SUM over ranks)."""
@@ -279,10 +286,7 @@ def offpolicy_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torc
     old, eng = old_logp.detach().to(torch.float64), engine_logp.detach().to(torch.float64)
     lr = (old - eng) * m
     lr_safe = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    n = m.sum(dim=-1)
-    seq = n > 0
-    nn = n.clamp(min=1.0)
-    old_mean, eng_mean = (old * m).sum(-1) / nn, (eng * m).sum(-1) / nn
+    seq, old_mean, eng_mean = _response_means(old, eng, m)
     diff = (eng_mean - old_mean)[seq]
     seq_lr = lr.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[seq]
     w = lr_safe.exp() if weight is None else weight.detach().to(torch.float64)
@@ -296,13 +300,33 @@ def offpolicy_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torc
     ])
 
 
-def offpolicy_metrics(sums: torch.Tensor) -> dict[str, float]:
+OFFPOLICY_MAXS = ("log_ppl_diff_max", "neg_log_ppl_diff_min")
+"""The maxima behind `offpolicy_metrics`' extremes, in the order of `offpolicy_maxs`' vector (one MAX over ranks;
+a minimum travels negated)."""
+
+
+@torch.no_grad()
+def offpolicy_maxs(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 [2]: the largest and the negated smallest log_ppl_diff = mean_t(log p_engine) - mean_t(log p_old) of
+    the responses with a valid token (-inf each without one), to be MAX-reduced over ranks."""
+    m = mask.to(torch.float64)
+    seq, old_mean, eng_mean = _response_means(old_logp.detach().to(torch.float64),
+                                              engine_logp.detach().to(torch.float64), m)
+    diff = (eng_mean - old_mean)[seq]
+    if diff.numel() == 0:
+        return torch.full((2,), -math.inf, dtype=torch.float64)
+    return torch.stack([diff.max(), (-diff).max()])
+
+
+def offpolicy_metrics(sums: torch.Tensor, maxs: Optional[torch.Tensor] = None) -> dict[str, float]:
     """`offpolicy_sums` (summed over ranks) -> the rollout_corr/* metrics, as verl names them: kl and k3_kl
     (token means of k1 and k3 of KL(engine || old)), chi2_token = E_t[rho_t^2] - 1, chi2_seq = E_i[(prod_t rho_t)^2]
     - 1, training_ppl / rollout_ppl (means over responses of exp(mean_t -log p)), their logs' means, log_ppl_diff
     (mean over responses of log(ppl_old / ppl_engine)), its abs, ppl_ratio (mean of ppl_old / ppl_engine), and ess,
     the effective sample size of the token weights as a share of the tokens: (sum w)^2 / (N sum w^2) in (0, 1]
-    (verl's rollout_is_eff_sample_size, 1 / mean((w / mean w)^2)). Empty when there are no valid tokens."""
+    (verl's rollout_is_eff_sample_size, 1 / mean((w / mean w)^2)); with `maxs` (`offpolicy_maxs`, MAX-reduced over
+    ranks), log_ppl_diff_max and log_ppl_diff_min, its largest and smallest over the responses. Empty when there are
+    no valid tokens."""
     s = dict(zip(OFFPOLICY_SUMS, sums.tolist()))
     if s["tokens"] == 0:
         return {}
@@ -313,4 +337,108 @@ def offpolicy_metrics(sums: torch.Tensor) -> dict[str, float]:
            "rollout_log_ppl": s["rollout_log_ppl"] / q, "log_ppl_diff": s["log_ppl_diff"] / q,
            "log_ppl_abs_diff": s["log_ppl_abs_diff"] / q, "ppl_ratio": s["ppl_ratio"] / q,
            "ess": s["w"] ** 2 / (t * s["w_sq"]) if s["w_sq"] > 0 else 0.0}
+    if maxs is not None:
+        out["log_ppl_diff_max"], out["log_ppl_diff_min"] = float(maxs[0]), -float(maxs[1])
+    return {f"rollout_corr/{k}": v for k, v in out.items()}
+
+
+IS_STD_SUMS = ("tokens", "dev", "dev_sq")
+
+
+@torch.no_grad()
+def is_std_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, c: Correction) -> torch.Tensor:
+    """float64 [3], to be summed over ranks and read by `is_std`: the valid tokens, and the sums over them of d and d^2,
+    d = clamp(rho, 1 / high, high) - 1 with rho the correction's ratio at its level (before its bound acts and before
+    any batch normalisation) and high its upper bound: verl's compute_is_metrics clamps the weights to
+    [1 / threshold, threshold] for rollout_is_std. The shift by 1 (the ideal weight) leaves the variance as it is and
+    keeps E[d^2] - E[d]^2 clear of cancellation when the weights are near 1."""
+    m = mask.to(torch.float64)
+    rho = correction_ratio(old_logp.detach().to(torch.float64), engine_logp.detach().to(torch.float64), mask, c.level)
+    d = rho.clamp(min=1.0 / c.high, max=c.high) - 1.0
+    return torch.stack([m.sum(), (d * m).sum(), (d * d * m).sum()])
+
+
+def is_std(sums: torch.Tensor) -> float:
+    """verl's rollout_is_std from `is_std_sums` (summed over ranks): the population standard deviation over the valid
+    tokens of the clamped ratio, sqrt(max(E[d^2] - E[d]^2, 0)); 0 with at most one valid token (verl's guard)."""
+    n, s1, s2 = sums.tolist()
+    if n <= 1:
+        return 0.0
+    return math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0))
+
+
+# ---- rejection diagnostics (verl's rollout_corr/rollout_rs_* metrics) -------------------------------------
+
+REJECTION_SUMS = ("tokens", "rows", "seqs", "stat", "clamped", "clamped_sq", "high", "seq_stat", "seq_stat_sq",
+                  "seq_high", "masked", "seq_masked")
+"""The additive sums behind `rejection_metrics`, in the order of `rejection_sums`' first vector (one SUM over
+ranks)."""
+REJECTION_MAXS = ("max", "neg_min", "seq_max", "neg_seq_min")
+"""Its maxima (a minimum negated), in the order of `rejection_sums`' second vector (one MAX over ranks)."""
+
+
+@torch.no_grad()
+def rejection_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                   r: Rejection) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, maxs), float64 [len(REJECTION_SUMS)] and [len(REJECTION_MAXS)], of rejection `r` on some rows, to be
+    SUM- and MAX-reduced over ranks and read by `rejection_metrics`. With s_t the statistic on each valid token (a
+    response's own at the seq_* levels, `rejection_statistic`) and v_i each response's value (its statistic at the
+    seq_* levels, mean_t s_t at token level), over responses with a valid token: the valid tokens, all rows, the
+    responses; sum s_t, sum c_t and c_t^2 (c_t = clamp(s_t, 0, threshold)), the tokens (token level) or responses
+    (seq_* levels) above the threshold; sum v_i, v_i^2, the responses with v_i above it; the rejected tokens and the
+    responses with a rejected token; and max s_t, -min s_t, max v_i, -min v_i (-inf without a valid token)."""
+    valid = mask.bool()
+    m = valid.to(torch.float64)
+    s = rejection_statistic(old_logp, engine_logp, mask, r)
+    n = m.sum(dim=-1)
+    seq = n > 0
+    if r.level == "token":
+        v = (s * m).sum(dim=-1) / n.clamp(min=1.0)
+    else:
+        v = s[:, 0] if s.shape[-1] else torch.zeros(s.shape[0], dtype=s.dtype)
+    v = v[seq]
+    rejected = (s > r.threshold) & valid
+    c = s.clamp(min=0.0, max=r.threshold)
+    high = (rejected.to(torch.float64).sum() if r.level == "token" else (v > r.threshold).to(torch.float64).sum())
+    sums = torch.stack([
+        m.sum(), torch.tensor(float(s.shape[0]), dtype=torch.float64), seq.sum().to(torch.float64),
+        (s * m).sum(), (c * m).sum(), (c * c * m).sum(), high,
+        v.sum(), (v * v).sum(), (v > r.threshold).to(torch.float64).sum(),
+        rejected.to(torch.float64).sum(), rejected.any(dim=-1).to(torch.float64).sum(),
+    ])
+    if not bool(valid.any()):
+        return sums, torch.full((len(REJECTION_MAXS),), -math.inf, dtype=torch.float64)
+    st = s[valid]
+    return sums, torch.stack([st.max(), (-st).max(), v.max(), (-v).max()])
+
+
+def rejection_metrics(name: str, r: Rejection, sums: torch.Tensor, maxs: torch.Tensor) -> dict[str, float]:
+    """`rejection_sums` (reduced over ranks) -> verl's rollout_corr/rollout_rs_* metrics of the rejection named `name`
+    (algo.rollout_rejection, verl's rollout_rs option), as rollout_corr_helper's compute_rs_metrics and
+    compute_rollout_rejection_mask define them: with p = rollout_rs_<name>, p_mean (token mean of s_t), p_max / p_min,
+    p_fraction_high (share of tokens, at the seq_* levels of responses, above the threshold), p_fraction_low (0: k2 and
+    k3 have no lower bound), p_std (population std over tokens of clamp(s_t, 0, threshold); 0 with one token),
+    p_seq_mean, p_seq_std (Bessel-corrected, as torch.std; 0 with one response), p_seq_max, p_seq_min,
+    p_seq_max_deviation (max |v_i|), p_seq_fraction_high, p_masked_fraction (share of tokens rejected) and
+    p_seq_masked_fraction (share of responses with a rejected token); and over all options (here one),
+    rollout_rs_masked_fraction and rollout_rs_seq_masked_fraction (verl divides the latter by every row, responses
+    without a valid token included). Empty when there are no valid tokens."""
+    s = dict(zip(REJECTION_SUMS, sums.tolist()))
+    x = dict(zip(REJECTION_MAXS, maxs.tolist()))
+    t, q = s["tokens"], s["seqs"]
+    if t == 0:
+        return {}
+    p = f"rollout_rs_{name}"
+    std = math.sqrt(max(s["clamped_sq"] / t - (s["clamped"] / t) ** 2, 0.0)) if t > 1 else 0.0
+    seq_std = math.sqrt(max((s["seq_stat_sq"] - s["seq_stat"] ** 2 / q) / (q - 1), 0.0)) if q > 1 else 0.0
+    out = {
+        f"{p}_mean": s["stat"] / t, f"{p}_max": x["max"], f"{p}_min": -x["neg_min"],
+        f"{p}_fraction_high": s["high"] / (t if r.level == "token" else q), f"{p}_fraction_low": 0.0,
+        f"{p}_std": std, f"{p}_seq_mean": s["seq_stat"] / q, f"{p}_seq_std": seq_std,
+        f"{p}_seq_max": x["seq_max"], f"{p}_seq_min": -x["neg_seq_min"],
+        f"{p}_seq_max_deviation": max(abs(x["seq_max"]), abs(x["neg_seq_min"])),
+        f"{p}_seq_fraction_high": s["seq_high"] / q,
+        f"{p}_masked_fraction": s["masked"] / t, f"{p}_seq_masked_fraction": s["seq_masked"] / q,
+        "rollout_rs_masked_fraction": s["masked"] / t, "rollout_rs_seq_masked_fraction": s["seq_masked"] / s["rows"],
+    }
     return {f"rollout_corr/{k}": v for k, v in out.items()}

@@ -18,9 +18,14 @@ from grpo_mega.algo.correction import (
     batch_mean,
     batch_mean_sums,
     histogram_quantiles,
+    is_std,
+    is_std_sums,
     log_ratio_histogram,
+    offpolicy_maxs,
     offpolicy_metrics,
     offpolicy_sums,
+    rejection_metrics,
+    rejection_sums,
     rollout_weight,
 )
 from grpo_mega.algo.shaping import shape_step
@@ -161,16 +166,30 @@ def world_is_batch_mean(rb: RolloutBatch, owned: list[int], correction) -> float
 
 def world_offpolicy(rb: RolloutBatch, owned: list[int], objective) -> dict:
     """verl's off-policy diagnostics between the engine's and the trainer's old logprobs over the step's response
-    tokens (`rollout_corr/kl`, `k3_kl`, `chi2_token`, `chi2_seq`, the perplexities and their ratio, and `ess` of
-    the loss's token weights (correction and rejection), of rho itself when both are off;
-    grpo_mega.algo.correction.offpolicy_metrics):
-    each rank sums the rows it owns, one SUM over the world (collective)."""
+    tokens (`rollout_corr/kl`, `k3_kl`, `chi2_token`, `chi2_seq`, the perplexities and their ratio, log_ppl_diff's
+    mean, max and min, and `ess` of the loss's token weights (correction and rejection), of rho itself when both are
+    off; with a correction, `rollout_is_std`; with a rejection, its `rollout_rs_*`; grpo_mega.algo.correction):
+    each rank sums the rows it owns and takes their maxima, one SUM and one MAX over the world (collective)."""
     index = torch.tensor(owned, dtype=torch.long)
     mask = rb.response_mask()[index]
     old, eng = rb.old_logp[index], rb.engine_logp[index]
-    weight = (rollout_weight(old, eng, mask, objective.correction, objective.rejection)[0]
-              if objective.rollout_weighted else None)
-    return offpolicy_metrics(comm.world_all_reduce_sum(offpolicy_sums(old, eng, mask, weight)))
+    c, r = objective.correction, objective.rejection
+    weight = rollout_weight(old, eng, mask, c, r)[0] if objective.rollout_weighted else None
+    sums, maxs = [offpolicy_sums(old, eng, mask, weight)], [offpolicy_maxs(old, eng, mask)]
+    if c is not None:
+        sums.append(is_std_sums(old, eng, mask, c))
+    if r is not None:
+        rs_sums, rs_maxs = rejection_sums(old, eng, mask, r)
+        sums.append(rs_sums)
+        maxs.append(rs_maxs)
+    total = comm.world_all_reduce_sum(torch.cat(sums)).split([len(x) for x in sums])
+    top = torch.tensor(comm.world_max(torch.cat(maxs).tolist()), dtype=torch.float64).split([len(x) for x in maxs])
+    out = offpolicy_metrics(total[0], top[0])
+    if out and c is not None:
+        out["rollout_corr/rollout_is_std"] = is_std(total[1])
+    if r is not None:
+        out.update(rejection_metrics(objective.rollout_rejection, r, total[-1], top[-1]))
+    return out
 
 
 def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:

@@ -61,3 +61,10 @@ def test_a_perturbed_engine_raises_the_masked_share_and_spreads_the_ratio(server
         assert c["is_weight_mean"] == pytest.approx(1, abs=1e-4) and abs(n["is_weight_mean"] - 1) > 0.01
         assert n["rollout_ratio/q01"] < math.exp(-1.5 * SIGMA) and n["rollout_ratio/q99"] > math.exp(1.5 * SIGMA)
         assert n["rollout_ratio/q50"] == pytest.approx(1, abs=0.1)
+        # verl's rollout_is_std: the std of clamp(rho, 1/5, 5) over tokens, about a lognormal's of sigma 0.5 (0.60)
+        assert c["rollout_corr/rollout_is_std"] < 1e-3 and 0.3 < n["rollout_corr/rollout_is_std"] < 1.0
+        for row in (c, n):  # the per-response log_ppl_diff's extremes bracket its mean
+            lo, mean, hi = (row[f"rollout_corr/log_ppl_diff{k}"] for k in ("_min", "", "_max"))
+            assert lo <= mean <= hi
+        assert n["rollout_corr/log_ppl_diff_max"] - n["rollout_corr/log_ppl_diff_min"] > 10 * (
+            c["rollout_corr/log_ppl_diff_max"] - c["rollout_corr/log_ppl_diff_min"])
