@@ -315,10 +315,11 @@ def _mid_model():
                        num_attention_heads=8, num_query_groups=4, vocab_size=8000, qkv_bias=True)
 
 
-def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: int = 1) -> dict:
-    """On one rank: build the bf16 actor (Megatron DDP + DistributedOptimizer), run one real GRPO update so
-    that Adam's state exists, and add up the distinct storages megatron allocated for the weights, the
-    gradient buffers, and the optimizer's fp32 main weights and Adam moments."""
+def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: int = 1, lora=None) -> dict:
+    """On one rank: build the bf16 actor (Megatron DDP + DistributedOptimizer; with `lora`, a LoraConfig, the base
+    frozen and adapters added), run one real GRPO update so that Adam's state exists, and add up the distinct
+    storages megatron allocated for the weights (the frozen ones and the trained ones apart), the gradient
+    buffers, and the optimizer's fp32 main weights and Adam moments."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -342,7 +343,8 @@ def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: 
         actor = Actor(model, ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and model.is_moe),
                       PrecisionConfig(params_dtype="bf16"),
                       OptimConfig(lr=1e-4, use_distributed_optimizer=True), AlgoConfig(kl_coef=0.0),
-                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4))
+                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4),
+                      lora=lora)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.vocab_size, (5,), generator=g).tolist()] * 2 + \
                   [torch.randint(0, model.vocab_size, (3,), generator=g).tolist()] * 2
@@ -360,6 +362,9 @@ def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: 
         out = dict(
             stage=ps.get_pipeline_model_parallel_rank(),
             weights=storage_bytes(p for p in ddp.module.parameters()),
+            frozen=storage_bytes(p for p in ddp.module.parameters() if not p.requires_grad),
+            trained=storage_bytes(p for p in ddp.module.parameters() if p.requires_grad),
+            trained_numel=sum(p.numel() for p in ddp.module.parameters() if p.requires_grad),
             gradients=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
             main=storage_bytes(main), adam=storage_bytes(states),
             grad_norm=metrics["grad_norm"],
@@ -419,6 +424,46 @@ def test_moe_model_state_bytes_equal_megatrons_allocations(tp, pp, world):
         print(f"tiny-qwen3-moe TP{tp}xPP{pp}xEP2 on {world} ranks, stage {stage}: weights {weights} B, gradients "
               f"{mine[0]['gradients']} B, main {[r['main'] for r in mine]} (planned mean {main / len(mine):.0f}), "
               f"Adam {[r['adam'] for r in mine]} (planned mean {adam / len(mine):.0f})")
+
+
+@pytest.mark.parametrize("model_name,tp,ep,world,rank", [(None, 2, 1, 4, 3), ("tiny-qwen3-moe", 1, 2, 2, 8)],
+                         ids=["dense-TP2xDP2", "moe-EP2"])
+def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, world, rank):
+    """Under LoRA (on qkv, proj, fc1, fc2) the planner's model states against what megatron-core allocates
+    after a real update, to the byte: the frozen base's weights (their own storages, no grad buffer), the adapters
+    (this rank's count; as lora.py shards them over TP), DDP's one buffer of them (bf16 weights, fp32 gradients,
+    padding included: at rank 3 fc2's A [3, 704 / 2] is no multiple of 64 elements), and the fp32 main weights and Adam moments summed over each stage's ranks (the planner
+    gives the mean; megatron's shards of the padded buffer differ by a few elements from rank to rank). The mid
+    qwen2 model at TP2xDP2 (qkv bias frozen), tiny-qwen3-moe at EP2 (its MoE layers' experts and router frozen,
+    unadapted; its dense layer 2 has fc1 and fc2 adapters). No reference model is planned."""
+    from grpo_mega.conf.lora import LoraConfig
+    from grpo_mega.parallel.forked import run_ranks
+
+    lora = LoraConfig(rank=rank, alpha=16.0)
+    ranks = run_ranks(_allocated_state_bytes, world, tp, 1, model_name, ep, lora, timeout=300)
+    assert all(r["grad_norm"] > 0 for r in ranks)
+    model = load_model_config(model_name) if model_name else _mid_model()
+    par = ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1 and model.is_moe)
+    plan = planning.plan(planning.PlanInput(model=model, parallel=par, world_size=world, params_dtype="bf16",
+                                            distributed_optimizer=True, reference="none", layer_spec="local",
+                                            lora_rank=lora.rank, lora_targets=tuple(lora.target_modules)))
+    (st,) = plan.stages
+    G = planning.GIB
+    assert st.gib["reference"] == 0 and 0 < st.adapter_numel < st.param_numel
+    assert (st.adapter_buffer_numel > st.adapter_numel) == (model_name is None)  # the dense case is padded
+    adapter_weights = 2 * st.adapter_buffer_numel
+    main_mean = st.gib["parameters"] * G - st.frozen_bytes - adapter_weights
+    for r in ranks:
+        assert r["frozen"] == st.frozen_bytes == 2 * st.param_numel, (r["frozen"], st.frozen_bytes)
+        assert r["trained_numel"] == st.adapter_numel, (r["trained_numel"], st.adapter_numel)
+        assert r["trained"] == adapter_weights, (r["trained"], adapter_weights)
+        assert r["gradients"] == st.gib["gradients"] * G == 4 * st.adapter_buffer_numel, (r["gradients"], st.gib)
+    assert sum(r["main"] for r in ranks) == pytest.approx(main_mean * world, abs=1e-6) == 4 * st.adapter_numel * tp
+    assert sum(r["adam"] for r in ranks) == pytest.approx(st.gib["optimizer"] * G * world, abs=1e-6)
+    assert sum(r["adam"] for r in ranks) == 8 * st.adapter_numel * tp
+    print(f"LoRA rank {rank}, {model.name} TP{tp}xEP{ep} on {world} ranks: frozen {st.frozen_bytes} B, adapters "
+          f"{st.adapter_numel} ({adapter_weights} B in the padded buffer), gradients {4 * st.adapter_buffer_numel} B, "
+          f"main {[r['main'] for r in ranks]}, Adam {[r['adam'] for r in ranks]}")
 
 
 # ---- the local spec's activations, measured ----------------------------------------------------------
