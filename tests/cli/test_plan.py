@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {  # launch script -> (model, training GPUs, tp, pp)
     "qwen2.5-7b.sh": ("qwen2.5-7b", 8, 4, 1),
     "llama-3.1-70b.sh": ("llama-3.1-70b", 64, 8, 4),
+    "llama-3.1-70b-lora.sh": ("llama-3.1-70b", 8, 8, 1),
     "qwen2.5-72b.sh": ("qwen2.5-72b", 64, 8, 4),
     "qwen3-8b.sh": ("qwen3-8b", 8, 4, 1),
     "qwen3-32b.sh": ("qwen3-32b", 32, 8, 2),
@@ -29,10 +30,12 @@ SCRIPTS = {  # launch script -> (model, training GPUs, tp, pp)
 }
 EP = {"qwen3-30b-a3b.sh": 8, "qwen3-235b-a22b.sh": 16}  # expert parallelism of the MoE scripts (1 elsewhere)
 ROLLOUT_NODES = {"qwen3-235b-a22b.sh": 4}  # dedicated SGLang server nodes (0 elsewhere: colocated)
+LORA_SCRIPTS = {"llama-3.1-70b-lora.sh": 16}  # lora.rank of the LoRA scripts (null elsewhere); planned with --verify
+ENGINES = {"llama-3.1-70b-lora.sh": (8, 1)}  # (engine tp, engines) where not one engine per node (tp 8) or per GPU
 # The scripts read these from the environment; the tests plan their defaults.
 _SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "EP", "RECOMPUTE", "PROMPTS", "N",
                 "MINI_BATCH", "MICRO_BATCH", "PROMPT_LEN", "RESPONSE_LEN", "LR", "KL_COEF", "CKPT_INTERVAL", "JOB_NAME",
-                "ROLLOUT_NODES", "ENGINE_TP", "ENGINES", "ENGINE_MEM"}
+                "ROLLOUT_NODES", "ENGINE_TP", "ENGINES", "ENGINE_MEM", "LORA_RANK", "LORA_ALPHA"}
 
 
 def _env():
@@ -56,10 +59,12 @@ def plan_tool():
 
 @pytest.fixture(scope="module")
 def launch_plans():
-    """plan.py --from-launch-script --json for each launch script (what it would submit, sbatch recorded)."""
+    """plan.py --from-launch-script --json for each launch script (what it would submit, sbatch recorded); the LoRA
+    scripts with --verify (the adapters counted on the meta build too)."""
     out = {}
     for name in SCRIPTS:
-        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--json", check_rc=0)
+        verify = ["--verify"] if name in LORA_SCRIPTS else []
+        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--json", *verify, check_rc=0)
         out[name] = json.loads(res.stdout)
     return out
 
@@ -79,8 +84,16 @@ def test_launch_script_layout_fits_and_params_match_meta_build(name, launch_plan
     assert (p["engine_gib"] > 0) == (name not in ROLLOUT_NODES)
     assert set(p["per_gpu_gib"]) == set(planning.COMPONENTS)
     model = load_model_config(model_name)
-    rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True),
-                                      gpus)
+    if name in LORA_SCRIPTS:  # the frozen base and the adapters, no reference; the meta build's rows from --verify
+        assert (p["lora_rank"], p["reference"], p["layer_spec"]) == (LORA_SCRIPTS[name], "none", "local")
+        assert p["per_gpu_gib"]["reference"] == 0
+        rows = p["verify"]
+        for r, stage in zip(rows, p["stages"]):
+            assert r["planner_adapter_numel"] == r["meta_adapter_numel"] == stage["adapter_numel"] > 0, r
+            assert stage["frozen_bytes"] == stage["param_bytes"]
+    else:
+        rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True),
+                                          gpus)
     assert [r["stage"] for r in rows] == list(range(pp))  # first, middle and last stages all checked
     for r, stage in zip(rows, p["stages"]):
         assert r["planner_bytes"] == r["meta_bytes"] == stage["param_bytes"], r  # exact, well within 2%
@@ -109,11 +122,28 @@ def test_verify_flag_on_the_moe_launch_scripts(name):
     assert len(rows) == SCRIPTS[name][3] and all(r["rel_diff"] == 0 for r in rows)
 
 
-def test_verify_flag_on_the_70b_launch_script():
-    res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / "llama-3.1-70b.sh"), "--verify", "--json",
-                    check_rc=0)
-    rows = json.loads(res.stdout)["verify"]
-    assert len(rows) == 4 and all(r["rel_diff"] == 0 for r in rows)
+@pytest.mark.parametrize("name", ["llama-3.1-70b.sh", "llama-3.1-70b-lora.sh"])
+def test_verify_flag_on_the_70b_launch_scripts(name, launch_plans):
+    if name in LORA_SCRIPTS:  # the fixture planned it with --verify (exit status 0: no difference over 2%)
+        rows = launch_plans[name]["verify"]
+        assert all(r["planner_adapter_numel"] == r["meta_adapter_numel"] for r in rows)
+    else:
+        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--verify", "--json", check_rc=0)
+        rows = json.loads(res.stdout)["verify"]
+    assert len(rows) == SCRIPTS[name][3] and all(r["rel_diff"] == 0 for r in rows)
+
+
+def test_70b_lora_fits_one_node_where_full_training_fits_none(launch_plans):
+    """The LoRA script's layout is the fewest nodes there are (one); the same 8 GPUs refuse every layout of the
+    full-parameter run (the frozen base and no reference are what make it fit)."""
+    lora = launch_plans["llama-3.1-70b-lora.sh"]
+    assert lora["world_size"] == 8 and lora["fits"]
+    model = load_model_config("llama-3.1-70b")
+    full = planning.PlanInput(model=model, parallel=ParallelConfig(tp=8, sequence_parallel=True), world_size=8,
+                              engine_gib=lora["engine_gib"], num_microbatches=lora["num_microbatches"])
+    assert not planning.plan(full).fits
+    batch = BatchConfig(train_batch_size=64, ppo_mini_batch_size=16, micro_batch_size=1)
+    assert planning.suggest(full, batch, n=8) == []
 
 
 # ---- activations by hand -----------------------------------------------------------------------------
@@ -257,11 +287,14 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     rollout, batch, parallel, precision, optim = typed.rollout, typed.batch, typed.parallel, typed.precision, typed.optim
     assert (parallel.tp, parallel.pp, parallel.ep, parallel.sequence_parallel) == (tp, pp, EP.get(name, 1), True)
     assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
-    assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
+    assert typed.lora.rank == LORA_SCRIPTS.get(name)
+    if name in ENGINES:
+        assert (rollout.engine_tp, rollout.num_engines) == ENGINES[name]
+    assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == ENGINES.get(name, (8 if gpus > 8 else 1,))[0]
     if name in ROLLOUT_NODES:  # dedicated servers: train.sbatch starts them and adds placement and servers
         assert f"--export=ALL,GRPO_MEGA_ROLLOUT_NODES={ROLLOUT_NODES[name]},GRPO_MEGA_SERVER_MODEL={model_name}" in options
         assert rollout.num_engines == 1
-    else:
+    elif name not in ENGINES:
         assert rollout.num_engines == (gpus // 8 if gpus > 8 else 8) and gpus % rollout.num_engines == 0  # per node or GPU
     dp = parallel.check(load_model_config(model_name), world_size=gpus)
     assert dp == gpus // (tp * pp)
