@@ -310,19 +310,23 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
 
 def lora_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
                           rank: int, targets, moe: bool = False) -> float:
-    """What LoRA's adapters add to one layer's activations per micro-batch on one TP rank, on top of
-    `local_layer_activation_bytes` (grpo_mega/models/lora.py's forwards, bf16). The frozen base linears keep no
-    input (megatron's linear_with_frozen_weight); each adapter keeps its own:
+    """What LoRA changes in one layer's activations per micro-batch on one TP rank, against
+    `local_layer_activation_bytes` (the local spec, which LoRA runs on; grpo_mega/models/lora.py's forwards, bf16;
+    negative where the frozen base keeps less). Per token:
+      the two RMSNorms' weights are frozen: neither keeps its normalised fp32 tensor (kept for the weight's
+        gradient): -8h / sp
+      the frozen base linears keep no input (megatron's linear_with_frozen_weight); each adapter keeps its own:
       column-parallel target (qkv, fc1; not an MoE layer's fc1): A x's input, the norm's output, whole on every
-        rank (all-gathered under sequence parallelism, where a trained base keeps only its 1/tp shard): 2h - 2h/sp
-        more than the base's count; and B's input A x [tokens, r]: 2r
-      row-parallel target (proj, fc2): A's input is the base's (already counted); B's input, A x all-reduced
+        rank (all-gathered under sequence parallelism, where a trained base keeps only its 1/tp shard):
+        2h - 2h / sp more than the base's count; and B's input A x [tokens, r]: 2r
+      row-parallel target (proj, fc2): A's input is the one the base's count has; B's input, A x all-reduced
         (reduce-scattered under sequence parallelism): 2r / sp
-    An untargeted frozen linear is still counted as keeping its input: an over-estimate."""
+    Measured to the byte through autograd's saved tensors (tests/cli/test_plan.py). Still counted as kept, so an
+    over-estimate: an untargeted frozen linear's input, frozen q/k norms' tensors, an MoE layer's router input."""
     tokens = seq * micro_batch
     sp = tp if sequence_parallel else 1
     h = model.hidden_size
-    per_token = 0.0
+    per_token = -8 * h / sp
     for t in targets:
         if moe and t in ("fc1", "fc2"):
             continue

@@ -265,7 +265,7 @@ def table(p: planning.Plan) -> str:
     ]
     if inp.lora_rank is not None:
         lines += [
-            f"  {'  frozen base GiB':<22}" + "".join(f"{p.stages[s].frozen_bytes / planning.GIB:>10.2f}" for s in cols),
+            f"  {'frozen base (GiB)':<22}" + "".join(f"{p.stages[s].frozen_bytes / planning.GIB:>10.2f}" for s in cols),
             f"  {'adapters (millions)':<22}" + "".join(f"{p.stages[s].adapter_numel / 1e6:>10.2f}" for s in cols),
         ]
     lines += [

@@ -523,6 +523,74 @@ def test_local_spec_activations_equal_what_autograd_saves(name):
         planning.layer_activation_bytes(base, seq, micro, 1, False, "none", layer_spec="fused")
 
 
+def _lora_saved_bytes_per_layer(model, seq: int, micro: int, tp: int, sp: bool, rank: int) -> int:
+    """What LoRA (rank `rank` on all four targets) changes in the bytes autograd saves per layer on one rank, local
+    spec, bf16: (LoRA model with 2 layers - with 1) - (the trained model with 2 layers - with 1), so the embedding
+    and the output side cancel (bench/activations.py's measure: distinct storages, parameters excluded)."""
+    import dataclasses
+
+    import torch
+
+    from grpo_mega.conf.lora import LoraConfig
+    from grpo_mega.conf.optim import PrecisionConfig
+    from grpo_mega.models.builder import build_gpt
+    from grpo_mega.models.lora import apply_lora
+    from grpo_mega.parallel import cpu_compat
+    from grpo_mega.parallel.state import destroy_distributed, init_distributed
+
+    out = {}
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=1, seed=0)
+        for layers in (1, 2):
+            for r in (None, rank):
+                gpt, _ = build_gpt(dataclasses.replace(model, num_layers=layers),
+                                   ParallelConfig(tp=tp, sequence_parallel=sp), PrecisionConfig(params_dtype="bf16"))
+                if r:
+                    apply_lora(gpt, LoraConfig(rank=r))
+                params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
+                seen: dict[int, int] = {}
+
+                def pack(t):
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in params and st.nbytes() > 0:
+                        seen[st.data_ptr()] = st.nbytes()
+                    return t
+
+                g = torch.Generator().manual_seed(0)
+                tokens = torch.randint(0, model.vocab_size, (micro, seq), generator=g)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    gpt(tokens, torch.arange(seq).expand(micro, seq).contiguous(), None)
+                out[layers, r] = sum(seen.values())
+        destroy_distributed()
+    return (out[2, rank] - out[1, rank]) - (out[2, None] - out[1, None])
+
+
+def test_lora_activations_equal_what_autograd_saves():
+    """planning.lora_activation_bytes against the bytes autograd really saves, at TP2 with sequence parallelism
+    (every term: the frozen norms' fp32 tensors not kept, /tp; the column adapters' all-gathered inputs kept whole;
+    the rank-r inputs of B), to the byte on both ranks; the mid qwen2 model, 64 tokens x 2, rank 8. Measured at
+    TP1 and TP2 without SP as well while writing it: -253,952 B per layer each, as planned."""
+    from grpo_mega.parallel.forked import run_ranks
+
+    model, seq, micro, rank = _mid_model(), 64, 2, 8
+    got = run_ranks(_lora_saved_bytes_per_layer, 2, model, seq, micro, 2, True, rank, timeout=300)
+    planned = planning.lora_activation_bytes(model, seq, micro, 2, True, rank, planning.LORA_TARGETS)
+    assert got == [planned, planned], (got, planned)  # -59,392 B: the frozen norms keep more than the adapters add
+
+
+def test_lora_targets_are_the_configs():
+    from grpo_mega.conf.lora import LORA_TARGETS
+
+    assert planning.LORA_TARGETS == LORA_TARGETS
+    with pytest.raises(ValueError, match="under LoRA the reference is the actor with its adapters off"):
+        planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8,
+                           layer_spec="local")
+    with pytest.raises(ValueError, match="needs layer_spec='local'"):
+        planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8, reference="none")
+    with pytest.raises(ValueError, match=r"lora.rank=300 is larger than qkv's smaller dimension 256"):
+        planning.lora_layer_sizes(_mid_model(), 1, 300, planning.LORA_TARGETS)
+
+
 def test_moe_layers_count_router_and_this_ranks_experts():
     """qwen3-30b-a3b at TP2xEP4: per MoE layer the router [128, 2048] and 128/4 experts of 3 x 768/2 x 2048; the
     whole stage equals megatron's meta-device build (one EP rank's shard)."""
