@@ -5,7 +5,8 @@ the bytes of the actor's weights, fp32 main weights, fp32 gradient buffer and Ad
 and the DistributedOptimizer (its padded buffers included), for MoE models the router and this rank's experts
 (split over EP and expert TP, their optimizer state over expert DP) and the token dispatcher's buffers, the
 activations held by the 1F1B schedule, the logits and vocab-parallel loss
-buffers of the last stage, the frozen reference and the share left to a colocated rollout engine; whether
+buffers of the last stage, the frozen reference and the share left to a colocated rollout engine, under LoRA the
+frozen base and the adapters' own buffers, gradients, optimizer state and activations (no reference); whether
 their sum fits a GPU, which component does not, and layouts of the same GPUs that do. `meta_stage_params`
 checks the parameter arithmetic against the model built on the meta device, one rank at a time under a fake
 process group. Everything else here is pure arithmetic on the model config: no torch, no process groups.
@@ -206,7 +207,8 @@ def lora_stage_sizes(model: ModelConfig, parallel: ParallelConfig, rank: int, ta
     the only parameters megatron's DDP and optimizer see under LoRA (the base is frozen)."""
     moe_layers, start, out = model.moe_layers(), 0, []
     for n in parallel.layers_per_stage(model.num_layers):
-        out.append([s for m in moe_layers[start:start + n] for s in lora_layer_sizes(model, parallel.tp, rank, targets, m)])
+        layers = moe_layers[start:start + n]
+        out.append([s for m in layers for s in lora_layer_sizes(model, parallel.tp, rank, targets, m)])
         start += n
     return out
 
@@ -464,11 +466,11 @@ class PlanInput:
     def __post_init__(self):
         if self.lora_rank is not None:
             if self.lora_rank <= 0:
-                raise ValueError(f"lora_rank={self.lora_rank} must be > 0 (or None: no LoRA)")
+                raise ValueError(f"lora_rank={self.lora_rank} (lora.rank, --lora-rank) must be > 0, or None: no LoRA")
             unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
             if unknown or not self.lora_targets:
-                raise ValueError(f"lora_targets={list(self.lora_targets)}: unknown {unknown or 'empty list'}; "
-                                 f"choose from {', '.join(LORA_TARGETS)}")
+                raise ValueError(f"lora_targets={list(self.lora_targets)} (lora.target_modules, --lora-targets): "
+                                 f"unknown {unknown or 'empty list'}; choose from {', '.join(LORA_TARGETS)}")
             if self.reference != "none":
                 raise ValueError(f"reference={self.reference!r} with lora_rank={self.lora_rank}: under LoRA the "
                                  "reference is the actor with its adapters off, so plan it with reference='none'")
@@ -789,11 +791,12 @@ def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: 
 
                         apply_lora(gpt, lora)
                     named = list(gpt.named_parameters())
-                    params = [p for n, p in named if not n.endswith((".lora_A", ".lora_B"))]
+                    is_adapter = [n.endswith((".lora_A", ".lora_B")) for n, _ in named]
+                    params = [p for (_, p), a in zip(named, is_adapter) if not a]
                     found[stage] = dict(rank=rank, tp_rank=ps.get_tensor_model_parallel_rank(),
                                         numel=sum(p.numel() for p in params),
                                         bytes=sum(p.numel() * p.element_size() for p in params),
-                                        adapter_numel=sum(p.numel() for n, p in named if n.endswith((".lora_A", ".lora_B"))))
+                                        adapter_numel=sum(p.numel() for (_, p), a in zip(named, is_adapter) if a))
                     del gpt, params
             finally:
                 ps.destroy_model_parallel()

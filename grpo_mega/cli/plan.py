@@ -7,8 +7,9 @@
 Per GPU of the worst pipeline stage: parameters (weights + fp32 main weights), the fp32 gradient buffer,
 Adam state, activations held by 1F1B, logits and loss buffers, the KL reference and a colocated rollout
 engine's share, against the GPU's memory less a margin. Under LoRA (lora.rank, --lora-rank) the parameters are
-the frozen base and the adapters, gradients and optimizer state the adapters' alone, and there is no reference. Exit status 0: fits; 1: does not fit (the reason
-names the component, and layouts of the same GPUs that fit are listed); 2: invalid layout or arguments.
+the frozen base and the adapters, gradients and optimizer state the adapters' alone, and there is no reference.
+Exit status 0: fits; 1: does not fit (the reason names the component, and layouts of the same GPUs that fit are
+listed); 2: invalid layout or arguments.
 --from-launch-script runs the script with `sbatch` replaced by a recorder (nothing is submitted), composes
 the Hydra overrides it would submit with the real config schema and plans that run; a `# plan: FLAGS` line
 in the script adds planner flags for what the schema does not hold (the engine's share). --verify builds
@@ -78,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--unfused-output", action="store_true",
                     help="batch.fused_output=false: the output layer's whole logits, then the loss op")
     ap.add_argument("--full-kl", action="store_true", help="algo.kl_estimator=full (the reference's logits in the loss)")
-    ap.add_argument("--lora-rank", type=int, help="lora.rank: a frozen base and adapters of this rank, the only weights "
-                    "with gradients and optimizer state; no reference model; megatron-core's local layers")
+    ap.add_argument("--lora-rank", type=int, help="lora.rank: a frozen base and adapters of this rank, the only "
+                    "weights with gradients and optimizer state; no reference model; megatron-core's local layers")
     ap.add_argument("--lora-targets", default=",".join(planning.LORA_TARGETS),
                     help="lora.target_modules, comma-separated (default: qkv,proj,fc1,fc2)")
     ap.add_argument("--suggest", type=int, default=5, help="layouts to suggest when this one does not fit")

@@ -92,8 +92,8 @@ def test_launch_script_layout_fits_and_params_match_meta_build(name, launch_plan
             assert r["planner_adapter_numel"] == r["meta_adapter_numel"] == stage["adapter_numel"] > 0, r
             assert stage["frozen_bytes"] == stage["param_bytes"]
     else:
-        rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True),
-                                          gpus)
+        par = ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True)
+        rows = planning.compare_with_meta(model, par, gpus)
     assert [r["stage"] for r in rows] == list(range(pp))  # first, middle and last stages all checked
     for r, stage in zip(rows, p["stages"]):
         assert r["planner_bytes"] == r["meta_bytes"] == stage["param_bytes"], r  # exact, well within 2%
@@ -465,10 +465,11 @@ def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, 
     """Under LoRA (on qkv, proj, fc1, fc2) the planner's model states against what megatron-core allocates
     after a real update, to the byte: the frozen base's weights (their own storages, no grad buffer), the adapters
     (this rank's count; as lora.py shards them over TP), DDP's one buffer of them (bf16 weights, fp32 gradients,
-    padding included: at rank 3 fc2's A [3, 704 / 2] is no multiple of 64 elements), and the fp32 main weights and Adam moments summed over each stage's ranks (the planner
-    gives the mean; megatron's shards of the padded buffer differ by a few elements from rank to rank). The mid
-    qwen2 model at TP2xDP2 (qkv bias frozen), tiny-qwen3-moe at EP2 (its MoE layers' experts and router frozen,
-    unadapted; its dense layer 2 has fc1 and fc2 adapters). No reference model is planned."""
+    padding included: at rank 3 fc2's A [3, 704 / 2] is no multiple of 64 elements), and the fp32 main weights
+    and Adam moments summed over each stage's ranks (the planner gives the mean; megatron's shards of the padded buffer
+    differ by a few elements from rank to rank). The mid qwen2 model at TP2xDP2 (qkv bias frozen), tiny-qwen3-moe at EP2
+    (its MoE layers' experts and router frozen, unadapted; its dense layer 2 has fc1 and fc2 adapters). No reference
+    model is planned."""
     from grpo_mega.conf.lora import LoraConfig
     from grpo_mega.parallel.forked import run_ranks
 
@@ -578,10 +579,15 @@ def test_lora_activations_equal_what_autograd_saves():
     assert got == [planned, planned], (got, planned)  # -59,392 B: the frozen norms keep more than the adapters add
 
 
-def test_lora_targets_are_the_configs():
+def test_lora_targets_are_the_configs_and_the_table_says_lora(plan_tool):
     from grpo_mega.conf.lora import LORA_TARGETS
 
     assert planning.LORA_TARGETS == LORA_TARGETS
+    inp = planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(tp=2), world_size=2, lora_rank=8,
+                             lora_targets=("qkv", "proj"), reference="none", layer_spec="local")
+    table = plan_tool.table(planning.plan(inp))
+    assert "no reference (the actor with adapters off)" in table and "LoRA rank 8 on qkv,proj" in table
+    assert "frozen base (GiB)" in table and "adapters (millions)" in table
     with pytest.raises(ValueError, match="under LoRA the reference is the actor with its adapters off"):
         planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8,
                            layer_spec="local")
