@@ -5,7 +5,8 @@ the bytes of the actor's weights, fp32 main weights, fp32 gradient buffer and Ad
 and the DistributedOptimizer (its padded buffers included), for MoE models the router and this rank's experts
 (split over EP and expert TP, their optimizer state over expert DP) and the token dispatcher's buffers, the
 activations held by the 1F1B schedule, the logits and vocab-parallel loss
-buffers of the last stage, the frozen reference and the share left to a colocated rollout engine; whether
+buffers of the last stage, the frozen reference and the share left to a colocated rollout engine, under LoRA the
+frozen base and the adapters' own buffers, gradients, optimizer state and activations (no reference); whether
 their sum fits a GPU, which component does not, and layouts of the same GPUs that do. `meta_stage_params`
 checks the parameter arithmetic against the model built on the meta device, one rank at a time under a fake
 process group. Everything else here is pure arithmetic on the model config: no torch, no process groups.
@@ -169,14 +170,54 @@ def grad_buffer_numel(model: ModelConfig, parallel: ParallelConfig, dp: int,
             dense, own = dense + own, []
 
         def buffer(sizes: list[int], group: int) -> int:
-            if not distributed_optimizer:
-                return sum(sizes)
-            return _round_up(sum(_round_up(n, 64) for n in sizes), math.lcm(group, 128)) if sizes else 0
+            return _buffer_numel(sizes, group, distributed_optimizer)
 
         dense_numel = buffer(dense, dp) + sum(buffer([n], dp) for n in own)
         out.append((dense_numel, buffer(expert, dp // ep)))
         assert sum(dense) + sum(own) + sum(expert) == p.total  # the same parameters as stage_params
     return out
+
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""grpo_mega.conf.lora.LORA_TARGETS, in the order megatron's layer holds the linears (a test holds them equal)."""
+
+
+def lora_layer_sizes(model: ModelConfig, tp: int, rank: int, targets, moe: bool = False) -> list[int]:
+    """Numels of one layer's LoRA adapters on one TP rank, A then B per targeted linear, as
+    grpo_mega/models/lora.py shards them: a column-parallel base (qkv [q + 2k, h], fc1 [2f, h]) gets A [r, h]
+    replicated and B [out / tp, r]; a row-parallel one (proj [h, q], fc2 [h, f]) A [r, in / tp] and B [h, r]
+    replicated. An MoE layer's MLP (router and experts) is not adapted: only its qkv and proj."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    dims = {"qkv": (h, q + 2 * kv, True), "proj": (q, h, False), "fc1": (h, 2 * f, True), "fc2": (f, h, False)}
+    out = []
+    for t in LORA_TARGETS:
+        if t not in targets or (moe and t in ("fc1", "fc2")):
+            continue
+        d_in, d_out, column = dims[t]
+        if rank > min(d_in, d_out):
+            raise ValueError(f"lora.rank={rank} is larger than {t}'s smaller dimension {min(d_in, d_out)} "
+                             f"({d_out} x {d_in}); choose lora.rank <= {min(d_in, d_out)}")
+        out += [rank * d_in, d_out // tp * rank] if column else [rank * (d_in // tp), d_out * rank]
+    return out
+
+
+def lora_stage_sizes(model: ModelConfig, parallel: ParallelConfig, rank: int, targets) -> list[list[int]]:
+    """Per pipeline stage: the numels of this TP rank's adapters (`lora_layer_sizes` over the stage's layers),
+    the only parameters megatron's DDP and optimizer see under LoRA (the base is frozen)."""
+    moe_layers, start, out = model.moe_layers(), 0, []
+    for n in parallel.layers_per_stage(model.num_layers):
+        layers = moe_layers[start:start + n]
+        out.append([s for m in layers for s in lora_layer_sizes(model, parallel.tp, rank, targets, m)])
+        start += n
+    return out
+
+
+def _buffer_numel(sizes: list[int], group: int, distributed_optimizer: bool) -> int:
+    """Elements of one DDP buffer holding `sizes` (grad_buffer_numel's padding rule)."""
+    if not distributed_optimizer:
+        return sum(sizes)
+    return _round_up(sum(_round_up(n, 64) for n in sizes), math.lcm(group, 128)) if sizes else 0
 
 
 # ---- activations --------------------------------------------------------------------------------------
@@ -267,6 +308,35 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
     if recompute == "none":
         split += 4 * a
     return tokens * (replicated / sp + split / tp) + 8 * d * seq + (4 if recompute == "selective" else 0)
+
+
+def lora_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+                          rank: int, targets, moe: bool = False) -> float:
+    """What LoRA changes in one layer's activations per micro-batch on one TP rank, against
+    `local_layer_activation_bytes` (the local spec, which LoRA runs on; grpo_mega/models/lora.py's forwards, bf16;
+    negative where the frozen base keeps less). Per token:
+      the two RMSNorms' weights are frozen: neither keeps its normalised fp32 tensor (kept for the weight's
+        gradient): -8h / sp
+      the frozen base linears keep no input (megatron's linear_with_frozen_weight); each adapter keeps its own:
+      column-parallel target (qkv, fc1; not an MoE layer's fc1): A x's input, the norm's output, whole on every
+        rank (all-gathered under sequence parallelism, where a trained base keeps only its 1/tp shard):
+        2h - 2h / sp more than the base's count; and B's input A x [tokens, r]: 2r
+      row-parallel target (proj, fc2): A's input is the one the base's count has; B's input, A x all-reduced
+        (reduce-scattered under sequence parallelism): 2r / sp
+    Measured to the byte through autograd's saved tensors (tests/cli/test_plan.py). Still counted as kept, so an
+    over-estimate: an untargeted frozen linear's input, frozen q/k norms' tensors, an MoE layer's router input."""
+    tokens = seq * micro_batch
+    sp = tp if sequence_parallel else 1
+    h = model.hidden_size
+    per_token = -8 * h / sp
+    for t in targets:
+        if moe and t in ("fc1", "fc2"):
+            continue
+        if t in ("qkv", "fc1"):
+            per_token += 2 * h - 2 * h / sp + 2 * rank
+        else:
+            per_token += 2 * rank / sp
+    return tokens * per_token
 
 
 def moe_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
@@ -386,8 +456,27 @@ class PlanInput:
     full_kl: bool = False
     """The full-vocabulary KL in the loss (algo.kl_estimator=full): the fused op's chunk holds the reference's
     logits too (the unfused term does not count them)."""
+    lora_rank: Optional[int] = None
+    """lora.rank: the base model frozen (its weights alone, in params_dtype, outside DDP's buffers) and adapters
+    of this rank on `lora_targets`, the only parameters with gradients, fp32 main weights and Adam state; no
+    reference model (the reference is the actor with its adapters off). Null: every weight trains."""
+    lora_targets: tuple = LORA_TARGETS
+    """lora.target_modules."""
 
     def __post_init__(self):
+        if self.lora_rank is not None:
+            if self.lora_rank <= 0:
+                raise ValueError(f"lora_rank={self.lora_rank} (lora.rank, --lora-rank) must be > 0, or None: no LoRA")
+            unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+            if unknown or not self.lora_targets:
+                raise ValueError(f"lora_targets={list(self.lora_targets)} (lora.target_modules, --lora-targets): "
+                                 f"unknown {unknown or 'empty list'}; choose from {', '.join(LORA_TARGETS)}")
+            if self.reference != "none":
+                raise ValueError(f"reference={self.reference!r} with lora_rank={self.lora_rank}: under LoRA the "
+                                 "reference is the actor with its adapters off, so plan it with reference='none'")
+            if self.layer_spec != "local" or self.fp8:
+                raise ValueError(f"lora_rank={self.lora_rank} needs layer_spec='local' and no fp8: LoRA adapts "
+                                 "megatron-core's local layers (Transformer Engine's fused layers are refused)")
         if self.reference not in REFERENCE:
             raise ValueError(f"reference={self.reference!r} must be one of {REFERENCE}")
         if self.params_dtype not in ("bf16", "fp32"):
@@ -429,9 +518,16 @@ class StagePlan:
     param_numel: int
     in_flight: int
     gib: dict = field(default_factory=dict)
+    """Component -> GiB at the update's peak (COMPONENTS)."""
     expert_numel: int = 0
     """Of param_numel, this rank's expert parameters (sharded over expert DP by the DistributedOptimizer)."""
-    """Component -> GiB at the update's peak (COMPONENTS)."""
+    adapter_numel: int = 0
+    """Under LoRA: this rank's adapter parameters (not in param_numel, the base's); 0 without LoRA."""
+    adapter_buffer_numel: int = 0
+    """Under LoRA: elements of DDP's buffer of the adapters, padding included (its weights in params_dtype, its
+    gradients in fp32): the only buffer DDP makes, the base being frozen."""
+    frozen_bytes: int = 0
+    """Under LoRA: the frozen base's weights (param_numel in params_dtype), held outside DDP's buffers."""
     ref_forward_gib: float = 0.0
     """Peak while the offloaded reference runs its forward (model states + reference weights + forward-only
     buffers); 0 unless reference='offload'."""
@@ -464,12 +560,16 @@ class Plan:
             num_microbatches=inp.num_microbatches, params_dtype=inp.params_dtype, fp8=inp.fp8,
             distributed_optimizer=inp.distributed_optimizer, reference=inp.reference, engine_gib=inp.engine_gib,
             flash_attention=inp.flash_attention, layer_spec=inp.layer_spec, fused_output=inp.fused_output,
-            full_kl=inp.full_kl, gpu_gib=inp.gpu_gib, margin=inp.margin,
+            full_kl=inp.full_kl, lora_rank=inp.lora_rank,
+            lora_targets=list(inp.lora_targets) if inp.lora_rank is not None else None,
+            gpu_gib=inp.gpu_gib, margin=inp.margin,
             usable_gib=inp.usable_gib,
             worst_stage=worst.stage, per_gpu_gib=dict(worst.gib), total_gib=self.total_gib,
             headroom_gib=inp.usable_gib - self.total_gib, fits=self.fits, reason=self.reason,
             stages=[dict(stage=s.stage, layers=s.layers, param_numel=s.param_numel, expert_numel=s.expert_numel,
-                         param_bytes=s.param_numel * _weight_bytes(inp), in_flight=s.in_flight, gib=dict(s.gib),
+                         param_bytes=s.param_numel * _weight_bytes(inp), adapter_numel=s.adapter_numel,
+                         adapter_buffer_numel=s.adapter_buffer_numel, frozen_bytes=s.frozen_bytes,
+                         in_flight=s.in_flight, gib=dict(s.gib),
                          ref_forward_gib=s.ref_forward_gib, total_gib=s.total_gib) for s in self.stages],
         )
 
@@ -494,22 +594,41 @@ def plan(inp: PlanInput) -> Plan:
                                                inp.layer_spec, mlp=False) + moe_kept
     else:
         per_moe_layer = per_layer  # full recompute keeps each layer's input whatever its MLP
+    lora = inp.lora_rank is not None
+    if lora:  # each adapter's own saved inputs, on top of the layer's
+        lora_args = (*args, inp.lora_rank, inp.lora_targets)
+        per_layer += lora_activation_bytes(*lora_args) if parallel.recompute != "full" else 0
+        per_moe_layer += lora_activation_bytes(*lora_args, moe=True) if parallel.recompute != "full" else 0
+        adapters = lora_stage_sizes(model, parallel, inp.lora_rank, inp.lora_targets)
     moe_layers, start = model.moe_layers(), 0
     stages = []
     buffers = grad_buffer_numel(model, parallel, dp, inp.distributed_optimizer)
+    wbytes = 2 if bf16 else 4
     for sp_, (dense_buf, expert_buf) in zip(stage_params(model, parallel), buffers):
         n, ne = sp_.total, sp_.expert
-        # with the DistributedOptimizer the weights live in DDP's padded parameter buffer, as the gradients do
-        weights = (dense_buf + expert_buf if inp.distributed_optimizer else n) * (2 if bf16 else 4)
+        adapter_numel = adapter_buf = frozen = 0
+        if lora:
+            # the frozen base: its own parameters, outside DDP; DDP's one buffer (and the optimizer) holds only
+            # the adapters, none of them experts (padded as a dense buffer over DP)
+            sizes = adapters[sp_.stage]
+            adapter_numel = sum(sizes)
+            adapter_buf = _buffer_numel(sizes, dp, inp.distributed_optimizer)
+            frozen = n * wbytes
+            weights = frozen + adapter_buf * wbytes
+            trained, trained_expert, grad_buf = adapter_numel, 0, adapter_buf
+        else:
+            # with the DistributedOptimizer the weights live in DDP's padded parameter buffer, as the gradients do
+            weights = (dense_buf + expert_buf if inp.distributed_optimizer else n) * wbytes
+            trained, trained_expert, grad_buf = n, ne, dense_buf + expert_buf
         if inp.fp8:  # TE caches each linear weight and its transpose as FP8 across the micro-batches
             weights += 2 * sp_.linear
         # fp32 main weights (bf16 training), Adam m and v: sharded by the DistributedOptimizer, the dense
         # parameters over DP, the experts over expert DP (dp / ep); per rank the mean (a rank's shard of the
         # padded buffer holds a few elements more or fewer; summed over the DP group they are exact)
         if inp.distributed_optimizer:
-            sharded = (n - ne) / dp + ne / inp.expert_dp
+            sharded = (trained - trained_expert) / dp + trained_expert / inp.expert_dp
         else:
-            sharded = n
+            sharded = trained
         main = 4 * sharded if bf16 else 0
         adam = 8 * sharded
         in_flight = max(1, min(in_flight_max, pp - sp_.stage))
@@ -522,9 +641,11 @@ def plan(inp: PlanInput) -> Plan:
             acts += in_flight * 16 * inp.seq_length * inp.micro_batch_size  # token and position ids
         if parallel.recompute == "full":  # one layer's activations rebuilt at a time during the backward
             rebuilt = layer_activation_bytes(*args, "selective", inp.flash_attention, inp.fp8, inp.layer_spec)
+            rebuilt += lora_activation_bytes(*lora_args) if lora else 0
             if n_moe:
                 rebuilt = max(rebuilt, layer_activation_bytes(*args, "selective", inp.flash_attention, inp.fp8,
-                                                              inp.layer_spec, mlp=False) + moe_kept)
+                                                              inp.layer_spec, mlp=False) + moe_kept
+                              + (lora_activation_bytes(*lora_args, moe=True) if lora else 0))
             acts += rebuilt
         last = sp_.stage == pp - 1
         loss_kw = dict(fused=inp.fused_output, full_kl=inp.full_kl, act_bytes=2 if bf16 else 4)
@@ -534,7 +655,7 @@ def plan(inp: PlanInput) -> Plan:
         gib = dict(
             engine=inp.engine_gib,
             parameters=(weights + main) / GIB,
-            gradients=4 * (dense_buf + expert_buf) / GIB,  # DDP's grad buffers (dense, expert), grad_reduce_in_fp32
+            gradients=4 * grad_buf / GIB,  # DDP's grad buffers (dense, expert), grad_reduce_in_fp32
             optimizer=adam / GIB,
             reference=ref_weights / GIB if inp.reference == "gpu" else 0.0,
             activations=acts / GIB,
@@ -549,7 +670,8 @@ def plan(inp: PlanInput) -> Plan:
             states = sum(gib[k] for k in ("engine", "parameters", "gradients", "optimizer"))
             ref_forward = states + (ref_weights + fwd) / GIB
         stages.append(StagePlan(stage=sp_.stage, layers=sp_.layers, param_numel=n, in_flight=in_flight, gib=gib,
-                                ref_forward_gib=ref_forward, expert_numel=ne))
+                                ref_forward_gib=ref_forward, expert_numel=ne, adapter_numel=adapter_numel,
+                                adapter_buffer_numel=adapter_buf, frozen_bytes=frozen))
     worst = max(range(len(stages)), key=lambda i: stages[i].total_gib)
     result = Plan(input=inp, stages=stages, worst=worst, fits=stages[worst].total_gib <= inp.usable_gib)
     if not result.fits:
@@ -629,15 +751,16 @@ def suggest(inp: PlanInput, batch=None, n: int = 0, limit: int = 5) -> list[Plan
 # ---- check against megatron ---------------------------------------------------------------------------
 
 
-def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> dict[int, dict]:
+def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: int, lora=None) -> dict[int, dict]:
     """Parameter numel and bytes of each pipeline stage's shard as megatron builds it, on the meta device.
 
     For each rank in turn (until every stage is seen): a fake process group of `world_size` ranks
     (torch.testing's FakeStore backend: collectives return at once, nothing is sent), megatron's
     parallel_state for the layout, builder.build_gpt(meta=True) for that rank's stage, numel summed, all torn
     down again. Megatron's gloo side groups are not created: the fake store cannot back a real gloo group.
-    Needs a process with no torch.distributed group of its own; leaves none behind.
-    Returns {stage: {"rank", "tp_rank", "numel", "bytes"}}.
+    Needs a process with no torch.distributed group of its own; leaves none behind. With `lora` (a LoraConfig)
+    the adapters are added as grpo_mega.models.lora adds them and counted apart ("adapter_numel").
+    Returns {stage: {"rank", "tp_rank", "numel", "bytes", "adapter_numel"}}.
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -663,10 +786,17 @@ def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: 
                 stage = ps.get_pipeline_model_parallel_rank()
                 if stage not in found:
                     gpt, _ = build_gpt(model, parallel, PrecisionConfig(params_dtype="bf16"), meta=True)
-                    params = list(gpt.parameters())
+                    if lora is not None:
+                        from grpo_mega.models.lora import apply_lora
+
+                        apply_lora(gpt, lora)
+                    named = list(gpt.named_parameters())
+                    is_adapter = [n.endswith((".lora_A", ".lora_B")) for n, _ in named]
+                    params = [p for (_, p), a in zip(named, is_adapter) if not a]
                     found[stage] = dict(rank=rank, tp_rank=ps.get_tensor_model_parallel_rank(),
                                         numel=sum(p.numel() for p in params),
-                                        bytes=sum(p.numel() * p.element_size() for p in params))
+                                        bytes=sum(p.numel() * p.element_size() for p in params),
+                                        adapter_numel=sum(p.numel() for (_, p), a in zip(named, is_adapter) if a))
                     del gpt, params
             finally:
                 ps.destroy_model_parallel()
@@ -676,15 +806,22 @@ def meta_stage_params(model: ModelConfig, parallel: ParallelConfig, world_size: 
     return found
 
 
-def compare_with_meta(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> list[dict]:
-    """Per stage: the planner's parameter numel and bf16 bytes next to the meta-device build's."""
-    meta = meta_stage_params(model, parallel, world_size)
+def compare_with_meta(model: ModelConfig, parallel: ParallelConfig, world_size: int, lora=None) -> list[dict]:
+    """Per stage: the planner's parameter numel and bf16 bytes next to the meta-device build's; with `lora` (a
+    LoraConfig) also this rank's adapter numel, both ways (rel_diff is then the larger of the two differences)."""
+    meta = meta_stage_params(model, parallel, world_size, lora)
+    adapters = lora_stage_sizes(model, parallel, lora.rank, lora.target_modules) if lora is not None else None
     rows = []
     for s in stage_params(model, parallel):
         m = meta[s.stage]
-        rows.append(dict(stage=s.stage, rank=m["rank"], planner_numel=s.total, meta_numel=m["numel"],
-                         planner_bytes=2 * s.total, meta_bytes=m["bytes"],
-                         rel_diff=abs(2 * s.total - m["bytes"]) / m["bytes"]))
+        row = dict(stage=s.stage, rank=m["rank"], planner_numel=s.total, meta_numel=m["numel"],
+                   planner_bytes=2 * s.total, meta_bytes=m["bytes"],
+                   rel_diff=abs(2 * s.total - m["bytes"]) / m["bytes"])
+        if adapters is not None:
+            planned = sum(adapters[s.stage])
+            row.update(planner_adapter_numel=planned, meta_adapter_numel=m["adapter_numel"])
+            row["rel_diff"] = max(row["rel_diff"], abs(planned - m["adapter_numel"]) / max(m["adapter_numel"], 1))
+        rows.append(row)
     return rows
 
 

@@ -6,8 +6,10 @@
 
 Per GPU of the worst pipeline stage: parameters (weights + fp32 main weights), the fp32 gradient buffer,
 Adam state, activations held by 1F1B, logits and loss buffers, the KL reference and a colocated rollout
-engine's share, against the GPU's memory less a margin. Exit status 0: fits; 1: does not fit (the reason
-names the component, and layouts of the same GPUs that fit are listed); 2: invalid layout or arguments.
+engine's share, against the GPU's memory less a margin. Under LoRA (lora.rank, --lora-rank) the parameters are
+the frozen base and the adapters, gradients and optimizer state the adapters' alone, and there is no reference.
+Exit status 0: fits; 1: does not fit (the reason names the component, and layouts of the same GPUs that fit are
+listed); 2: invalid layout or arguments.
 --from-launch-script runs the script with `sbatch` replaced by a recorder (nothing is submitted), composes
 the Hydra overrides it would submit with the real config schema and plans that run; a `# plan: FLAGS` line
 in the script adds planner flags for what the schema does not hold (the engine's share). --verify builds
@@ -77,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--unfused-output", action="store_true",
                     help="batch.fused_output=false: the output layer's whole logits, then the loss op")
     ap.add_argument("--full-kl", action="store_true", help="algo.kl_estimator=full (the reference's logits in the loss)")
+    ap.add_argument("--lora-rank", type=int, help="lora.rank: a frozen base and adapters of this rank, the only "
+                    "weights with gradients and optimizer state; no reference model; megatron-core's local layers")
+    ap.add_argument("--lora-targets", default=",".join(planning.LORA_TARGETS),
+                    help="lora.target_modules, comma-separated (default: qkv,proj,fc1,fc2)")
     ap.add_argument("--suggest", type=int, default=5, help="layouts to suggest when this one does not fit")
     ap.add_argument("--verify", action="store_true", help="compare parameter bytes with the meta-device build")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -181,7 +187,7 @@ def compose(overrides: list[str]) -> dict:
     c = OmegaConf.to_container(cfg, resolve=True)
     tc = TrainConfig.from_hydra(cfg)
     typed = {k: getattr(tc, k) for k in ("parallel", "precision", "optim", "algo", "rollout", "batch", "run", "eval",
-                                         "checkpoint")}
+                                         "checkpoint", "lora")}
     return dict(raw=c, **typed)
 
 
@@ -213,6 +219,9 @@ def from_launch_script(args, ap) -> tuple[argparse.Namespace, dict]:
         args.ref = "none"
     elif c["algo"].ref_offload and "--ref" not in sys.argv:
         args.ref = "offload"
+    lora = c["lora"]
+    if lora.enabled and "--lora-rank" not in sys.argv:
+        args.lora_rank, args.lora_targets = lora.rank, ",".join(lora.target_modules)
     fraction = c["rollout"].gpu_memory_fraction
     if rollout_nodes and "--engine-mem" not in sys.argv:
         args.engine_mem = "0"  # the engines are the servers on their own nodes
@@ -236,6 +245,8 @@ def table(p: planning.Plan) -> str:
     inp = p.input
     cols = _columns(p)
     ref = {"gpu": "reference on GPU", "offload": "reference offloaded", "none": "no reference"}[inp.reference]
+    if inp.lora_rank is not None:
+        ref = "no reference (the actor with adapters off)"
     prec = "fp8 (bf16 weights)" if inp.fp8 else inp.params_dtype
     opt = "distributed optimizer" if inp.distributed_optimizer else "optimizer state replicated over DP"
     lines = [
@@ -243,10 +254,22 @@ def table(p: planning.Plan) -> str:
         f"  sequences of {inp.seq_length} tokens (prompt + response), {prec}, {opt}, {ref},",
         f"  rollout engine {inp.engine_gib:.1f} GiB per GPU, {'flash' if inp.flash_attention else 'unfused'} attention"
         f"{', local layer spec' if inp.layer_spec == 'local' else ''}",
+    ]
+    if inp.lora_rank is not None:
+        lines.append(f"  LoRA rank {inp.lora_rank} on {','.join(inp.lora_targets)}: the base frozen "
+                     f"(its weights only), gradients and optimizer state for the adapters alone")
+    lines += [
         "",
         f"  {'GiB per GPU':<22}" + "".join(f"{'stage ' + str(s):>10}" for s in cols),
         f"  {'layers':<22}" + "".join(f"{p.stages[s].layers:>10}" for s in cols),
         f"  {'params (millions)':<22}" + "".join(f"{p.stages[s].param_numel / 1e6:>10.1f}" for s in cols),
+    ]
+    if inp.lora_rank is not None:
+        lines += [
+            f"  {'frozen base (GiB)':<22}" + "".join(f"{p.stages[s].frozen_bytes / planning.GIB:>10.2f}" for s in cols),
+            f"  {'adapters (millions)':<22}" + "".join(f"{p.stages[s].adapter_numel / 1e6:>10.2f}" for s in cols),
+        ]
+    lines += [
         f"  {'micro-batches held':<22}" + "".join(f"{p.stages[s].in_flight:>10}" for s in cols),
     ]
     for name in planning.COMPONENTS:
@@ -274,6 +297,12 @@ def main() -> int:
             raise ValueError(f"positional overrides {args.overrides} need --from-launch-script")
         if not args.model:
             raise ValueError("--model (or --from-launch-script) is required")
+        lora_targets = tuple(t for t in args.lora_targets.split(",") if t)
+        if args.lora_rank is not None:
+            if args.precision == "fp8":
+                raise ValueError("--lora-rank with --precision fp8: LoRA runs on megatron-core's local layers, FP8 "
+                                 "only through Transformer Engine; use --precision bf16")
+            args.ref, args.local_spec = "none", True  # the reference is the actor with its adapters off
         model = resolve_model(args.model)
         sp = args.tp > 1 if args.sp is None else args.sp
         par = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=sp, recompute=args.recompute,
@@ -302,7 +331,8 @@ def main() -> int:
             engine_gib=engine_gib(args.engine_mem, args.gpu_gib), gpu_gib=args.gpu_gib, margin=args.margin,
             flash_attention=not args.unfused_attention,
             layer_spec="local" if args.local_spec else "transformer_engine", logprob_chunk_size=args.logprob_chunk,
-            fused_output=not args.unfused_output, full_kl=args.full_kl,
+            fused_output=not args.unfused_output, full_kl=args.full_kl, lora_rank=args.lora_rank,
+            lora_targets=lora_targets,
         )
         if args.dp and args.dp != inp.dp:
             raise ValueError(f"--dp={args.dp} but {world} GPUs at tp={args.tp} pp={args.pp} give dp={inp.dp}")
@@ -314,7 +344,12 @@ def main() -> int:
     verify = None
     if args.verify:
         warnings.simplefilter("ignore")  # megatron's "Transformer Engine and Apex are not installed" on CPU
-        verify = planning.compare_with_meta(model, par, world)
+        lora = None
+        if args.lora_rank is not None:
+            from grpo_mega.conf.lora import LoraConfig
+
+            lora = LoraConfig(rank=args.lora_rank, target_modules=list(lora_targets))
+        verify = planning.compare_with_meta(model, par, world, lora)
     out = result.to_dict()
     out["suggestions"] = [s.to_dict() for s in suggestions]
     if info:
@@ -340,8 +375,10 @@ def main() -> int:
         if verify is not None:
             print("\nparameters per rank, planner vs megatron on the meta device (fake process group):")
             for r in verify:
+                adapters = (f"; adapters planner {r['planner_adapter_numel']:,}, meta {r['meta_adapter_numel']:,}"
+                            if "meta_adapter_numel" in r else "")
                 print(f"  stage {r['stage']} (rank {r['rank']}): planner {r['planner_bytes']:,} B, "
-                      f"meta {r['meta_bytes']:,} B, difference {r['rel_diff']:.3%}")
+                      f"meta {r['meta_bytes']:,} B{adapters}, difference {r['rel_diff']:.3%}")
     if not result.fits:
         if args.json:
             print(f"refused: {result.reason}", file=sys.stderr)

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {  # launch script -> (model, training GPUs, tp, pp)
     "qwen2.5-7b.sh": ("qwen2.5-7b", 8, 4, 1),
     "llama-3.1-70b.sh": ("llama-3.1-70b", 64, 8, 4),
+    "llama-3.1-70b-lora.sh": ("llama-3.1-70b", 8, 8, 1),
     "qwen2.5-72b.sh": ("qwen2.5-72b", 64, 8, 4),
     "qwen3-8b.sh": ("qwen3-8b", 8, 4, 1),
     "qwen3-32b.sh": ("qwen3-32b", 32, 8, 2),
@@ -29,10 +30,12 @@ SCRIPTS = {  # launch script -> (model, training GPUs, tp, pp)
 }
 EP = {"qwen3-30b-a3b.sh": 8, "qwen3-235b-a22b.sh": 16}  # expert parallelism of the MoE scripts (1 elsewhere)
 ROLLOUT_NODES = {"qwen3-235b-a22b.sh": 4}  # dedicated SGLang server nodes (0 elsewhere: colocated)
+LORA_SCRIPTS = {"llama-3.1-70b-lora.sh": 16}  # lora.rank of the LoRA scripts (null elsewhere); planned with --verify
+ENGINES = {"llama-3.1-70b-lora.sh": (8, 1)}  # (engine tp, engines) where not one engine per node (tp 8) or per GPU
 # The scripts read these from the environment; the tests plan their defaults.
 _SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "EP", "RECOMPUTE", "PROMPTS", "N",
                 "MINI_BATCH", "MICRO_BATCH", "PROMPT_LEN", "RESPONSE_LEN", "LR", "KL_COEF", "CKPT_INTERVAL", "JOB_NAME",
-                "ROLLOUT_NODES", "ENGINE_TP", "ENGINES", "ENGINE_MEM"}
+                "ROLLOUT_NODES", "ENGINE_TP", "ENGINES", "ENGINE_MEM", "LORA_RANK", "LORA_ALPHA"}
 
 
 def _env():
@@ -56,10 +59,12 @@ def plan_tool():
 
 @pytest.fixture(scope="module")
 def launch_plans():
-    """plan.py --from-launch-script --json for each launch script (what it would submit, sbatch recorded)."""
+    """plan.py --from-launch-script --json for each launch script (what it would submit, sbatch recorded); the LoRA
+    scripts with --verify (the adapters counted on the meta build too)."""
     out = {}
     for name in SCRIPTS:
-        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--json", check_rc=0)
+        verify = ["--verify"] if name in LORA_SCRIPTS else []
+        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--json", *verify, check_rc=0)
         out[name] = json.loads(res.stdout)
     return out
 
@@ -79,8 +84,16 @@ def test_launch_script_layout_fits_and_params_match_meta_build(name, launch_plan
     assert (p["engine_gib"] > 0) == (name not in ROLLOUT_NODES)
     assert set(p["per_gpu_gib"]) == set(planning.COMPONENTS)
     model = load_model_config(model_name)
-    rows = planning.compare_with_meta(model, ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True),
-                                      gpus)
+    if name in LORA_SCRIPTS:  # the frozen base and the adapters, no reference; the meta build's rows from --verify
+        assert (p["lora_rank"], p["reference"], p["layer_spec"]) == (LORA_SCRIPTS[name], "none", "local")
+        assert p["per_gpu_gib"]["reference"] == 0
+        rows = p["verify"]
+        for r, stage in zip(rows, p["stages"]):
+            assert r["planner_adapter_numel"] == r["meta_adapter_numel"] == stage["adapter_numel"] > 0, r
+            assert stage["frozen_bytes"] == stage["param_bytes"]
+    else:
+        par = ParallelConfig(tp=tp, pp=pp, ep=EP.get(name, 1), sequence_parallel=True)
+        rows = planning.compare_with_meta(model, par, gpus)
     assert [r["stage"] for r in rows] == list(range(pp))  # first, middle and last stages all checked
     for r, stage in zip(rows, p["stages"]):
         assert r["planner_bytes"] == r["meta_bytes"] == stage["param_bytes"], r  # exact, well within 2%
@@ -109,11 +122,28 @@ def test_verify_flag_on_the_moe_launch_scripts(name):
     assert len(rows) == SCRIPTS[name][3] and all(r["rel_diff"] == 0 for r in rows)
 
 
-def test_verify_flag_on_the_70b_launch_script():
-    res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / "llama-3.1-70b.sh"), "--verify", "--json",
-                    check_rc=0)
-    rows = json.loads(res.stdout)["verify"]
-    assert len(rows) == 4 and all(r["rel_diff"] == 0 for r in rows)
+@pytest.mark.parametrize("name", ["llama-3.1-70b.sh", "llama-3.1-70b-lora.sh"])
+def test_verify_flag_on_the_70b_launch_scripts(name, launch_plans):
+    if name in LORA_SCRIPTS:  # the fixture planned it with --verify (exit status 0: no difference over 2%)
+        rows = launch_plans[name]["verify"]
+        assert all(r["planner_adapter_numel"] == r["meta_adapter_numel"] for r in rows)
+    else:
+        res = _plan_cli("--from-launch-script", str(REPO / "launch_scripts" / name), "--verify", "--json", check_rc=0)
+        rows = json.loads(res.stdout)["verify"]
+    assert len(rows) == SCRIPTS[name][3] and all(r["rel_diff"] == 0 for r in rows)
+
+
+def test_70b_lora_fits_one_node_where_full_training_fits_none(launch_plans):
+    """The LoRA script's layout is the fewest nodes there are (one); the same 8 GPUs refuse every layout of the
+    full-parameter run (the frozen base and no reference are what make it fit)."""
+    lora = launch_plans["llama-3.1-70b-lora.sh"]
+    assert lora["world_size"] == 8 and lora["fits"]
+    model = load_model_config("llama-3.1-70b")
+    full = planning.PlanInput(model=model, parallel=ParallelConfig(tp=8, sequence_parallel=True), world_size=8,
+                              engine_gib=lora["engine_gib"], num_microbatches=lora["num_microbatches"])
+    assert not planning.plan(full).fits
+    batch = BatchConfig(train_batch_size=64, ppo_mini_batch_size=16, micro_batch_size=1)
+    assert planning.suggest(full, batch, n=8) == []
 
 
 # ---- activations by hand -----------------------------------------------------------------------------
@@ -257,11 +287,14 @@ def test_launch_script_overrides_compose_and_validate(name, plan_tool, monkeypat
     rollout, batch, parallel, precision, optim = typed.rollout, typed.batch, typed.parallel, typed.precision, typed.optim
     assert (parallel.tp, parallel.pp, parallel.ep, parallel.sequence_parallel) == (tp, pp, EP.get(name, 1), True)
     assert precision.params_dtype == "bf16" and optim.use_distributed_optimizer and rollout.engine == "sglang"
-    assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == (8 if gpus > 8 else 1)
+    assert typed.lora.rank == LORA_SCRIPTS.get(name)
+    if name in ENGINES:
+        assert (rollout.engine_tp, rollout.num_engines) == ENGINES[name]
+    assert rollout.gpu_memory_fraction == 0.3 and rollout.engine_tp == ENGINES.get(name, (8 if gpus > 8 else 1,))[0]
     if name in ROLLOUT_NODES:  # dedicated servers: train.sbatch starts them and adds placement and servers
         assert f"--export=ALL,GRPO_MEGA_ROLLOUT_NODES={ROLLOUT_NODES[name]},GRPO_MEGA_SERVER_MODEL={model_name}" in options
         assert rollout.num_engines == 1
-    else:
+    elif name not in ENGINES:
         assert rollout.num_engines == (gpus // 8 if gpus > 8 else 8) and gpus % rollout.num_engines == 0  # per node or GPU
     dp = parallel.check(load_model_config(model_name), world_size=gpus)
     assert dp == gpus // (tp * pp)
@@ -315,10 +348,11 @@ def _mid_model():
                        num_attention_heads=8, num_query_groups=4, vocab_size=8000, qkv_bias=True)
 
 
-def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: int = 1) -> dict:
-    """On one rank: build the bf16 actor (Megatron DDP + DistributedOptimizer), run one real GRPO update so
-    that Adam's state exists, and add up the distinct storages megatron allocated for the weights, the
-    gradient buffers, and the optimizer's fp32 main weights and Adam moments."""
+def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: int = 1, lora=None) -> dict:
+    """On one rank: build the bf16 actor (Megatron DDP + DistributedOptimizer; with `lora`, a LoraConfig, the base
+    frozen and adapters added), run one real GRPO update so that Adam's state exists, and add up the distinct
+    storages megatron allocated for the weights (the frozen ones and the trained ones apart), the gradient
+    buffers, and the optimizer's fp32 main weights and Adam moments."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -342,7 +376,8 @@ def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: 
         actor = Actor(model, ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and model.is_moe),
                       PrecisionConfig(params_dtype="bf16"),
                       OptimConfig(lr=1e-4, use_distributed_optimizer=True), AlgoConfig(kl_coef=0.0),
-                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4))
+                      BatchConfig(train_batch_size=2, ppo_mini_batch_size=2, micro_batch_size=2, max_response_length=4),
+                      lora=lora)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.vocab_size, (5,), generator=g).tolist()] * 2 + \
                   [torch.randint(0, model.vocab_size, (3,), generator=g).tolist()] * 2
@@ -360,6 +395,9 @@ def _allocated_state_bytes(tp: int, pp: int, model_name: str | None = None, ep: 
         out = dict(
             stage=ps.get_pipeline_model_parallel_rank(),
             weights=storage_bytes(p for p in ddp.module.parameters()),
+            frozen=storage_bytes(p for p in ddp.module.parameters() if not p.requires_grad),
+            trained=storage_bytes(p for p in ddp.module.parameters() if p.requires_grad),
+            trained_numel=sum(p.numel() for p in ddp.module.parameters() if p.requires_grad),
             gradients=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
             main=storage_bytes(main), adam=storage_bytes(states),
             grad_norm=metrics["grad_norm"],
@@ -421,6 +459,47 @@ def test_moe_model_state_bytes_equal_megatrons_allocations(tp, pp, world):
               f"Adam {[r['adam'] for r in mine]} (planned mean {adam / len(mine):.0f})")
 
 
+@pytest.mark.parametrize("model_name,tp,ep,world,rank", [(None, 2, 1, 4, 3), ("tiny-qwen3-moe", 1, 2, 2, 8)],
+                         ids=["dense-TP2xDP2", "moe-EP2"])
+def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, world, rank):
+    """Under LoRA (on qkv, proj, fc1, fc2) the planner's model states against what megatron-core allocates
+    after a real update, to the byte: the frozen base's weights (their own storages, no grad buffer), the adapters
+    (this rank's count; as lora.py shards them over TP), DDP's one buffer of them (bf16 weights, fp32 gradients,
+    padding included: at rank 3 fc2's A [3, 704 / 2] is no multiple of 64 elements), and the fp32 main weights
+    and Adam moments summed over each stage's ranks (the planner gives the mean; megatron's shards of the padded buffer
+    differ by a few elements from rank to rank). The mid qwen2 model at TP2xDP2 (qkv bias frozen), tiny-qwen3-moe at EP2
+    (its MoE layers' experts and router frozen, unadapted; its dense layer 2 has fc1 and fc2 adapters). No reference
+    model is planned."""
+    from grpo_mega.conf.lora import LoraConfig
+    from grpo_mega.parallel.forked import run_ranks
+
+    lora = LoraConfig(rank=rank, alpha=16.0)
+    ranks = run_ranks(_allocated_state_bytes, world, tp, 1, model_name, ep, lora, timeout=300)
+    assert all(r["grad_norm"] > 0 for r in ranks)
+    model = load_model_config(model_name) if model_name else _mid_model()
+    par = ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1 and model.is_moe)
+    plan = planning.plan(planning.PlanInput(model=model, parallel=par, world_size=world, params_dtype="bf16",
+                                            distributed_optimizer=True, reference="none", layer_spec="local",
+                                            lora_rank=lora.rank, lora_targets=tuple(lora.target_modules)))
+    (st,) = plan.stages
+    G = planning.GIB
+    assert st.gib["reference"] == 0 and 0 < st.adapter_numel < st.param_numel
+    assert (st.adapter_buffer_numel > st.adapter_numel) == (model_name is None)  # the dense case is padded
+    adapter_weights = 2 * st.adapter_buffer_numel
+    main_mean = st.gib["parameters"] * G - st.frozen_bytes - adapter_weights
+    for r in ranks:
+        assert r["frozen"] == st.frozen_bytes == 2 * st.param_numel, (r["frozen"], st.frozen_bytes)
+        assert r["trained_numel"] == st.adapter_numel, (r["trained_numel"], st.adapter_numel)
+        assert r["trained"] == adapter_weights, (r["trained"], adapter_weights)
+        assert r["gradients"] == st.gib["gradients"] * G == 4 * st.adapter_buffer_numel, (r["gradients"], st.gib)
+    assert sum(r["main"] for r in ranks) == pytest.approx(main_mean * world, abs=1e-6) == 4 * st.adapter_numel * tp
+    assert sum(r["adam"] for r in ranks) == pytest.approx(st.gib["optimizer"] * G * world, abs=1e-6)
+    assert sum(r["adam"] for r in ranks) == 8 * st.adapter_numel * tp
+    print(f"LoRA rank {rank}, {model.name} TP{tp}xEP{ep} on {world} ranks: frozen {st.frozen_bytes} B, adapters "
+          f"{st.adapter_numel} ({adapter_weights} B in the padded buffer), gradients {4 * st.adapter_buffer_numel} B, "
+          f"main {[r['main'] for r in ranks]}, Adam {[r['adam'] for r in ranks]}")
+
+
 # ---- the local spec's activations, measured ----------------------------------------------------------
 
 
@@ -443,6 +522,79 @@ def test_local_spec_activations_equal_what_autograd_saves(name):
         assert got[1] - got[0] == planned, (name, recompute, got[1] - got[0], planned)
     with pytest.raises(ValueError, match="layer_spec='fused' must be one of"):
         planning.layer_activation_bytes(base, seq, micro, 1, False, "none", layer_spec="fused")
+
+
+def _lora_saved_bytes_per_layer(model, seq: int, micro: int, tp: int, sp: bool, rank: int) -> int:
+    """What LoRA (rank `rank` on all four targets) changes in the bytes autograd saves per layer on one rank, local
+    spec, bf16: (LoRA model with 2 layers - with 1) - (the trained model with 2 layers - with 1), so the embedding
+    and the output side cancel (bench/activations.py's measure: distinct storages, parameters excluded)."""
+    import dataclasses
+
+    import torch
+
+    from grpo_mega.conf.lora import LoraConfig
+    from grpo_mega.conf.optim import PrecisionConfig
+    from grpo_mega.models.builder import build_gpt
+    from grpo_mega.models.lora import apply_lora
+    from grpo_mega.parallel import cpu_compat
+    from grpo_mega.parallel.state import destroy_distributed, init_distributed
+
+    out = {}
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=tp, pp=1, seed=0)
+        for layers in (1, 2):
+            for r in (None, rank):
+                gpt, _ = build_gpt(dataclasses.replace(model, num_layers=layers),
+                                   ParallelConfig(tp=tp, sequence_parallel=sp), PrecisionConfig(params_dtype="bf16"))
+                if r:
+                    apply_lora(gpt, LoraConfig(rank=r))
+                params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
+                seen: dict[int, int] = {}
+
+                def pack(t):
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in params and st.nbytes() > 0:
+                        seen[st.data_ptr()] = st.nbytes()
+                    return t
+
+                g = torch.Generator().manual_seed(0)
+                tokens = torch.randint(0, model.vocab_size, (micro, seq), generator=g)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    gpt(tokens, torch.arange(seq).expand(micro, seq).contiguous(), None)
+                out[layers, r] = sum(seen.values())
+        destroy_distributed()
+    return (out[2, rank] - out[1, rank]) - (out[2, None] - out[1, None])
+
+
+def test_lora_activations_equal_what_autograd_saves():
+    """planning.lora_activation_bytes against the bytes autograd really saves, at TP2 with sequence parallelism
+    (every term: the frozen norms' fp32 tensors not kept, /tp; the column adapters' all-gathered inputs kept whole;
+    the rank-r inputs of B), to the byte on both ranks; the mid qwen2 model, 64 tokens x 2, rank 8. Measured at
+    TP1 and TP2 without SP as well while writing it: -253,952 B per layer each, as planned."""
+    from grpo_mega.parallel.forked import run_ranks
+
+    model, seq, micro, rank = _mid_model(), 64, 2, 8
+    got = run_ranks(_lora_saved_bytes_per_layer, 2, model, seq, micro, 2, True, rank, timeout=300)
+    planned = planning.lora_activation_bytes(model, seq, micro, 2, True, rank, planning.LORA_TARGETS)
+    assert got == [planned, planned], (got, planned)  # -59,392 B: the frozen norms keep more than the adapters add
+
+
+def test_lora_targets_are_the_configs_and_the_table_says_lora(plan_tool):
+    from grpo_mega.conf.lora import LORA_TARGETS
+
+    assert planning.LORA_TARGETS == LORA_TARGETS
+    inp = planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(tp=2), world_size=2, lora_rank=8,
+                             lora_targets=("qkv", "proj"), reference="none", layer_spec="local")
+    table = plan_tool.table(planning.plan(inp))
+    assert "no reference (the actor with adapters off)" in table and "LoRA rank 8 on qkv,proj" in table
+    assert "frozen base (GiB)" in table and "adapters (millions)" in table
+    with pytest.raises(ValueError, match="under LoRA the reference is the actor with its adapters off"):
+        planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8,
+                           layer_spec="local")
+    with pytest.raises(ValueError, match="needs layer_spec='local'"):
+        planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8, reference="none")
+    with pytest.raises(ValueError, match=r"lora.rank=300 is larger than qkv's smaller dimension 256"):
+        planning.lora_layer_sizes(_mid_model(), 1, 300, planning.LORA_TARGETS)
 
 
 def test_moe_layers_count_router_and_this_ranks_experts():
