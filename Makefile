@@ -38,6 +38,12 @@ SGLANG_PY   := $(SGLANG_VENV)/bin/python
 GRPO_MEGA_CACHE ?= $(HOME)/.cache/grpo_mega
 SMOLLM2_DIR := $(GRPO_MEGA_CACHE)/SmolLM2-135M-Instruct
 
+# The CPU tiers run in TEST_WORKERS pytest processes (pytest-xdist), a test file per process at a time (--dist
+# loadfile: a file's module fixtures, e.g. its single-process reference runs or its Slurm cluster, are made once).
+# Many tests wait on subprocesses, servers and Slurm jobs; a second worker uses that idle time.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 # make test-avx2 - the quick tier with ATen, oneDNN and MKL held to AVX2 (what an AMD EPYC or an older Xeon
 #              dispatches to): CI runs it after make test, so a number that holds only on AVX-512 fails
 
@@ -112,24 +118,24 @@ test: test-main test-sglang
 # they ran on a lent H100 on 2026-11-26, bench_results/gpu_check_h100.json).
 test-main: $(VENV)/.installed smollm2 slurm-packages
 ifeq ($(HAVE_GPU),1)
-	CUDA_VISIBLE_DEVICES= GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang and not gpu"
+	CUDA_VISIBLE_DEVICES= GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q $(XDIST) -m "not sglang and not gpu"
 	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m gpu
 else
-	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "not sglang and not gpu"
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q $(XDIST) -m "not sglang and not gpu"
 endif
 
 # The quick tier: on a GPU machine with CUDA hidden, as for the CPU tier above.
 test-quick: $(VENV)/.installed smollm2
 ifeq ($(HAVE_GPU),1)
-	CUDA_VISIBLE_DEVICES= GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "quick and not sglang and not gpu"
+	CUDA_VISIBLE_DEVICES= GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q $(XDIST) -m "quick and not sglang and not gpu"
 else
-	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "quick and not sglang and not gpu"
+	GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q $(XDIST) -m "quick and not sglang and not gpu"
 endif
 
 # The quick tier on the AVX2 code paths (issue 36): numbers must hold whatever the CPU dispatches to.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-avx2: $(VENV)/.installed smollm2
-	CUDA_VISIBLE_DEVICES= $(AVX2_ENV) GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q -m "quick and not sglang and not gpu"
+	CUDA_VISIBLE_DEVICES= $(AVX2_ENV) GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(PY) -m pytest -q $(XDIST) -m "quick and not sglang and not gpu"
 
 test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_ENV) GRPO_MEGA_CACHE=$(GRPO_MEGA_CACHE) $(SGLANG_PY) -m pytest -q -m sglang -p no:warnings
