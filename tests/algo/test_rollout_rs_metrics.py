@@ -13,25 +13,9 @@ import pytest
 import torch
 
 from grpo_mega.algo import correction as C
+from tests.algo.test_rollout_rejection import B, T, _inputs  # the same edge-case inputs (+-25 log-ratios, empty rows)
 
-B, T = 7, 10
 THRESHOLDS = {"token": 0.1, "seq_sum": 1.0, "seq_mean": 0.12, "seq_max": 0.5}
-
-
-def _inputs(seed):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
-    eng = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
-    lens = torch.randint(2, T + 1, (B, 1), generator=g)
-    mask = (torch.arange(T).unsqueeze(0) < lens) & (torch.rand(B, T, generator=g) > 0.15)
-    mask[0, 0] = True
-    mask[2] = False  # all masked
-    mask[4] = False
-    mask[4, 3] = True  # a one-token response
-    eng[1, 1] = old[1, 1] + 25.0  # log rho = -25
-    eng[5, 0] = old[5, 0] - 25.0  # log rho = +25
-    mask[1, 1] = mask[5, 0] = True
-    return old, eng, mask
 
 
 def _std(xs, ddof):
