@@ -9,6 +9,13 @@ os.environ["WANDB_MODE"] = "disabled"
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 
+# Under pytest-xdist the workers share the cores: each worker's processes get cores // workers torch threads
+# (OMP_NUM_THREADS, which grpo_mega.trainer.setup.threads_per_rank honours), so that two workers' OpenMP teams do
+# not oversubscribe the cores and spin at each other's barriers. Set before torch loads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
 from grpo_mega.parallel import cpu_compat  # noqa: E402
 
 cpu_compat.apply()

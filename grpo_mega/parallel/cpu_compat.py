@@ -141,13 +141,37 @@ def _one_rank_buffer_collectives() -> None:
             setattr(buffers, name, one_rank(func))
 
 
+def _lazy_compile(compile_fn):
+    """torch.compile deferred to the first call of what it decorates.
+
+    megatron-core binds `jit_fuser = torch.compile` (megatron/core/jit.py) and decorates ~30 fused kernels with it
+    when its modules load; torch.compile's own start-up imports torch._dynamo and inductor, about 3 s of CPU in
+    every process that imports megatron, although no CPU code path calls those kernels. Deferred, a kernel that is
+    called is compiled at its first call with the same arguments, so nothing changes but the start-up."""
+
+    def lazy(model=None, **kwargs):
+        if model is None:
+            return lambda fn: lazy(fn, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return call
+
+    return lazy
+
+
 def apply() -> None:
     """Patch megatron-core for CPU-only machines. Idempotent; does nothing when CUDA is available."""
     global _APPLIED
     if _APPLIED or cuda_available():
         return
     _APPLIED = True
-    define_te_general_gemm()
 
     # Expected on a CPU machine, and printed once per module at import: not worth a user's attention.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*", category=UserWarning)
@@ -162,6 +186,17 @@ def apply() -> None:
         except OSError:
             sys.modules["flash_mla"] = None
 
+    # megatron's import decorates its fused kernels with torch.compile (see _lazy_compile): deferred while its
+    # modules load, and for the ones loaded later through megatron.core.jit.jit_fuser.
+    compile_fn, torch.compile = torch.compile, _lazy_compile(torch.compile)
+    try:
+        from megatron.core import jit
+
+        jit.jit_fuser = _lazy_compile(compile_fn) if jit.jit_fuser is compile_fn else jit.jit_fuser
+    finally:
+        torch.compile = compile_fn
+
+    define_te_general_gemm()
     _one_rank_buffer_collectives()
 
     from megatron.core.tensor_parallel import random as mrandom

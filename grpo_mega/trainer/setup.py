@@ -312,7 +312,10 @@ def score_one(reward, example, ids, gen, i: int) -> float:
 
 
 def threads_per_rank() -> int:
-    """The CPU threads each rank of this node may use (taskset's affinity divided among the node's ranks)."""
+    """The CPU threads each rank of this node may use: taskset's affinity divided among the node's ranks, at most
+    OMP_NUM_THREADS where that is set (as for torch itself: torchrun sets 1 for several ranks)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // int(os.environ.get("WORLD_SIZE", "1")))
+    share = max(1, cpus // int(os.environ.get("WORLD_SIZE", "1")))
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
 

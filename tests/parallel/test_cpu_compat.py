@@ -51,3 +51,41 @@ def test_impossible_layouts_are_named():
         check_layout(6, 2, 2)
     with pytest.raises(ValueError, match="parallel.tp=0 must be a positive integer"):
         check_layout(4, 0, 1)
+
+
+def test_torch_compile_is_deferred_to_the_first_call():
+    """megatron's jit_fuser kernels: compiled at their first call with the decorator's arguments, once."""
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append((fn.__name__, kwargs))
+        return lambda x: fn(x) + 100
+
+    lazy = cpu_compat._lazy_compile(fake_compile)
+
+    @lazy
+    def bare(x):
+        return x + 1
+
+    @lazy(dynamic=False)
+    def with_args(x):
+        return x + 2
+
+    assert calls == [] and bare.__name__ == "bare"
+    assert (bare(1), bare(2), with_args(1)) == (102, 103, 103)
+    assert calls == [("bare", {}), ("with_args", {"dynamic": False})]
+
+
+def test_megatron_loads_without_torch_dynamo():
+    """After apply(), importing megatron's model, MoE and optimizer modules leaves torch._dynamo unloaded (its import
+    is torch.compile's start-up: ~3 s of CPU per process) and megatron.core.jit.jit_fuser deferred."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from grpo_mega.parallel import cpu_compat; cpu_compat.apply(); "
+            "import megatron.core.models.gpt, megatron.core.transformer.moe.moe_layer, megatron.core.optimizer; "
+            "from megatron.core import jit; import torch; "
+            "print('torch._dynamo' in sys.modules, jit.jit_fuser is torch.compile)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]

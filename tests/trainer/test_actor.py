@@ -244,3 +244,21 @@ def test_an_out_of_vocabulary_token_is_refused_not_masked(tp, token, where):
         for msg in rank_out:
             assert msg is not None and msg.startswith(f"sample 2: token id {token} at position ") and \
                 f"(its {where}) is outside the model's vocabulary [0, 320)" in msg, msg
+
+
+@pytest.mark.parametrize("omp,world,expected", [(None, "1", None), ("1", "1", 1), ("64", "1", None), ("1", "2", 1),
+                                                ("x", "1", None)])
+def test_threads_per_rank_is_the_cores_share_capped_by_omp_num_threads(omp, world, expected, monkeypatch):
+    """A rank's torch threads: the affinity's cores divided among the node's ranks, at most OMP_NUM_THREADS (torchrun
+    sets 1 for several ranks, the test workers their share); an unparsable value is ignored."""
+    import os
+
+    from grpo_mega.trainer.setup import threads_per_rank
+
+    share = max(1, len(os.sched_getaffinity(0)) // int(world))
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert threads_per_rank() == (share if expected is None else min(share, expected))
