@@ -3,8 +3,8 @@ transformers versions, the git commit), memory probes (a process's peak RSS on L
 GPU), copy bandwidth, running one configuration in a fresh process, and writing the result to
 bench_results/NAME.json. Each benchmark keeps what it measures and the shape of its own JSON.
 
-Only the standard library is imported here (torch inside the functions that need it), so a benchmark's
-`--help` stays quick; nothing here imports grpo_mega. The benchmarks run as modules from the repository's root
+Only the standard library is imported here (torch, and grpo_mega's stand-in server, inside the functions that
+need them), so a benchmark's `--help` stays quick. The benchmarks run as modules from the repository's root
 (`python -m bench.step`), so `from bench import common` needs no path set up; a benchmark that measures in a
 fresh process starts itself the same way (`worker_cmd`).
 """
@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -144,19 +145,26 @@ def copy_bytes_per_s(nbytes: int, device="cpu", repeats: int = 5) -> float:
     import torch
 
     device = torch.device(device)
-    cuda = device.type == "cuda"
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if cuda:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / min(timed(lambda: dst.copy_(src), device.type == "cuda")[0] for _ in range(repeats))
+
+
+# ---- time ---------------------------------------------------------------------------------------------------
+
+
+def timed(fn, cuda: bool = False) -> tuple[float, float, object]:
+    """(wall seconds, this process's CPU seconds, fn()'s result) of fn(); with `cuda` the device is synchronised
+    before and after, so that the wall time covers the kernels fn() queued."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - w0, time.process_time() - c0, out
 
 
 # ---- one configuration per process --------------------------------------------------------------------------
@@ -182,3 +190,45 @@ def run_worker(cmd: list[str], what: str, timeout: float = 3600) -> dict:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"{what} failed (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- training runs and stand-in servers in child processes --------------------------------------------------
+
+
+def pin(core) -> list[str]:
+    """A command prefix pinning it to `core` (`taskset -c CORE`); nothing without a core or taskset."""
+    return ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+
+
+def trainer_and_server_cores() -> tuple:
+    """The first and the last core this process may run on (the trainer's and a stand-in server's), or (None,
+    None) with fewer than two."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return (cores[0], cores[-1]) if len(cores) >= 2 else (None, None)
+
+
+def standin_server(core, *args: str):
+    """A stand-in server (grpo_mega.rollout.standin_server: the tiny model, the toy tokenizer's vocabulary, `args`
+    added) pinned to `core`, one torch thread: (process, url); SystemExit if it does not come up."""
+    from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.rollout import standin_server
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    try:
+        return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),
+                                      *args], prefix=pin(core), env=env, cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+
+
+def train(run_dir, overrides, what: str, prefix=(), env=None, timeout: float = 1800, **kw) -> list[dict]:
+    """`python -m grpo_mega.train hydra.run.dir=RUN_DIR OVERRIDES` (after `prefix`, from the repository's root,
+    with this checkout on PYTHONPATH, wandb off and `env` added; `kw` to subprocess.run): the rows of its
+    metrics.jsonl. SystemExit naming `what` and the command, its output's tail on stderr, if it fails."""
+    cmd = [*prefix, sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={run_dir}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout, **kw)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"{what} failed (exit {done.returncode}): {' '.join(cmd)}")
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

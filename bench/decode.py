@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 from bench import common
 
@@ -133,25 +132,16 @@ def main(argv=None) -> int:
     sides = {f"embedded_{m}": embedded(m) for m in args.modes}
     sides.update({f"transformers_{c}": hf(c) for c in args.hf_caches})
 
-    def timed(fn, seed):
-        if cuda:
-            torch.cuda.synchronize()
-        w0, c0 = time.perf_counter(), time.process_time()
-        n = fn(seed)
-        if cuda:
-            torch.cuda.synchronize()
-        return n, time.perf_counter() - w0, time.process_time() - c0
-
     warmup = {}
     for name, fn in sides.items():
-        warmup[name] = timed(fn, 0)[1]  # compilation and graph capture land here
+        warmup[name] = common.timed(lambda: fn(0), cuda)[0]  # compilation and graph capture land here
     seconds = {k: [] for k in sides}
     cpu_seconds = {k: [] for k in sides}
     tokens = {}
     load_start = os.getloadavg()
     for r in range(args.rounds):
         for name, fn in sides.items():
-            tokens[name], wall, cpu = timed(fn, r + 1)
+            wall, cpu, tokens[name] = common.timed(lambda: fn(r + 1), cuda)
             seconds[name].append(wall)
             cpu_seconds[name].append(cpu)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), flush=True)

@@ -30,8 +30,6 @@ from bench.step import _single_process_env, _with_logprob_inputs, synthetic_roll
 
 def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, micro: int, steps: int,
         warmup: int) -> dict:
-    import torch
-
     from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
     from grpo_mega.parallel.state import init_distributed
     from grpo_mega.trainer.actor import Actor
@@ -52,10 +50,9 @@ def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, mic
 
     def timed(fn, cpu: list):
         logits_bytes.clear()
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn()
-        cpu.append(time.process_time() - c0)
-        return time.perf_counter() - t0, out, list(logits_bytes)
+        wall, c, out = common.timed(fn)
+        cpu.append(c)
+        return wall, out, list(logits_bytes)
 
     res = {on: dict(update_s=[], logprob_s=[], update_cpu_s=[], logprob_cpu_s=[], update_loss=[])
            for on in (False, True)}

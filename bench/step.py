@@ -220,7 +220,6 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
     differs most between the two (megatron - plain), which names where the rest goes."""
     import importlib
 
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     saved = []
@@ -281,15 +280,11 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
     opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr, betas=(c["optim"].adam_beta1, c["optim"].adam_beta2),
                             eps=c["optim"].adam_eps, weight_decay=0.0, fused=True)
 
-    def timed(fn):
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-
     mega_s, plain_s, first = [], [], {}
     for i in range(warmup + steps):  # alternate, so load from other processes falls on both alike
-        dt, m = timed(lambda: actor.update(rb, 1.0)[0])
-        dp, loss = timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len))
+        dt, _, m = common.timed(lambda: actor.update(rb, 1.0)[0])
+        dp, _, loss = common.timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad,
+                                                      response_len))
         if i == 0:
             first = dict(megatron=m["loss"], plain=loss)
         if i >= warmup:
@@ -394,25 +389,33 @@ def top_allocation_sites(snapshot: dict, n: int = 12, device: int = 0, max_entri
                           largest_block_gib=v["largest_block_bytes"] / 2**30, via=v["via"]) for k, v in top])
 
 
+def plan_one_gpu(cfg, micro: int, seq: int, num_microbatches: int, dtype: str, **kw):
+    """grpo-mega-plan's plan at this benchmark's layout: one GPU, TP1, flash attention, the reference on the GPU,
+    the batch config's default logprob chunk and fused output; `kw`: layer_spec (default local), gpu_gib."""
+    from grpo_mega import planning
+    from grpo_mega.conf import BatchConfig, ParallelConfig
+
+    batch = BatchConfig()
+    return planning.plan(planning.PlanInput(
+        model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
+        num_microbatches=num_microbatches, params_dtype=dtype, reference="gpu", flash_attention=True,
+        logprob_chunk_size=batch.logprob_chunk_size, fused_output=batch.fused_output, **{"layer_spec": "local", **kw}))
+
+
 def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int, dtype: str) -> dict:
     """The model_configs model with the most parameters that grpo-mega-plan says fits one GPU of `gpu_gib` at
-    this shape (TP1, local spec, flash attention, the reference on the GPU, fused output as configured)."""
+    this shape (plan_one_gpu, the local spec)."""
     from grpo_mega import planning
-    from grpo_mega.conf import BatchConfig, ParallelConfig, load_model_config
+    from grpo_mega.conf import ParallelConfig, load_model_config
 
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_configs")
-    batch, best, seen = BatchConfig(), None, []
-    for fname in sorted(os.listdir(here)):
+    best, seen = None, []
+    for fname in sorted(os.listdir(common.REPO / "model_configs")):
         if not fname.endswith(".yaml") or fname.startswith("tiny"):
             continue
         name = fname[: -len(".yaml")]
         cfg = load_model_config(name)
         try:
-            p = planning.plan(planning.PlanInput(
-                model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
-                num_microbatches=num_microbatches, params_dtype=dtype, reference="gpu", flash_attention=True,
-                layer_spec="local", gpu_gib=gpu_gib, logprob_chunk_size=batch.logprob_chunk_size,
-                fused_output=batch.fused_output))
+            p = plan_one_gpu(cfg, micro, seq, num_microbatches, dtype, gpu_gib=gpu_gib)
         except ValueError:
             continue
         params = sum(sp.total for sp in planning.stage_params(cfg, ParallelConfig()))
@@ -425,11 +428,11 @@ def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int,
 def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
                micro: int, gen_tokens: int, dtype: str, engine_decode: str = "static", plain: bool = True,
                memory_top: int = 12) -> dict:
+    import functools
     import gc
 
     import torch
 
-    from grpo_mega import planning
     from grpo_mega.conf import ParallelConfig, load_model_config
     from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.rollout.embedded import EmbeddedEngine
@@ -462,23 +465,18 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
 
     rb = synthetic_rollout(cfg.vocab_size, groups, n, prompt_len, response_len)
     mem.reset_peak()
-    t0 = time.perf_counter()
-    _with_logprob_inputs(actor, rb, 1.0)
-    rb.ref_logp = reference.logprobs(rb, 1.0)
-    if cuda:
-        torch.cuda.synchronize()
-    t["logprobs_s"] = time.perf_counter() - t0
+
+    def logprob_inputs():
+        _with_logprob_inputs(actor, rb, 1.0)
+        rb.ref_logp = reference.logprobs(rb, 1.0)
+
+    t["logprobs_s"] = common.timed(logprob_inputs, cuda)[0]
     measured["logprob_forward_peak_above_states"] = _diff(mem.peak(), after_ref)
 
     times, first_peak, after_first = [], None, None
     for i in range(warmup + steps):
         mem.reset_peak()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        actor.update(rb, 1.0)
-        if cuda:
-            torch.cuda.synchronize()
+        dt = common.timed(lambda: actor.update(rb, 1.0), cuda)[0]
         if i == 0:
             first_peak, after_first = mem.peak(), mem.now()
             if history:
@@ -488,7 +486,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
                                                          max_entries)
                 del snapshot
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
     measured["optimizer"] = _diff(after_first, after_ref)  # Adam's m and v, allocated by the first step
     # The update's transient peak above what stays allocated: activations, logits and the loss's buffers.
     measured["activations_and_logits"] = _diff(first_peak, after_first)
@@ -508,27 +506,18 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     before_engine = mem.now()
     engine = EmbeddedEngine.from_model_config(cfg, dtype=engine_dtype, device=str(device), decode=engine_decode)
     measured["embedded_engine"] = _diff(mem.now(), before_engine)
-    sync_s, stats = [], None
+    sync_s = []
     for v in range(3):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        stats = sync_weights(actor.built.gpt, cfg, engine, version=v + 1, bucket_mb=512, dtype=engine_dtype)
-        if cuda:
-            torch.cuda.synchronize()
-        sync_s.append(time.perf_counter() - t0)
+        dt, _, stats = common.timed(functools.partial(sync_weights, actor.built.gpt, cfg, engine, version=v + 1,
+                                                      bucket_mb=512, dtype=engine_dtype), cuda)
+        sync_s.append(dt)
     sync_rate = stats.bytes / min(sync_s)
     copy_rate = common.copy_bytes_per_s(stats.bytes, device)
 
     prompts = [rb.tokens[g * n, :prompt_len].tolist() for g in range(groups)]
     engine.generate(prompts[:1], 1, 1.0, 1.0, 4, [], seed=0)  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    gen = engine.generate(prompts, n, 1.0, 1.0, gen_tokens, [], seed=1)  # no stop token: every row runs to the end
-    if cuda:
-        torch.cuda.synchronize()
-    gen_s = time.perf_counter() - t0
+    # no stop token: every row runs to the end
+    gen_s, _, gen = common.timed(functools.partial(engine.generate, prompts, n, 1.0, 1.0, gen_tokens, [], seed=1), cuda)
     generated = sum(len(x) for x in gen.token_ids)
     engine.shutdown()
     del engine
@@ -550,17 +539,13 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         plain_times, plain_peak, plain_loss = [], None, None
         for i in range(warmup + steps):
             mem.reset_peak()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            plain_loss = plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len, micro=micro,
-                                    device=device, autocast=dtype == "bf16")
-            if cuda:
-                torch.cuda.synchronize()
+            dt, _, plain_loss = common.timed(lambda: plain_step(
+                model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len, micro=micro, device=device,
+                autocast=dtype == "bf16"), cuda)
             if i == 0:
                 plain_peak = _diff(mem.peak(), plain_base)
             if i >= warmup:
-                plain_times.append(time.perf_counter() - t0)
+                plain_times.append(dt)
         pmed = statistics.median(plain_times)
         plain_out = dict(what="transformers model, fp32 weights under bf16 autocast (fp32 without bf16), SDPA, fused "
                          "AdamW, the same batch, micro-batches, GRPO loss and clipping", seconds=plain_times,
@@ -570,12 +555,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         del model, opt
 
     te = have_transformer_engine()  # the layer spec builder.build_gpt picked
-    plan = planning.plan(planning.PlanInput(
-        model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
-        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=True,
-        layer_spec="transformer_engine" if te else "local",
-        logprob_chunk_size=c["batch"].logprob_chunk_size, fused_output=c["batch"].fused_output,
-    ))
+    plan = plan_one_gpu(cfg, micro, seq, rb.size // micro, dtype, layer_spec="transformer_engine" if te else "local")
     pg = plan.stages[0].gib
     planned = dict(parameters_and_gradients=pg["parameters"] + pg["gradients"], reference=pg["reference"],
                    optimizer=pg["optimizer"], activations_and_logits=pg["activations"] + pg["logits"],
@@ -595,6 +575,19 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
                         measured_over_planned={k: (measured[k] / planned[k] if measured.get(k) is not None
                                                    and planned[k] else None) for k in planned}),
     )
+
+
+def _free_device(name: str) -> None:
+    """The next model starts from an empty device: the last one's actor, reference and engine hold reference
+    cycles (hooks, the grad buffer) that only a collection frees."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        print(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
 
 
 def device_slug(name: str) -> str:
@@ -718,10 +711,7 @@ def main(argv=None) -> int:
                     rows.append(dict(model=name, error=f"CUDA out of memory: {str(e)[:600]}"))
                     print(f"{name}: CUDA out of memory", flush=True)
                     write()
-                    import gc
-
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                    _free_device(name)
                     continue
                 mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
                 print(f"{name}: update {r['update_tokens_per_s']:.0f} tok/s (MFU {mfu}), engine "
@@ -739,15 +729,7 @@ def main(argv=None) -> int:
                         print(f"  {x['gib']:7.2f} GiB  {x['site']}", flush=True)
             write()
             if args.gpu or args.gpu_path_on_cpu:
-                # The next model starts from an empty device: the last one's actor, reference and engine
-                # hold reference cycles (hooks, the grad buffer) that only a collection frees.
-                import gc
-
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                    print(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated",
-                          flush=True)
+                _free_device(name)
         destroy_distributed()
     out = write()
     print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} "
