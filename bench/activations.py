@@ -66,10 +66,11 @@ def main() -> int:
 
     from grpo_mega import planning
     from grpo_mega.conf.model import load_model_config
+    from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.parallel.forked import run_ranks
 
     base = dataclasses.replace(load_model_config(args.model), vocab_size=args.vocab, tie_word_embeddings=False)
-    te = torch.cuda.is_available() and __import__("importlib").util.find_spec("transformer_engine") is not None
+    te = have_transformer_engine()  # the layer spec build_gpt picks
     rows = []
     for recompute in ("none", "selective", "full"):
         got = [run_ranks(_saved_bytes, 1, dataclasses.replace(base, num_layers=n), args.seq, args.micro_batch, recompute,

@@ -83,10 +83,6 @@ def _rank(root: str, total_bytes: int, mode: str, repeats: int, piece_bytes: int
     return rows
 
 
-def _median(xs):
-    return statistics.median(xs)
-
-
 def run_world(world: int, mode: str, total_bytes: int, repeats: int, piece_bytes: int) -> dict:
     from grpo_mega.parallel.forked import run_ranks
 
@@ -100,7 +96,7 @@ def run_world(world: int, mode: str, total_bytes: int, repeats: int, piece_bytes
                          hash_s_max=max(x["hash_s"] for x in r), hash_cpu_s_max=max(x["hash_cpu_s"] for x in r),
                          hash_bytes_max=max(x["hash_bytes"] for x in r), verify_s=max(x["verify_s"] for x in r),
                          hash_s_per_rank=[round(x["hash_s"], 4) for x in r]))
-    out = {k: _median([rep[k] for rep in reps]) for k in reps[0] if k != "hash_s_per_rank"}
+    out = {k: statistics.median([rep[k] for rep in reps]) for k in reps[0] if k != "hash_s_per_rank"}
     out["hash_s_per_rank"] = reps[len(reps) // 2]["hash_s_per_rank"]
     out["hash_share_of_save"] = out["hash_s_max"] / out["save_s"]
     return dict(world=world, mode=mode, total_bytes=total_bytes, repeats=repeats, **out)

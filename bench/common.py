@@ -92,13 +92,14 @@ def machine(**extra) -> dict:
 # ---- memory -------------------------------------------------------------------------------------------------
 
 
-def rss_mib() -> dict[str, float]:
-    """This process's resident set now (VmRSS) and its peak since the last reset_peak_rss (VmHWM), MiB (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
+def rss_mib(*fields: str, path: str = "/proc/self/status") -> dict[str, float]:
+    """`fields` (kB) of a /proc file, MiB (Linux); by default this process's resident set now (VmRSS) and its peak
+    since the last reset_peak_rss (VmHWM)."""
+    fields, out = fields or ("VmRSS", "VmHWM"), {}
+    with open(path) as f:
         for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
+            key, _, value = line.partition(":")
+            if key in fields:
                 out[key] = int(value.split()[0]) / 1024.0
     return out
 
@@ -115,28 +116,22 @@ class CudaMemory:
     def __init__(self, cuda: bool):
         self.cuda = cuda
 
-    def now(self):
+    def _synchronised(self, what: str):
         import torch
 
         if not self.cuda:
             return None
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() / GIB
+        return getattr(torch.cuda, what)()
+
+    def now(self):
+        return None if not self.cuda else self._synchronised("memory_allocated") / GIB
 
     def reset_peak(self):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        self._synchronised("reset_peak_memory_stats")
 
     def peak(self):
-        import torch
-
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / GIB
+        return None if not self.cuda else self._synchronised("max_memory_allocated") / GIB
 
 
 def copy_bytes_per_s(nbytes: int, device="cpu", repeats: int = 5) -> float:
@@ -180,6 +175,13 @@ def worker_cmd(module: str, *args: str) -> list[str]:
     """`python -m MODULE ARGS` with this interpreter: a benchmark's own --worker mode in a fresh process (run with
     cwd=REPO, as run_worker does, so the module is this checkout's)."""
     return [sys.executable, "-m", module, *args]
+
+
+def flags(args, *names: str) -> list[str]:
+    """`--NAME VALUE` for each of `names` (argparse dests) that `args` holds a value for: a benchmark's knobs
+    passed on to its own --worker."""
+    values = {k: getattr(args, k) for k in names}
+    return [a for k, v in values.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def run_worker(cmd: list[str], what: str, timeout: float = 3600) -> dict:

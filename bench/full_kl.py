@@ -127,10 +127,9 @@ def main() -> int:
     loadavg_before = os.getloadavg()
     rows = {}
     for estimator in ("k3", "full"):
-        cmd = common.worker_cmd("bench.full_kl", "--worker", "--estimator", estimator)
-        for k in ("tp", "hidden", "layers", "vocab", "prompts", "prompt_len", "response_len", "budget", "chunk", "iters"):
-            if getattr(args, k) is not None:
-                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        knobs = common.flags(args, "tp", "hidden", "layers", "vocab", "prompts", "prompt_len", "response_len",
+                             "budget", "chunk", "iters")
+        cmd = common.worker_cmd("bench.full_kl", "--worker", "--estimator", estimator, *knobs)
         rows[estimator] = common.run_worker(cmd, f"estimator {estimator}")
         r = rows[estimator]
         print(f"{estimator:>4}: update peak {r['peak_update_mib']:8.1f} MiB per rank, update {r['update_s']:.3f} s, "

@@ -255,10 +255,10 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
         v["share_of_megatron_step"] = v["seconds_per_step"] / wall["megatron"]
     explained = sum(v["seconds_per_step"] for v in pieces.values())
     ops = set(selfs["megatron"]) | set(selfs["plain"])
-    diff = {op: (selfs["megatron"].get(op, (0.0, 0))[0] - selfs["plain"].get(op, (0.0, 0))[0]) for op in ops}
-    op_gap = [dict(op=op, megatron_s=selfs["megatron"].get(op, (0.0, 0))[0], plain_s=selfs["plain"].get(op, (0.0, 0))[0],
-                   difference_s=diff[op], megatron_calls=selfs["megatron"].get(op, (0.0, 0))[1],
-                   plain_calls=selfs["plain"].get(op, (0.0, 0))[1])
+    mega_self, plain_self = ({op: selfs[side].get(op, (0.0, 0)) for op in ops} for side in ("megatron", "plain"))
+    diff = {op: mega_self[op][0] - plain_self[op][0] for op in ops}
+    op_gap = [dict(op=op, megatron_s=mega_self[op][0], plain_s=plain_self[op][0], difference_s=diff[op],
+                   megatron_calls=mega_self[op][1], plain_calls=plain_self[op][1])
               for op in sorted(ops, key=lambda o: -abs(diff[o]))[:12]]
     return dict(profiled_steps=steps, profiled_step_s=wall, pieces=pieces, explained_s=explained, gap_s=gap_s,
                 explained_over_gap=explained / gap_s if gap_s > 0 else None, op_gap=op_gap)
@@ -597,10 +597,10 @@ def device_slug(name: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
-    mode.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
-    mode.add_argument("--gpu-path-on-cpu", action="store_true", help="the --gpu code on the CPU (a smoke test)")
+    modes = ap.add_mutually_exclusive_group(required=True)
+    modes.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
+    modes.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
+    modes.add_argument("--gpu-path-on-cpu", action="store_true", help="the --gpu code on the CPU (a smoke test)")
     ap.add_argument("--models", default=None, help="model_configs names, comma-separated; with --gpu, 'largest' is "
                     "the largest model grpo-mega-plan says fits this GPU at the benchmark's shape")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported)")
@@ -667,23 +667,17 @@ def main(argv=None) -> int:
             models.append(largest["chosen"])
     rows = []
     machine = common.machine()
-    if args.out:
-        out_path = args.out
-    elif args.cpu:
-        out_path = common.out_path("step_cpu")
-    elif args.gpu:
-        out_path = common.out_path(f"gpu_{device_slug(machine['device'])}")
-    else:
-        out_path = common.out_path("gpu_path_on_cpu")
+    mode = "cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu")
+    out_path = args.out or common.out_path(
+        "step_cpu" if args.cpu else (f"gpu_{device_slug(machine['device'])}" if args.gpu else mode))
     what = ("Megatron update step vs plain PyTorch (HF model, same weights, batch and GRPO loss, AdamW), fp32, CPU"
             if args.cpu else "one GPU, TP1, random weights: update throughput/MFU beside the plain transformers step, "
             "embedded engine, weight sync, memory vs grpo-mega-plan with the allocation sites at the update's peak")
 
     def write():  # after every model: a step cut off by its time limit keeps what it measured
-        out = dict(what=what, mode="cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu"),
-                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine, threads=args.threads,
-                   loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()), steps=args.steps,
-                   warmup=args.warmup, batch=shape, largest_fitting=largest, results=rows)
+        out = dict(what=what, mode=mode, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine,
+                   threads=args.threads, loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()),
+                   steps=args.steps, warmup=args.warmup, batch=shape, largest_fitting=largest, results=rows)
         common.write_json(out_path, out)
         return out
 
@@ -717,18 +711,14 @@ def main(argv=None) -> int:
                 print(f"{name}: update {r['update_tokens_per_s']:.0f} tok/s (MFU {mfu}), engine "
                       f"{r['engine_tokens_per_s']:.0f} tok/s, sync {r['weight_sync_gb_per_s']:.2f} GB/s "
                       f"({r['weight_sync_over_copy']:.3f} of a device copy)", flush=True)
-            rows.append(r)
-            if not args.cpu:
-                p = r.get("plain_transformers_step")
-                if p:
+                if p := r["plain_transformers_step"]:
                     print(f"  plain transformers step {p['tokens_per_s']:.0f} tok/s; megatron/plain time "
                           f"{p['megatron_over_plain']:.2f}", flush=True)
-                sites = r.get("memory_sites_at_first_update_peak")
-                if sites:
-                    for x in sites["top"][:5]:
-                        print(f"  {x['gib']:7.2f} GiB  {x['site']}", flush=True)
+                for x in (r["memory_sites_at_first_update_peak"] or {}).get("top", [])[:5]:
+                    print(f"  {x['gib']:7.2f} GiB  {x['site']}", flush=True)
+            rows.append(r)
             write()
-            if args.gpu or args.gpu_path_on_cpu:
+            if not args.cpu:
                 _free_device(name)
         destroy_distributed()
     out = write()

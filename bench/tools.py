@@ -45,12 +45,7 @@ class SlowCalculator(Calculator):
 def _private_mib(pid="self") -> float:
     """A process's private memory (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup), MiB: what it costs
     beyond the pages it shares (a forked worker shares its parent's until it writes them)."""
-    total = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1])
-    return total / 1024.0
+    return sum(common.rss_mib("Private_Clean", "Private_Dirty", path=f"/proc/{pid}/smaps_rollup").values())
 
 
 def _probe(conn) -> None:

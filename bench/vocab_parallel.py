@@ -116,10 +116,8 @@ def main() -> int:
     rows = []
     for impl, tp, chunk in CONFIGS:
         cmd = common.worker_cmd("bench.vocab_parallel", "--worker", "--impl", impl, "--tp", str(tp),
-                                "--T", str(args.T), "--V", str(args.V), "--vocab-size", str(args.vocab_size),
-                                "--temperature", str(args.temperature), "--iters", str(args.iters))
-        if chunk:
-            cmd += ["--chunk", str(chunk)]
+                                *(["--chunk", str(chunk)] if chunk else []),
+                                *common.flags(args, "T", "V", "vocab_size", "temperature", "iters"))
         row = common.run_worker(cmd, f"configuration {impl} tp={tp} chunk={chunk}")
         rows.append(row)
         print(f"{impl:>15} tp={tp} chunk={str(chunk):>4}: peak above inputs {row['peak_above_inputs_mib']:8.1f} MiB"

@@ -174,9 +174,7 @@ def trl_worker(cfg: dict) -> None:
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            spent["generate_and_score"] = spent.get("generate_and_score", 0.0) + time.perf_counter() - t0
+            out = timed("generate_and_score", super()._generate_and_score_completions)(inputs)
             lengths.append(float(out["completion_mask"].sum(1).float().mean()))
             return out
 
