@@ -14,7 +14,6 @@ accounting, planning.local_layer_activation_bytes).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import platform
 import sys
@@ -53,13 +52,12 @@ def _saved_bytes(model, seq: int, micro_batch: int, recompute: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "activations")
     ap.add_argument("--model", default="qwen2.5-0.5b", help="a model_configs name: its layer shape is measured")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=1024, help="a small vocabulary: the layers are what is measured")
-    ap.add_argument("--out", default=common.out_path("activations"))
     args = ap.parse_args()
 
     import torch

@@ -15,7 +15,6 @@ histogram, dropped samples). Headline: `k2_over_one_step_ahead` (the target is >
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -57,7 +56,7 @@ def _summary(runs: list[list[dict]]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "async")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--median", type=float, default=8.0, help="the median response length (tokens)")
     ap.add_argument("--sigma", type=float, default=0.9, help="the lognormal's sigma")
@@ -65,7 +64,6 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                     help="a config override for every run (repeatable); default: " + " ".join(SHAPE))
-    ap.add_argument("--out", default=common.out_path("async"))
     args = ap.parse_args(argv)
     args.set = SHAPE if args.set is None else args.set
     modes = args.modes.split(",")

@@ -18,7 +18,6 @@ The 70B projection: bytes of the actor's bf16 weights, fp32 main weights, Adam m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -125,12 +124,11 @@ def projection_70b(rate_bytes_s: float, cpu_rate_bytes_s: float, ranks: int = 64
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "checkpoint")
     ap.add_argument("--mb", type=float, default=320.0, help="checkpoint size (MB), the same at every world size")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--piece-mb", type=float, default=16.0, help="hashing piece (MB); the trainer uses 256")
-    ap.add_argument("--out", default=common.out_path("checkpoint"))
     args = ap.parse_args(argv)
     total, piece = int(args.mb * 1e6), int(args.piece_mb * (1 << 20))
     load_before = os.getloadavg()

@@ -11,6 +11,7 @@ fresh process starts itself the same way (`worker_cmd`).
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -26,6 +27,14 @@ GIB = 2**30
 
 
 # ---- where results go ---------------------------------------------------------------------------------------
+
+
+def parser(doc: str, name: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: the first line of its docstring `doc` as the description, and --out
+    (default bench_results/NAME.json; with no `name`, none: the benchmark picks its file)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=name and out_path(name))
+    return ap
 
 
 def out_path(name: str) -> str:

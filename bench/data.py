@@ -123,7 +123,7 @@ def worker(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.parser(__doc__, "data")
     ap.add_argument("--rows", type=int, nargs="+", default=[10_000, 1_000_000])
     ap.add_argument("--formats", nargs="+", choices=["jsonl", "parquet"], default=["jsonl", "parquet"])
     ap.add_argument("--batch", type=int, default=512)
@@ -133,7 +133,6 @@ def main() -> None:
     ap.add_argument("--tokenizer", choices=["smollm2", "toy"], default="smollm2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the data files go (default: a temporary directory)")
-    ap.add_argument("--out", default=common.out_path("data"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)

@@ -18,7 +18,6 @@ on a loaded machine the steadier measure of the work done). `--dry-run` prints t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from bench import common
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, None)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--hf-dir", default=None, help="an HF model directory (default: SmolLM2-135M-Instruct, make smollm2)")
     src.add_argument("--model", default=None, help="a model_configs name, random weights (seed 0)")
@@ -46,7 +45,6 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds of each, alternated, after one warm-up each "
                     "(default 3; 2 with --gpu)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the parsed arguments and exit")
     args = ap.parse_args(argv)
     gpu = args.gpu

@@ -25,7 +25,6 @@ the process's CPU time is the work done, whatever else runs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -156,13 +155,12 @@ def update_times(model: str, steps: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_common.parser(__doc__, "fused_output")
     ap.add_argument("--model", default=MODEL, help="model_configs name (its shapes and its update)")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens through the loss side")
     ap.add_argument("--loss-steps", type=int, default=1, help="timed loss-side repetitions (the median is reported)")
     ap.add_argument("--steps", type=int, default=5, help="timed update steps of each (the median is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    ap.add_argument("--out", default=bench_common.out_path("fused_output"))
     args = ap.parse_args()
     import torch
 

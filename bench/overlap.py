@@ -22,7 +22,6 @@ core is only one core when nobody else is running on it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -61,14 +60,13 @@ def _summary(runs: list[list[dict]]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "overlap")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--response-length", type=int, default=64, help="batch.max_response_length: sets how long a "
                     "generation takes against an update")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating in turn / one step ahead")
     ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                     help="a config override for both runs (repeatable); default: " + " ".join(SHAPE))
-    ap.add_argument("--out", default=common.out_path("overlap"))
     args = ap.parse_args(argv)
     args.set = SHAPE if args.set is None else args.set
     if args.steps < 5:

@@ -18,7 +18,6 @@ alone (forward and backward) on all tokens against the loss positions, the part 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -121,7 +120,7 @@ def _head_only(actor, tokens: int, positions: int, vocab: int, repeats: int) -> 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "response_only")
     ap.add_argument("--model", default="smollm2-135m", help="a model_configs name")
     ap.add_argument("--groups", type=int, default=2, help="prompts per step")
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
@@ -131,7 +130,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (the median is reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    ap.add_argument("--out", default=common.out_path("response_only"))
     args = ap.parse_args()
 
     import torch

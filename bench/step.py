@@ -27,7 +27,6 @@ path from rotting unseen).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import re
@@ -596,7 +595,7 @@ def device_slug(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, None)
     modes = ap.add_mutually_exclusive_group(required=True)
     modes.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
     modes.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
@@ -621,7 +620,6 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-top", type=int, default=12,
                     help="--gpu: allocation sites (torch.cuda.memory._record_memory_history) at the first update's "
                          "peak, largest first (0: not recorded)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the parsed arguments and exit")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:

@@ -127,7 +127,7 @@ def run_mode(async_tools: bool, a, work: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, "tools")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
@@ -135,7 +135,6 @@ def main() -> None:
     p.add_argument("--latency-mean", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=4, help="worker starts measured per way (the first, then restarts)")
     p.add_argument("--set", action="append", default=[], help="another override for both runs")
-    p.add_argument("--out", default=common.out_path("tools"))
     p.add_argument("--workers-only", action="store_true")
     p.add_argument("--worker-probe", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -237,7 +237,7 @@ def summarise(runs: list[dict], system: str, phases: tuple[str, ...]) -> dict | 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, None)
     ap.add_argument("--model", default=None, help="HF model directory (default: make smollm2's)")
     ap.add_argument("--steps", type=int, default=4, help="training steps per run (step 1 is warm-up)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each system, alternating")
@@ -250,7 +250,6 @@ def main() -> int:
     ap.add_argument("--trl-python", default=str(TRL_VENV / "bin" / "python"))
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--workdir", default=None, help="runs' folders (default: outputs/bench_vs_trl)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:

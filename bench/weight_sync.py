@@ -17,7 +17,6 @@ of those two ranks: the transport's own limit. The load average is recorded: the
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -147,7 +146,7 @@ def _trial(args, world: int, hf_dir: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "weight_sync")
     ap.add_argument("--hf-dir", default=None)
     ap.add_argument("--tp", type=int, default=3, help="SmolLM2 has 9 heads and 3 KV groups: 1 or 3")
     ap.add_argument("--pp", type=int, default=1)
@@ -155,7 +154,6 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds (medians reported), after one warm-up round")
     ap.add_argument("--trials", type=int, default=3, help="whole measurements, each in fresh ranks; the median is reported")
-    ap.add_argument("--out", default=common.out_path("weight_sync"))
     args = ap.parse_args()
     import warnings
 
