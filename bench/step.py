@@ -102,8 +102,6 @@ def _with_logprob_inputs(actor, rb, temperature: float):
 def hf_model_like(actor, cfg, device=None, **from_config):
     """The transformers model of `cfg`'s architecture with the actor's current weights (through the bridge), fp32,
     built on `device` (default: the CPU)."""
-    import contextlib
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -112,7 +110,7 @@ def hf_model_like(actor, cfg, device=None, **from_config):
 
     hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
     config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
-    with torch.device(device) if device is not None else contextlib.nullcontext():
+    with torch.device(device or "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config)
     weights = dict(stage_hf_tensors(actor.built.gpt, cfg, torch.float32))
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -131,8 +129,6 @@ def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response:
     gradients accumulated (the mini-batch's normaliser for each: the same loss and gradient); `device`: where
     the batch goes; `autocast`: the forward under torch.autocast(bf16) over fp32 weights (transformers' Trainer
     with bf16=True)."""
-    import contextlib
-
     import torch
 
     from grpo_mega import algo
@@ -147,8 +143,7 @@ def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response:
         old, ref, adv = rb.old_logp[rows], rb.ref_logp[rows], rb.advantages[rows]
         if device is not None:
             tokens, labels, mask, old, ref, adv = (t.to(device) for t in (tokens, labels, mask, old, ref, adv))
-        ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with ctx:
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=tokens).logits
         logits = logits.float() / temperature  # [B, L, V]
         logp_all = torch.log_softmax(logits, dim=-1)
