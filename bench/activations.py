@@ -14,7 +14,6 @@ accounting, planning.local_layer_activation_bytes).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import platform
 import sys
@@ -53,23 +52,23 @@ def _saved_bytes(model, seq: int, micro_batch: int, recompute: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "activations")
     ap.add_argument("--model", default="qwen2.5-0.5b", help="a model_configs name: its layer shape is measured")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=1024, help="a small vocabulary: the layers are what is measured")
-    ap.add_argument("--out", default=common.out_path("activations"))
     args = ap.parse_args()
 
     import torch
 
     from grpo_mega import planning
     from grpo_mega.conf.model import load_model_config
+    from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.parallel.forked import run_ranks
 
     base = dataclasses.replace(load_model_config(args.model), vocab_size=args.vocab, tie_word_embeddings=False)
-    te = torch.cuda.is_available() and __import__("importlib").util.find_spec("transformer_engine") is not None
+    te = have_transformer_engine()  # the layer spec build_gpt picks
     rows = []
     for recompute in ("none", "selective", "full"):
         got = [run_ranks(_saved_bytes, 1, dataclasses.replace(base, num_layers=n), args.seq, args.micro_batch, recompute,

@@ -15,19 +15,14 @@ histogram, dropped samples). Headline: `k2_over_one_step_ahead` (the target is >
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench import common
 
-REPO = common.REPO
 SHAPE = ["batch.train_batch_size=8", "rollout.n=4", "batch.ppo_mini_batch_size=8", "batch.micro_batch_size=4"]
 MODES = {"in_turn": ["rollout.off_policy_steps=0"], "one_step_ahead": ["rollout.off_policy_steps=1"],
          "async_k1": ["rollout.mode=async", "rollout.off_policy_steps=1"],
@@ -35,19 +30,10 @@ MODES = {"in_turn": ["rollout.off_policy_steps=0"], "one_step_ahead": ["rollout.
          "async_k4": ["rollout.mode=async", "rollout.off_policy_steps=4"]}
 
 
-def _pin(core) -> list[str]:
-    return ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
-
-
 def _run(core, url: str, mode: str, steps: int, length: int, out: Path, overrides) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    cmd = _pin(core) + [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"run.steps={steps}",
-                        f"eval.interval={steps}", f"batch.max_response_length={length}", "rollout.placement=dedicated",
-                        f"rollout.servers=[{url}]", *MODES[mode], *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"the {mode} run failed:\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return common.train(out, [f"run.steps={steps}", f"eval.interval={steps}", f"batch.max_response_length={length}",
+                              "rollout.placement=dedicated", f"rollout.servers=[{url}]", *MODES[mode], *overrides],
+                        f"the {mode} run", prefix=common.pin(core), env={"OMP_NUM_THREADS": "1"})
 
 
 def _summary(runs: list[list[dict]]) -> dict:
@@ -70,7 +56,7 @@ def _summary(runs: list[list[dict]]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "async")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--median", type=float, default=8.0, help="the median response length (tokens)")
     ap.add_argument("--sigma", type=float, default=0.9, help="the lognormal's sigma")
@@ -78,7 +64,6 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                     help="a config override for every run (repeatable); default: " + " ".join(SHAPE))
-    ap.add_argument("--out", default=common.out_path("async"))
     args = ap.parse_args(argv)
     args.set = SHAPE if args.set is None else args.set
     modes = args.modes.split(",")
@@ -86,18 +71,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"--modes: unknown {unknown}; pick from {list(MODES)}")
     if args.steps < 5:
         raise SystemExit(f"--steps={args.steps}: at least 5 (two warm-up steps and the validating last are not measured)")
-    from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.processes import stop
-    from grpo_mega.rollout import standin_server
 
     length = int(round(8 * args.median))
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    trainer_core, server_core = (cores[0], cores[-1]) if len(cores) >= 2 else (None, None)
+    trainer_core, server_core = common.trainer_and_server_cores()
     load_before = os.getloadavg()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    server, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),
-                                         "--simulate-lengths", f"{args.median},{args.sigma}"], prefix=_pin(server_core),
-                                        env=env, cwd=REPO)
+    server, url = common.standin_server(server_core, "--simulate-lengths", f"{args.median},{args.sigma}")
     rows: dict[str, list] = {m: [] for m in modes}
     order = []
     try:

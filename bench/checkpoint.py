@@ -18,7 +18,6 @@ The 70B projection: bytes of the actor's bf16 weights, fp32 main weights, Adam m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -83,10 +82,6 @@ def _rank(root: str, total_bytes: int, mode: str, repeats: int, piece_bytes: int
     return rows
 
 
-def _median(xs):
-    return statistics.median(xs)
-
-
 def run_world(world: int, mode: str, total_bytes: int, repeats: int, piece_bytes: int) -> dict:
     from grpo_mega.parallel.forked import run_ranks
 
@@ -100,7 +95,7 @@ def run_world(world: int, mode: str, total_bytes: int, repeats: int, piece_bytes
                          hash_s_max=max(x["hash_s"] for x in r), hash_cpu_s_max=max(x["hash_cpu_s"] for x in r),
                          hash_bytes_max=max(x["hash_bytes"] for x in r), verify_s=max(x["verify_s"] for x in r),
                          hash_s_per_rank=[round(x["hash_s"], 4) for x in r]))
-    out = {k: _median([rep[k] for rep in reps]) for k in reps[0] if k != "hash_s_per_rank"}
+    out = {k: statistics.median([rep[k] for rep in reps]) for k in reps[0] if k != "hash_s_per_rank"}
     out["hash_s_per_rank"] = reps[len(reps) // 2]["hash_s_per_rank"]
     out["hash_share_of_save"] = out["hash_s_max"] / out["save_s"]
     return dict(world=world, mode=mode, total_bytes=total_bytes, repeats=repeats, **out)
@@ -129,12 +124,11 @@ def projection_70b(rate_bytes_s: float, cpu_rate_bytes_s: float, ranks: int = 64
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "checkpoint")
     ap.add_argument("--mb", type=float, default=320.0, help="checkpoint size (MB), the same at every world size")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--piece-mb", type=float, default=16.0, help="hashing piece (MB); the trainer uses 256")
-    ap.add_argument("--out", default=common.out_path("checkpoint"))
     args = ap.parse_args(argv)
     total, piece = int(args.mb * 1e6), int(args.piece_mb * (1 << 20))
     load_before = os.getloadavg()

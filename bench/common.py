@@ -1,20 +1,24 @@
-"""What every benchmark in bench/ shares: the machine it ran on (CPU model, cores, torch / megatron-core /
-transformers versions, the git commit), memory probes (a process's peak RSS on Linux, CUDA's allocator on a
-GPU), copy bandwidth, running one configuration in a fresh process, and writing the result to
-bench_results/NAME.json. Each benchmark keeps what it measures and the shape of its own JSON.
+"""What every benchmark in bench/ shares: its argument parser's common part (--out), the machine it ran on (CPU
+model, cores, torch / megatron-core / transformers versions, the git commit), memory probes (/proc fields such as
+a process's peak RSS on Linux, CUDA's allocator on a GPU), wall and CPU time with the GPU synchronised, copy
+bandwidth, running one configuration in a fresh process, a training run (python -m grpo_mega.train) or a
+stand-in server in a child process, and writing the result to bench_results/NAME.json. Each benchmark keeps
+what it measures and the shape of its own JSON.
 
-Only the standard library is imported here (torch inside the functions that need it), so a benchmark's
-`--help` stays quick; nothing here imports grpo_mega. The benchmarks run as modules from the repository's root
+Only the standard library is imported here (torch, and grpo_mega's stand-in server, inside the functions that
+need them), so a benchmark's `--help` stays quick. The benchmarks run as modules from the repository's root
 (`python -m bench.step`), so `from bench import common` needs no path set up; a benchmark that measures in a
 fresh process starts itself the same way (`worker_cmd`).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +29,14 @@ GIB = 2**30
 
 
 # ---- where results go ---------------------------------------------------------------------------------------
+
+
+def parser(doc: str, name: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: the first line of its docstring `doc` as the description, and --out
+    (default bench_results/NAME.json; with no `name`, none: the benchmark picks its file)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=name and out_path(name))
+    return ap
 
 
 def out_path(name: str) -> str:
@@ -91,13 +103,14 @@ def machine(**extra) -> dict:
 # ---- memory -------------------------------------------------------------------------------------------------
 
 
-def rss_mib() -> dict[str, float]:
-    """This process's resident set now (VmRSS) and its peak since the last reset_peak_rss (VmHWM), MiB (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
+def rss_mib(*fields: str, path: str = "/proc/self/status") -> dict[str, float]:
+    """`fields` (kB) of a /proc file, MiB (Linux); by default this process's resident set now (VmRSS) and its peak
+    since the last reset_peak_rss (VmHWM)."""
+    fields, out = fields or ("VmRSS", "VmHWM"), {}
+    with open(path) as f:
         for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
+            key, _, value = line.partition(":")
+            if key in fields:
                 out[key] = int(value.split()[0]) / 1024.0
     return out
 
@@ -114,28 +127,22 @@ class CudaMemory:
     def __init__(self, cuda: bool):
         self.cuda = cuda
 
-    def now(self):
+    def _synchronised(self, what: str):
         import torch
 
         if not self.cuda:
             return None
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() / GIB
+        return getattr(torch.cuda, what)()
+
+    def now(self):
+        return None if not self.cuda else self._synchronised("memory_allocated") / GIB
 
     def reset_peak(self):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        self._synchronised("reset_peak_memory_stats")
 
     def peak(self):
-        import torch
-
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / GIB
+        return None if not self.cuda else self._synchronised("max_memory_allocated") / GIB
 
 
 def copy_bytes_per_s(nbytes: int, device="cpu", repeats: int = 5) -> float:
@@ -144,19 +151,26 @@ def copy_bytes_per_s(nbytes: int, device="cpu", repeats: int = 5) -> float:
     import torch
 
     device = torch.device(device)
-    cuda = device.type == "cuda"
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if cuda:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / min(timed(lambda: dst.copy_(src), device.type == "cuda")[0] for _ in range(repeats))
+
+
+# ---- time ---------------------------------------------------------------------------------------------------
+
+
+def timed(fn, cuda: bool = False) -> tuple[float, float, object]:
+    """(wall seconds, this process's CPU seconds, fn()'s result) of fn(); with `cuda` the device is synchronised
+    before and after, so that the wall time covers the kernels fn() queued."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - w0, time.process_time() - c0, out
 
 
 # ---- one configuration per process --------------------------------------------------------------------------
@@ -174,6 +188,13 @@ def worker_cmd(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def flags(args, *names: str) -> list[str]:
+    """`--NAME VALUE` for each of `names` (argparse dests) that `args` holds a value for: a benchmark's knobs
+    passed on to its own --worker."""
+    values = {k: getattr(args, k) for k in names}
+    return [a for k, v in values.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def run_worker(cmd: list[str], what: str, timeout: float = 3600) -> dict:
     """Run `cmd` (a benchmark's own --worker mode) under measuring_env and return the JSON object it prints as
     its last line; its stderr is passed on and SystemExit raised if it fails."""
@@ -182,3 +203,45 @@ def run_worker(cmd: list[str], what: str, timeout: float = 3600) -> dict:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"{what} failed (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- training runs and stand-in servers in child processes --------------------------------------------------
+
+
+def pin(core) -> list[str]:
+    """A command prefix pinning it to `core` (`taskset -c CORE`); nothing without a core or taskset."""
+    return ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+
+
+def trainer_and_server_cores() -> tuple:
+    """The first and the last core this process may run on (the trainer's and a stand-in server's), or (None,
+    None) with fewer than two."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return (cores[0], cores[-1]) if len(cores) >= 2 else (None, None)
+
+
+def standin_server(core, *args: str):
+    """A stand-in server (grpo_mega.rollout.standin_server: the tiny model, the toy tokenizer's vocabulary, `args`
+    added) pinned to `core`, one torch thread: (process, url); SystemExit if it does not come up."""
+    from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.rollout import standin_server
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    try:
+        return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),
+                                      *args], prefix=pin(core), env=env, cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+
+
+def train(run_dir, overrides, what: str, prefix=(), env=None, timeout: float = 1800, **kw) -> list[dict]:
+    """`python -m grpo_mega.train hydra.run.dir=RUN_DIR OVERRIDES` (after `prefix`, from the repository's root,
+    with this checkout on PYTHONPATH, wandb off and `env` added; `kw` to subprocess.run): the rows of its
+    metrics.jsonl. SystemExit naming `what` and the command, its output's tail on stderr, if it fails."""
+    cmd = [*prefix, sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={run_dir}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout, **kw)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"{what} failed (exit {done.returncode}): {' '.join(cmd)}")
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

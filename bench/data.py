@@ -32,6 +32,9 @@ from pathlib import Path
 from bench import common
 
 PROMPT = "What is {a} + {b}? Answer with the number only, then stop."
+# resident memory, apart: the process's own (RssAnon) and mapped files' (RssFile: a parquet's Arrow copy, shared
+# with every rank of the node and dropped by the kernel under pressure)
+RSS_PARTS = ("RssAnon", "RssFile")
 
 
 def write_jsonl(path: Path, rows: int) -> None:
@@ -80,18 +83,6 @@ def tokenizer(name: str):
     return tok, "toy"
 
 
-def rss_parts_mib() -> dict[str, float]:
-    """This process's resident memory now: RssAnon (its own) and RssFile (mapped files: a parquet's Arrow copy,
-    shared with every rank of the node and dropped by the kernel under pressure), MiB (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) / 1024.0
-    return out
-
-
 def worker(args) -> dict:
     """One rank's start-up and draws, in this (fresh) process."""
     tok, tok_name = tokenizer(args.tokenizer)
@@ -101,21 +92,21 @@ def worker(args) -> dict:
         import pyarrow.ipc  # noqa: F401
         import pyarrow.parquet  # noqa: F401
     common.reset_peak_rss()
-    before, parts_before = common.rss_mib(), rss_parts_mib()
+    before, parts_before = common.rss_mib(), common.rss_mib(*RSS_PARTS)
     t0 = time.perf_counter()
     f = PromptFile(args.path, tok, args.max_prompt_length, cache_dir=args.cache)
     index_s = time.perf_counter() - t0
     checked, fit, dropped = f.check_head()
     val = f.sample(args.val, args.seed)
     startup_s = time.perf_counter() - t0
-    after_start, parts_start = common.rss_mib(), rss_parts_mib()
+    after_start, parts_start = common.rss_mib(), common.rss_mib(*RSS_PARTS)
     stream = PromptStream(f, args.seed)
     draws = []
     for _ in range(args.batches):
         t = time.perf_counter()
         batch = stream.next_batch(args.batch)
         draws.append(time.perf_counter() - t)
-    after, parts_after = common.rss_mib(), rss_parts_mib()
+    after, parts_after = common.rss_mib(), common.rss_mib(*RSS_PARTS)
     assert len(batch) == args.batch and len(val) == min(args.val, len(f)) and fit == checked - dropped
     return dict(rows=len(f), tokenizer=tok_name, wrote_cache=bool(getattr(f.rows, "wrote", False)),
                 index_s=index_s, startup_s=startup_s, index_bytes=f.index_bytes,
@@ -132,7 +123,7 @@ def worker(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.parser(__doc__, "data")
     ap.add_argument("--rows", type=int, nargs="+", default=[10_000, 1_000_000])
     ap.add_argument("--formats", nargs="+", choices=["jsonl", "parquet"], default=["jsonl", "parquet"])
     ap.add_argument("--batch", type=int, default=512)
@@ -142,7 +133,6 @@ def main() -> None:
     ap.add_argument("--tokenizer", choices=["smollm2", "toy"], default="smollm2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the data files go (default: a temporary directory)")
-    ap.add_argument("--out", default=common.out_path("data"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
@@ -164,9 +154,8 @@ def main() -> None:
                 runs = ["first"] if fmt == "jsonl" else ["first", "cached"]  # a parquet's copy: written, then found
                 for run in runs:
                     cmd = common.worker_cmd("bench.data", "--worker", "--path", str(path), "--cache", str(cache),
-                                            "--batch", str(args.batch), "--batches", str(args.batches),
-                                            "--val", str(args.val), "--max-prompt-length", str(args.max_prompt_length),
-                                            "--tokenizer", args.tokenizer, "--seed", str(args.seed))
+                                            *common.flags(args, "batch", "batches", "val", "max_prompt_length",
+                                                          "tokenizer", "seed"))
                     r = common.run_worker(cmd, f"{fmt} with {rows} rows ({run})")
                     r.update(format=fmt, run=run, file_bytes=path.stat().st_size, file_write_s=made_s)
                     results.append(r)

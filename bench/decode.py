@@ -18,17 +18,15 @@ on a loaded machine the steadier measure of the work done). `--dry-run` prints t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 
 from bench import common
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, None)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--hf-dir", default=None, help="an HF model directory (default: SmolLM2-135M-Instruct, make smollm2)")
     src.add_argument("--model", default=None, help="a model_configs name, random weights (seed 0)")
@@ -47,7 +45,6 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds of each, alternated, after one warm-up each "
                     "(default 3; 2 with --gpu)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the parsed arguments and exit")
     args = ap.parse_args(argv)
     gpu = args.gpu
@@ -133,25 +130,16 @@ def main(argv=None) -> int:
     sides = {f"embedded_{m}": embedded(m) for m in args.modes}
     sides.update({f"transformers_{c}": hf(c) for c in args.hf_caches})
 
-    def timed(fn, seed):
-        if cuda:
-            torch.cuda.synchronize()
-        w0, c0 = time.perf_counter(), time.process_time()
-        n = fn(seed)
-        if cuda:
-            torch.cuda.synchronize()
-        return n, time.perf_counter() - w0, time.process_time() - c0
-
     warmup = {}
     for name, fn in sides.items():
-        warmup[name] = timed(fn, 0)[1]  # compilation and graph capture land here
+        warmup[name] = common.timed(lambda: fn(0), cuda)[0]  # compilation and graph capture land here
     seconds = {k: [] for k in sides}
     cpu_seconds = {k: [] for k in sides}
     tokens = {}
     load_start = os.getloadavg()
     for r in range(args.rounds):
         for name, fn in sides.items():
-            tokens[name], wall, cpu = timed(fn, r + 1)
+            wall, cpu, tokens[name] = common.timed(lambda: fn(r + 1), cuda)
             seconds[name].append(wall)
             cpu_seconds[name].append(cpu)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), flush=True)

@@ -20,6 +20,7 @@ import sys
 import time
 
 from bench import common
+from bench.step import synthetic_rollout
 
 
 def _model(args):
@@ -29,21 +30,6 @@ def _model(args):
     cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
     cfg.vocab_size = args.vocab
     return cfg
-
-
-def _rollout(args, vocab: int):
-    import torch
-
-    from grpo_mega import algo
-    from grpo_mega.trainer.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(0)
-    n = args.prompts * 4
-    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    batch = RolloutBatch.from_samples([prompts[i // 4] for i in range(n)],
-                                      [torch.randint(0, vocab, (args.response_len,), generator=g).tolist() for _ in range(n)])
-    batch.advantages = algo.group_advantages(torch.randn(n, generator=g), n=4).float()
-    return batch
 
 
 def _rank_body(estimator: str, args):
@@ -68,7 +54,7 @@ def _rank_body(estimator: str, args):
                       AlgoConfig(kl_estimator=estimator, kl_coef=0.01), batch_cfg)
         ref = Reference(cfg, parallel, precision, batch_cfg)
         ref.load_from(actor)
-        batch = _rollout(args, cfg.vocab_size)
+        batch = synthetic_rollout(cfg.vocab_size, args.prompts, 4, args.prompt_len, args.response_len)
         batch.old_logp = actor.logprobs(batch, 1.0)
         peaks, times, ref_times = [], [], []
         for it in range(args.iters + 1):  # the first: warm-up (the optimizer's state appears)
@@ -105,7 +91,7 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "full_kl")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -116,7 +102,6 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=1024, help="tokens per packed micro-batch")
     ap.add_argument("--chunk", type=int, default=None, help="batch.logprob_chunk_size (default: none)")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=common.out_path("full_kl"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--estimator", default="k3", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -127,10 +112,9 @@ def main() -> int:
     loadavg_before = os.getloadavg()
     rows = {}
     for estimator in ("k3", "full"):
-        cmd = common.worker_cmd("bench.full_kl", "--worker", "--estimator", estimator)
-        for k in ("tp", "hidden", "layers", "vocab", "prompts", "prompt_len", "response_len", "budget", "chunk", "iters"):
-            if getattr(args, k) is not None:
-                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        knobs = common.flags(args, "tp", "hidden", "layers", "vocab", "prompts", "prompt_len", "response_len",
+                             "budget", "chunk", "iters")
+        cmd = common.worker_cmd("bench.full_kl", "--worker", "--estimator", estimator, *knobs)
         rows[estimator] = common.run_worker(cmd, f"estimator {estimator}")
         r = rows[estimator]
         print(f"{estimator:>4}: update peak {r['peak_update_mib']:8.1f} MiB per rank, update {r['update_s']:.3f} s, "

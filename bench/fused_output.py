@@ -25,22 +25,13 @@ the process's CPU time is the work done, whatever else runs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 
 from bench import common as bench_common
 
 MODEL = "smollm2-135m"  # the default --model
-
-
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of fn()."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def profiled_peak(fn) -> int:
@@ -100,7 +91,7 @@ def loss_side(model: str, tokens: int, steps: int) -> list[dict]:
 
         step()  # warm-up
         peak = profiled_peak(step)
-        wall, cpu = zip(*[timed(step) for _ in range(steps)])
+        wall, cpu = zip(*[bench_common.timed(step)[:2] for _ in range(steps)])
         unit = 4 * (tokens if impl == "unfused" else chunk) * v
         return dict(impl=impl, full_kl=with_ref, chunk=chunk if impl == "fused" else None, tokens=tokens,
                     peak_mib=peak / 2**20, peak_in_fp32_chunk_vocab=peak / unit,
@@ -147,7 +138,7 @@ def update_times(model: str, steps: int) -> dict:
     for i in range(steps + 1):  # alternating, so load from other processes falls on both alike
         for fused in (False, True):
             actor.batch = batches[fused]
-            w, c = timed(lambda: actor.update(rb, 1.0))
+            w, c, _ = bench_common.timed(lambda: actor.update(rb, 1.0))
             if i:  # the first of each is a warm-up
                 wall[fused].append(w)
                 cpu[fused].append(c)
@@ -164,13 +155,12 @@ def update_times(model: str, steps: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_common.parser(__doc__, "fused_output")
     ap.add_argument("--model", default=MODEL, help="model_configs name (its shapes and its update)")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens through the loss side")
     ap.add_argument("--loss-steps", type=int, default=1, help="timed loss-side repetitions (the median is reported)")
     ap.add_argument("--steps", type=int, default=5, help="timed update steps of each (the median is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    ap.add_argument("--out", default=bench_common.out_path("fused_output"))
     args = ap.parse_args()
     import torch
 

@@ -22,55 +22,25 @@ core is only one core when nobody else is running on it.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench import common
 
-REPO = common.REPO
 PHASES = ("generate", "generate_wait", "reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval",
           "checkpoint")
 SHAPE = ["batch.train_batch_size=8", "rollout.n=4", "batch.ppo_mini_batch_size=8", "batch.micro_batch_size=4"]
 TRAINER_PHASES = ("reward", "old_logprobs", "ref_logprobs", "update", "weight_sync", "eval", "checkpoint")
 
 
-def _pin(core: int | None) -> list[str]:
-    return ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
-
-
-def _start_server(core, vocab: int) -> tuple[subprocess.Popen, str]:
-    from grpo_mega.rollout import standin_server
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    try:
-        return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(vocab)], prefix=_pin(core),
-                             env=env, cwd=REPO)
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    from grpo_mega.processes import stop
-
-    stop(proc)
-
-
 def _run(core, url: str, off_policy: int, steps: int, response_length: int, out: Path, overrides=()) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    cmd = _pin(core) + [sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={out}", f"run.steps={steps}",
-                        f"eval.interval={steps}", f"batch.max_response_length={response_length}",
-                        "rollout.placement=dedicated", f"rollout.servers=[{url}]", f"rollout.off_policy_steps={off_policy}", *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"the off_policy_steps={off_policy} run failed:\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return common.train(out, [f"run.steps={steps}", f"eval.interval={steps}", "rollout.placement=dedicated",
+                              f"batch.max_response_length={response_length}", f"rollout.servers=[{url}]",
+                              f"rollout.off_policy_steps={off_policy}", *overrides],
+                        f"the off_policy_steps={off_policy} run", prefix=common.pin(core), env={"OMP_NUM_THREADS": "1"})
 
 
 def _summary(runs: list[list[dict]]) -> dict:
@@ -90,24 +60,22 @@ def _summary(runs: list[list[dict]]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "overlap")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--response-length", type=int, default=64, help="batch.max_response_length: sets how long a "
                     "generation takes against an update")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating in turn / one step ahead")
     ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                     help="a config override for both runs (repeatable); default: " + " ".join(SHAPE))
-    ap.add_argument("--out", default=common.out_path("overlap"))
     args = ap.parse_args(argv)
     args.set = SHAPE if args.set is None else args.set
     if args.steps < 5:
         raise SystemExit(f"--steps={args.steps}: at least 5 (two warm-up steps and the validating last are not measured)")
-    from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.processes import stop
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    trainer_core, server_core = (cores[0], cores[-1]) if len(cores) >= 2 else (None, None)
+    trainer_core, server_core = common.trainer_and_server_cores()
     load_before = os.getloadavg()
-    server, url = _start_server(server_core, len(make_tokenizer()))
+    server, url = common.standin_server(server_core)
     rows: dict[int, list] = {0: [], 1: []}
     try:
         with tempfile.TemporaryDirectory(prefix="bench_overlap_") as tmp:
@@ -116,7 +84,7 @@ def main(argv=None) -> int:
                     rows[off].append(_run(trainer_core, url, off, args.steps, args.response_length,
                                           Path(tmp) / f"off{off}_{i}", args.set))
     finally:
-        _stop(server)
+        stop(server)
     runs = {off: _summary(r) for off, r in rows.items()}
     result = dict(
         benchmark="one-step off-policy overlap (dedicated embedded server, tiny model, toy task)",

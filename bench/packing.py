@@ -43,7 +43,6 @@ def lengths(args) -> tuple[list[int], list[int]]:
 def rollout(prompt_lens, response_lens, vocab, seed):
     import torch
 
-    from grpo_mega import algo
     from grpo_mega.trainer.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)

@@ -18,7 +18,6 @@ alone (forward and backward) on all tokens against the loss positions, the part 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -30,8 +29,6 @@ from bench.step import _single_process_env, _with_logprob_inputs, synthetic_roll
 
 def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, micro: int, steps: int,
         warmup: int) -> dict:
-    import torch
-
     from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
     from grpo_mega.parallel.state import init_distributed
     from grpo_mega.trainer.actor import Actor
@@ -52,10 +49,9 @@ def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, mic
 
     def timed(fn, cpu: list):
         logits_bytes.clear()
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn()
-        cpu.append(time.process_time() - c0)
-        return time.perf_counter() - t0, out, list(logits_bytes)
+        wall, c, out = common.timed(fn)
+        cpu.append(c)
+        return wall, out, list(logits_bytes)
 
     res = {on: dict(update_s=[], logprob_s=[], update_cpu_s=[], logprob_cpu_s=[], update_loss=[])
            for on in (False, True)}
@@ -124,7 +120,7 @@ def _head_only(actor, tokens: int, positions: int, vocab: int, repeats: int) -> 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "response_only")
     ap.add_argument("--model", default="smollm2-135m", help="a model_configs name")
     ap.add_argument("--groups", type=int, default=2, help="prompts per step")
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
@@ -134,7 +130,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (the median is reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    ap.add_argument("--out", default=common.out_path("response_only"))
     args = ap.parse_args()
 
     import torch

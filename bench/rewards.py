@@ -17,7 +17,6 @@ run most, so a busy machine understates the speed-up.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -138,12 +137,11 @@ def bench_rm(n: int, hidden: int, layers: int, min_len: int, max_len: int, batch
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, "rewards")
     p.add_argument("--math-samples", type=int, default=256)
     p.add_argument("--rm-samples", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="pool timings, interleaved 1/2 workers; the best is kept")
     p.add_argument("--rm-batch-size", type=int, default=64)
-    p.add_argument("--out", default=common.out_path("rewards"))
     a = p.parse_args()
     load_before = os.getloadavg()
     result = {"machine": platform.node(), "cpus": os.cpu_count(), "host": common.machine(),

@@ -13,7 +13,6 @@ rank receives (pickled). The machine's load average goes into the JSON.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import statistics
@@ -71,14 +70,13 @@ def _rank(prompts: int, n: int, max_response: int, mini_prompts: int, repeats: i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "routing")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-response", type=int, default=1024)
     ap.add_argument("--mini-prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=common.out_path("routing"))
     args = ap.parse_args()
     import warnings
 

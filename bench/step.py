@@ -27,7 +27,6 @@ path from rotting unseen).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import re
@@ -103,8 +102,6 @@ def _with_logprob_inputs(actor, rb, temperature: float):
 def hf_model_like(actor, cfg, device=None, **from_config):
     """The transformers model of `cfg`'s architecture with the actor's current weights (through the bridge), fp32,
     built on `device` (default: the CPU)."""
-    import contextlib
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -113,7 +110,7 @@ def hf_model_like(actor, cfg, device=None, **from_config):
 
     hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
     config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
-    with torch.device(device) if device is not None else contextlib.nullcontext():
+    with torch.device(device or "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config)
     weights = dict(stage_hf_tensors(actor.built.gpt, cfg, torch.float32))
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -132,8 +129,6 @@ def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response:
     gradients accumulated (the mini-batch's normaliser for each: the same loss and gradient); `device`: where
     the batch goes; `autocast`: the forward under torch.autocast(bf16) over fp32 weights (transformers' Trainer
     with bf16=True)."""
-    import contextlib
-
     import torch
 
     from grpo_mega import algo
@@ -148,8 +143,7 @@ def plain_step(model, opt, rb, a, temperature: float, clip: float, max_response:
         old, ref, adv = rb.old_logp[rows], rb.ref_logp[rows], rb.advantages[rows]
         if device is not None:
             tokens, labels, mask, old, ref, adv = (t.to(device) for t in (tokens, labels, mask, old, ref, adv))
-        ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with ctx:
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=tokens).logits
         logits = logits.float() / temperature  # [B, L, V]
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -220,7 +214,6 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
     differs most between the two (megatron - plain), which names where the rest goes."""
     import importlib
 
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     saved = []
@@ -256,10 +249,10 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
         v["share_of_megatron_step"] = v["seconds_per_step"] / wall["megatron"]
     explained = sum(v["seconds_per_step"] for v in pieces.values())
     ops = set(selfs["megatron"]) | set(selfs["plain"])
-    diff = {op: (selfs["megatron"].get(op, (0.0, 0))[0] - selfs["plain"].get(op, (0.0, 0))[0]) for op in ops}
-    op_gap = [dict(op=op, megatron_s=selfs["megatron"].get(op, (0.0, 0))[0], plain_s=selfs["plain"].get(op, (0.0, 0))[0],
-                   difference_s=diff[op], megatron_calls=selfs["megatron"].get(op, (0.0, 0))[1],
-                   plain_calls=selfs["plain"].get(op, (0.0, 0))[1])
+    mega_self, plain_self = ({op: selfs[side].get(op, (0.0, 0)) for op in ops} for side in ("megatron", "plain"))
+    diff = {op: mega_self[op][0] - plain_self[op][0] for op in ops}
+    op_gap = [dict(op=op, megatron_s=mega_self[op][0], plain_s=plain_self[op][0], difference_s=diff[op],
+                   megatron_calls=mega_self[op][1], plain_calls=plain_self[op][1])
               for op in sorted(ops, key=lambda o: -abs(diff[o]))[:12]]
     return dict(profiled_steps=steps, profiled_step_s=wall, pieces=pieces, explained_s=explained, gap_s=gap_s,
                 explained_over_gap=explained / gap_s if gap_s > 0 else None, op_gap=op_gap)
@@ -281,15 +274,11 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
     opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr, betas=(c["optim"].adam_beta1, c["optim"].adam_beta2),
                             eps=c["optim"].adam_eps, weight_decay=0.0, fused=True)
 
-    def timed(fn):
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-
     mega_s, plain_s, first = [], [], {}
     for i in range(warmup + steps):  # alternate, so load from other processes falls on both alike
-        dt, m = timed(lambda: actor.update(rb, 1.0)[0])
-        dp, loss = timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len))
+        dt, _, m = common.timed(lambda: actor.update(rb, 1.0)[0])
+        dp, _, loss = common.timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad,
+                                                      response_len))
         if i == 0:
             first = dict(megatron=m["loss"], plain=loss)
         if i >= warmup:
@@ -394,25 +383,33 @@ def top_allocation_sites(snapshot: dict, n: int = 12, device: int = 0, max_entri
                           largest_block_gib=v["largest_block_bytes"] / 2**30, via=v["via"]) for k, v in top])
 
 
+def plan_one_gpu(cfg, micro: int, seq: int, num_microbatches: int, dtype: str, **kw):
+    """grpo-mega-plan's plan at this benchmark's layout: one GPU, TP1, flash attention, the reference on the GPU,
+    the batch config's default logprob chunk and fused output; `kw`: layer_spec (default local), gpu_gib."""
+    from grpo_mega import planning
+    from grpo_mega.conf import BatchConfig, ParallelConfig
+
+    batch = BatchConfig()
+    return planning.plan(planning.PlanInput(
+        model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
+        num_microbatches=num_microbatches, params_dtype=dtype, reference="gpu", flash_attention=True,
+        logprob_chunk_size=batch.logprob_chunk_size, fused_output=batch.fused_output, **{"layer_spec": "local", **kw}))
+
+
 def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int, dtype: str) -> dict:
     """The model_configs model with the most parameters that grpo-mega-plan says fits one GPU of `gpu_gib` at
-    this shape (TP1, local spec, flash attention, the reference on the GPU, fused output as configured)."""
+    this shape (plan_one_gpu, the local spec)."""
     from grpo_mega import planning
-    from grpo_mega.conf import BatchConfig, ParallelConfig, load_model_config
+    from grpo_mega.conf import ParallelConfig, load_model_config
 
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_configs")
-    batch, best, seen = BatchConfig(), None, []
-    for fname in sorted(os.listdir(here)):
+    best, seen = None, []
+    for fname in sorted(os.listdir(common.REPO / "model_configs")):
         if not fname.endswith(".yaml") or fname.startswith("tiny"):
             continue
         name = fname[: -len(".yaml")]
         cfg = load_model_config(name)
         try:
-            p = planning.plan(planning.PlanInput(
-                model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
-                num_microbatches=num_microbatches, params_dtype=dtype, reference="gpu", flash_attention=True,
-                layer_spec="local", gpu_gib=gpu_gib, logprob_chunk_size=batch.logprob_chunk_size,
-                fused_output=batch.fused_output))
+            p = plan_one_gpu(cfg, micro, seq, num_microbatches, dtype, gpu_gib=gpu_gib)
         except ValueError:
             continue
         params = sum(sp.total for sp in planning.stage_params(cfg, ParallelConfig()))
@@ -425,11 +422,11 @@ def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int,
 def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
                micro: int, gen_tokens: int, dtype: str, engine_decode: str = "static", plain: bool = True,
                memory_top: int = 12) -> dict:
+    import functools
     import gc
 
     import torch
 
-    from grpo_mega import planning
     from grpo_mega.conf import ParallelConfig, load_model_config
     from grpo_mega.models.builder import have_transformer_engine
     from grpo_mega.rollout.embedded import EmbeddedEngine
@@ -462,23 +459,18 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
 
     rb = synthetic_rollout(cfg.vocab_size, groups, n, prompt_len, response_len)
     mem.reset_peak()
-    t0 = time.perf_counter()
-    _with_logprob_inputs(actor, rb, 1.0)
-    rb.ref_logp = reference.logprobs(rb, 1.0)
-    if cuda:
-        torch.cuda.synchronize()
-    t["logprobs_s"] = time.perf_counter() - t0
+
+    def logprob_inputs():
+        _with_logprob_inputs(actor, rb, 1.0)
+        rb.ref_logp = reference.logprobs(rb, 1.0)
+
+    t["logprobs_s"] = common.timed(logprob_inputs, cuda)[0]
     measured["logprob_forward_peak_above_states"] = _diff(mem.peak(), after_ref)
 
     times, first_peak, after_first = [], None, None
     for i in range(warmup + steps):
         mem.reset_peak()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        actor.update(rb, 1.0)
-        if cuda:
-            torch.cuda.synchronize()
+        dt = common.timed(lambda: actor.update(rb, 1.0), cuda)[0]
         if i == 0:
             first_peak, after_first = mem.peak(), mem.now()
             if history:
@@ -488,7 +480,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
                                                          max_entries)
                 del snapshot
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
     measured["optimizer"] = _diff(after_first, after_ref)  # Adam's m and v, allocated by the first step
     # The update's transient peak above what stays allocated: activations, logits and the loss's buffers.
     measured["activations_and_logits"] = _diff(first_peak, after_first)
@@ -508,27 +500,18 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     before_engine = mem.now()
     engine = EmbeddedEngine.from_model_config(cfg, dtype=engine_dtype, device=str(device), decode=engine_decode)
     measured["embedded_engine"] = _diff(mem.now(), before_engine)
-    sync_s, stats = [], None
+    sync_s = []
     for v in range(3):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        stats = sync_weights(actor.built.gpt, cfg, engine, version=v + 1, bucket_mb=512, dtype=engine_dtype)
-        if cuda:
-            torch.cuda.synchronize()
-        sync_s.append(time.perf_counter() - t0)
+        dt, _, stats = common.timed(functools.partial(sync_weights, actor.built.gpt, cfg, engine, version=v + 1,
+                                                      bucket_mb=512, dtype=engine_dtype), cuda)
+        sync_s.append(dt)
     sync_rate = stats.bytes / min(sync_s)
     copy_rate = common.copy_bytes_per_s(stats.bytes, device)
 
     prompts = [rb.tokens[g * n, :prompt_len].tolist() for g in range(groups)]
     engine.generate(prompts[:1], 1, 1.0, 1.0, 4, [], seed=0)  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    gen = engine.generate(prompts, n, 1.0, 1.0, gen_tokens, [], seed=1)  # no stop token: every row runs to the end
-    if cuda:
-        torch.cuda.synchronize()
-    gen_s = time.perf_counter() - t0
+    # no stop token: every row runs to the end
+    gen_s, _, gen = common.timed(functools.partial(engine.generate, prompts, n, 1.0, 1.0, gen_tokens, [], seed=1), cuda)
     generated = sum(len(x) for x in gen.token_ids)
     engine.shutdown()
     del engine
@@ -550,17 +533,13 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         plain_times, plain_peak, plain_loss = [], None, None
         for i in range(warmup + steps):
             mem.reset_peak()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            plain_loss = plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len, micro=micro,
-                                    device=device, autocast=dtype == "bf16")
-            if cuda:
-                torch.cuda.synchronize()
+            dt, _, plain_loss = common.timed(lambda: plain_step(
+                model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len, micro=micro, device=device,
+                autocast=dtype == "bf16"), cuda)
             if i == 0:
                 plain_peak = _diff(mem.peak(), plain_base)
             if i >= warmup:
-                plain_times.append(time.perf_counter() - t0)
+                plain_times.append(dt)
         pmed = statistics.median(plain_times)
         plain_out = dict(what="transformers model, fp32 weights under bf16 autocast (fp32 without bf16), SDPA, fused "
                          "AdamW, the same batch, micro-batches, GRPO loss and clipping", seconds=plain_times,
@@ -570,12 +549,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         del model, opt
 
     te = have_transformer_engine()  # the layer spec builder.build_gpt picked
-    plan = planning.plan(planning.PlanInput(
-        model=cfg, parallel=ParallelConfig(), world_size=1, micro_batch_size=micro, seq_length=seq,
-        num_microbatches=rb.size // micro, params_dtype=dtype, reference="gpu", flash_attention=True,
-        layer_spec="transformer_engine" if te else "local",
-        logprob_chunk_size=c["batch"].logprob_chunk_size, fused_output=c["batch"].fused_output,
-    ))
+    plan = plan_one_gpu(cfg, micro, seq, rb.size // micro, dtype, layer_spec="transformer_engine" if te else "local")
     pg = plan.stages[0].gib
     planned = dict(parameters_and_gradients=pg["parameters"] + pg["gradients"], reference=pg["reference"],
                    optimizer=pg["optimizer"], activations_and_logits=pg["activations"] + pg["logits"],
@@ -597,17 +571,30 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     )
 
 
+def _free_device(name: str) -> None:
+    """The next model starts from an empty device: the last one's actor, reference and engine hold reference
+    cycles (hooks, the grad buffer) that only a collection frees."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        print(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
+
+
 def device_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (for the file name)."""
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
-    mode.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
-    mode.add_argument("--gpu-path-on-cpu", action="store_true", help="the --gpu code on the CPU (a smoke test)")
+    ap = common.parser(__doc__, None)
+    modes = ap.add_mutually_exclusive_group(required=True)
+    modes.add_argument("--cpu", action="store_true", help="Megatron's update step against plain PyTorch, on the CPU")
+    modes.add_argument("--gpu", action="store_true", help="throughput, MFU, engine, sync and memory on one GPU")
+    modes.add_argument("--gpu-path-on-cpu", action="store_true", help="the --gpu code on the CPU (a smoke test)")
     ap.add_argument("--models", default=None, help="model_configs names, comma-separated; with --gpu, 'largest' is "
                     "the largest model grpo-mega-plan says fits this GPU at the benchmark's shape")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported)")
@@ -628,7 +615,6 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-top", type=int, default=12,
                     help="--gpu: allocation sites (torch.cuda.memory._record_memory_history) at the first update's "
                          "peak, largest first (0: not recorded)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the parsed arguments and exit")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -674,23 +660,17 @@ def main(argv=None) -> int:
             models.append(largest["chosen"])
     rows = []
     machine = common.machine()
-    if args.out:
-        out_path = args.out
-    elif args.cpu:
-        out_path = common.out_path("step_cpu")
-    elif args.gpu:
-        out_path = common.out_path(f"gpu_{device_slug(machine['device'])}")
-    else:
-        out_path = common.out_path("gpu_path_on_cpu")
+    mode = "cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu")
+    out_path = args.out or common.out_path(
+        "step_cpu" if args.cpu else (f"gpu_{device_slug(machine['device'])}" if args.gpu else mode))
     what = ("Megatron update step vs plain PyTorch (HF model, same weights, batch and GRPO loss, AdamW), fp32, CPU"
             if args.cpu else "one GPU, TP1, random weights: update throughput/MFU beside the plain transformers step, "
             "embedded engine, weight sync, memory vs grpo-mega-plan with the allocation sites at the update's peak")
 
     def write():  # after every model: a step cut off by its time limit keeps what it measured
-        out = dict(what=what, mode="cpu" if args.cpu else ("gpu" if args.gpu else "gpu_path_on_cpu"),
-                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine, threads=args.threads,
-                   loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()), steps=args.steps,
-                   warmup=args.warmup, batch=shape, largest_fitting=largest, results=rows)
+        out = dict(what=what, mode=mode, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine,
+                   threads=args.threads, loadavg_start=list(load_start), loadavg_end=list(os.getloadavg()),
+                   steps=args.steps, warmup=args.warmup, batch=shape, largest_fitting=largest, results=rows)
         common.write_json(out_path, out)
         return out
 
@@ -718,36 +698,21 @@ def main(argv=None) -> int:
                     rows.append(dict(model=name, error=f"CUDA out of memory: {str(e)[:600]}"))
                     print(f"{name}: CUDA out of memory", flush=True)
                     write()
-                    import gc
-
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                    _free_device(name)
                     continue
                 mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
                 print(f"{name}: update {r['update_tokens_per_s']:.0f} tok/s (MFU {mfu}), engine "
                       f"{r['engine_tokens_per_s']:.0f} tok/s, sync {r['weight_sync_gb_per_s']:.2f} GB/s "
                       f"({r['weight_sync_over_copy']:.3f} of a device copy)", flush=True)
-            rows.append(r)
-            if not args.cpu:
-                p = r.get("plain_transformers_step")
-                if p:
+                if p := r["plain_transformers_step"]:
                     print(f"  plain transformers step {p['tokens_per_s']:.0f} tok/s; megatron/plain time "
                           f"{p['megatron_over_plain']:.2f}", flush=True)
-                sites = r.get("memory_sites_at_first_update_peak")
-                if sites:
-                    for x in sites["top"][:5]:
-                        print(f"  {x['gib']:7.2f} GiB  {x['site']}", flush=True)
+                for x in (r["memory_sites_at_first_update_peak"] or {}).get("top", [])[:5]:
+                    print(f"  {x['gib']:7.2f} GiB  {x['site']}", flush=True)
+            rows.append(r)
             write()
-            if args.gpu or args.gpu_path_on_cpu:
-                # The next model starts from an empty device: the last one's actor, reference and engine
-                # hold reference cycles (hooks, the grad buffer) that only a collection frees.
-                import gc
-
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                    print(f"  after {name}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated",
-                          flush=True)
+            if not args.cpu:
+                _free_device(name)
         destroy_distributed()
     out = write()
     print(f"wrote {out_path} (load average {load_start[0]:.2f} -> {out['loadavg_end'][0]:.2f} "

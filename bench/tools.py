@@ -22,17 +22,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import common
 from grpo_mega.toolcalls import Calculator  # light: no torch (the tool workers import this module)
-
-REPO = common.REPO
-
 
 class SlowCalculator(Calculator):
     """The calculator, each call first sleeping a latency drawn from the expression (the row's): exponential with
@@ -50,12 +45,7 @@ class SlowCalculator(Calculator):
 def _private_mib(pid="self") -> float:
     """A process's private memory (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup), MiB: what it costs
     beyond the pages it shares (a forked worker shares its parent's until it writes them)."""
-    total = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1])
-    return total / 1024.0
+    return sum(common.rss_mib("Private_Clean", "Private_Dirty", path=f"/proc/{pid}/smaps_rollup").values())
 
 
 def _probe(conn) -> None:
@@ -116,24 +106,19 @@ def measure_workers(repeats: int) -> dict:
 
 def run_mode(async_tools: bool, a, work: Path) -> dict:
     run = work / ("async" if async_tools else "lockstep")
-    argv = [f"hydra.run.dir={run}", "task=tens_tool", f"run.steps={a.steps}", "eval.interval=0", "run.seed=3",
+    argv = ["task=tens_tool", f"run.steps={a.steps}", "eval.interval=0", "run.seed=3",
             "rollout.multi_turn.enable=true", "rollout.multi_turn.parser=bare",
             "rollout.multi_turn.call_stop=['<tool_call>']", "rollout.multi_turn.max_turns=3",
             "rollout.multi_turn.tools=['bench.tools:SlowCalculator']", f"rollout.multi_turn.tool_workers={a.workers}",
             f"rollout.multi_turn.async_tools={str(async_tools).lower()}", "rollout.multi_turn.tool_timeout_s=30",
             "batch.max_response_length=16", f"batch.train_batch_size={a.prompts}", f"rollout.n={a.n}",
             f"batch.ppo_mini_batch_size={a.prompts}", "rollout.temperature=1.5", *a.set]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "GRPO_MEGA_BENCH_LATENCY": str(a.latency_mean)}
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=7200)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"the {'async' if async_tools else 'lockstep'} run failed")
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")][1:]  # the first step warms up
+    rows = common.train(run, argv, f"the {run.name} run", env={"GRPO_MEGA_BENCH_LATENCY": str(a.latency_mean)},
+                        timeout=7200)[1:]  # the first step warms up
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
     step, tools = med("timing/step"), med("timing/tools")
-    return {"command": "python -m grpo_mega.train " + " ".join(argv), "seconds": round(time.time() - t0, 1),
+    return {"command": f"python -m grpo_mega.train hydra.run.dir={run} " + " ".join(argv), "seconds": round(time.time() - t0, 1),
             "median_step_s": step, "median_tools_s": tools, "median_generate_s": med("timing/generate"),
             "tool_share": tools / step, "tool_calls_per_sample": med("multi_turn/tool_calls"),
             "turns_per_sample": med("multi_turn/turns"), "tool_latency_s": med("tool/calculator/latency_s"),
@@ -142,7 +127,7 @@ def run_mode(async_tools: bool, a, work: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, "tools")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
@@ -150,7 +135,6 @@ def main() -> None:
     p.add_argument("--latency-mean", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=4, help="worker starts measured per way (the first, then restarts)")
     p.add_argument("--set", action="append", default=[], help="another override for both runs")
-    p.add_argument("--out", default=common.out_path("tools"))
     p.add_argument("--workers-only", action="store_true")
     p.add_argument("--worker-probe", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -97,13 +97,12 @@ CONFIGS = [
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "vocab_parallel")
     ap.add_argument("--T", type=int, default=512, help="tokens")
     ap.add_argument("--V", type=int, default=128256, help="padded vocabulary (columns of the logits)")
     ap.add_argument("--vocab-size", type=int, default=128200, help="real vocabulary (the rest is padding)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=common.out_path("vocab_parallel"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", default="vocab_parallel", help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -116,10 +115,8 @@ def main() -> int:
     rows = []
     for impl, tp, chunk in CONFIGS:
         cmd = common.worker_cmd("bench.vocab_parallel", "--worker", "--impl", impl, "--tp", str(tp),
-                                "--T", str(args.T), "--V", str(args.V), "--vocab-size", str(args.vocab_size),
-                                "--temperature", str(args.temperature), "--iters", str(args.iters))
-        if chunk:
-            cmd += ["--chunk", str(chunk)]
+                                *(["--chunk", str(chunk)] if chunk else []),
+                                *common.flags(args, "T", "V", "vocab_size", "temperature", "iters"))
         row = common.run_worker(cmd, f"configuration {impl} tp={tp} chunk={chunk}")
         rows.append(row)
         print(f"{impl:>15} tp={tp} chunk={str(chunk):>4}: peak above inputs {row['peak_above_inputs_mib']:8.1f} MiB"

@@ -88,20 +88,16 @@ def write_prompts(path: Path, count: int, seed: int) -> Path:
 
 def run_grpo_mega(args, data: Path, out: Path) -> dict:
     k = args.prompts
-    cmd = [sys.executable, "-m", "grpo_mega.train", "task=prompts", f"model={args.model}", "reward.name=format",
-           f"data.train_files={data}", "precision.params_dtype=fp32", f"batch.train_batch_size={k}",
-           f"rollout.n={args.n}", f"batch.ppo_mini_batch_size={k}", f"batch.micro_batch_size={k * args.n}",
-           f"batch.max_response_length={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-           "algo.kl_coef=0.0", "algo.loss_agg_mode=token-mean", "algo.clip_ratio_low=0.2", "algo.clip_ratio_high=0.28",
-           "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"run.steps={args.steps}",
-           f"run.seed={args.seed}", "eval.interval=0", "checkpoint.interval=0", f"hydra.run.dir={out}"]
+    overrides = ["task=prompts", f"model={args.model}", "reward.name=format", f"data.train_files={data}",
+                 "precision.params_dtype=fp32", f"batch.train_batch_size={k}", f"rollout.n={args.n}",
+                 f"batch.ppo_mini_batch_size={k}", f"batch.micro_batch_size={k * args.n}",
+                 f"batch.max_response_length={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+                 "algo.kl_coef=0.0", "algo.loss_agg_mode=token-mean", "algo.clip_ratio_low=0.2",
+                 "algo.clip_ratio_high=0.28", "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0",
+                 f"run.steps={args.steps}", f"run.seed={args.seed}", "eval.interval=0", "checkpoint.interval=0"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=_child_env(args.threads), preexec_fn=_pinned(args.threads),
-                          capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"grpo-mega run failed (exit {proc.returncode}): {' '.join(cmd)}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = common.train(out, overrides, "grpo-mega run", env=_child_env(args.threads), timeout=args.timeout,
+                        preexec_fn=_pinned(args.threads))
     steps = []
     for r in rows:
         phases = {p: r[f"timing/{p}"] for p in MEGA_PHASES}
@@ -118,14 +114,10 @@ def run_grpo_mega(args, data: Path, out: Path) -> dict:
 
 
 def run_trl(args, data: Path, out: Path) -> dict:
-    python = Path(args.trl_python)
-    if not python.exists():
-        raise SystemExit(f"error: no TRL environment at {python} (run 'make bench-trl', which creates .venv-trl, "
-                         "or pass --trl-python, or --systems grpo_mega)")
     cfg = dict(model=args.model, data=str(data), out=str(out), steps=args.steps, prompts=args.prompts, n=args.n,
                max_new_tokens=args.max_new_tokens, threads=args.threads, seed=args.seed)
     t0 = time.perf_counter()
-    proc = subprocess.run([str(python), "-m", "bench.vs_trl", "--trl-worker", json.dumps(cfg)], cwd=REPO,
+    proc = subprocess.run([args.trl_python, "-m", "bench.vs_trl", "--trl-worker", json.dumps(cfg)], cwd=REPO,
                           env=_child_env(args.threads), preexec_fn=_pinned(args.threads), capture_output=True,
                           text=True, timeout=args.timeout)
     if proc.returncode:
@@ -182,9 +174,7 @@ def trl_worker(cfg: dict) -> None:
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            spent["generate_and_score"] = spent.get("generate_and_score", 0.0) + time.perf_counter() - t0
+            out = timed("generate_and_score", super()._generate_and_score_completions)(inputs)
             lengths.append(float(out["completion_mask"].sum(1).float().mean()))
             return out
 
@@ -247,7 +237,7 @@ def summarise(runs: list[dict], system: str, phases: tuple[str, ...]) -> dict | 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, None)
     ap.add_argument("--model", default=None, help="HF model directory (default: make smollm2's)")
     ap.add_argument("--steps", type=int, default=4, help="training steps per run (step 1 is warm-up)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each system, alternating")
@@ -260,7 +250,6 @@ def main() -> int:
     ap.add_argument("--trl-python", default=str(TRL_VENV / "bin" / "python"))
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--workdir", default=None, help="runs' folders (default: outputs/bench_vs_trl)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:

@@ -17,7 +17,6 @@ of those two ranks: the transport's own limit. The load average is recorded: the
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -88,13 +87,13 @@ def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
         group = dist.new_group([0, second])
         nbytes = [res.get("bytes")]
         dist.broadcast_object_list(nbytes, src=0)
-        buffers = _split(nbytes[0], int(bucket_mb * 2**20)) if rank in (0, second) else []
+        buckets = torch.ones(nbytes[0], dtype=torch.uint8).split(int(bucket_mb * 2**20)) if rank in (0, second) else []
         times = []
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
             if rank in (0, second):
-                for buf in buffers:
+                for buf in buckets:
                     dist.broadcast(buf, src=0, group=group)
             dist.barrier()
             times.append(time.perf_counter() - t0)
@@ -105,16 +104,6 @@ def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
         return res
 
 
-def _split(nbytes: int, bucket_bytes: int):
-    import torch
-
-    out = []
-    while nbytes > 0:
-        out.append(torch.ones(min(nbytes, bucket_bytes), dtype=torch.uint8))
-        nbytes -= out[-1].numel()
-    return out
-
-
 def _trial(args, world: int, hf_dir: str) -> dict:
     """One measurement in fresh forked ranks: the JSON of one trial."""
     from grpo_mega.parallel.forked import run_ranks
@@ -122,17 +111,20 @@ def _trial(args, world: int, hf_dir: str) -> dict:
     load_before = os.getloadavg()
     res = run_ranks(_rank, world, hf_dir, args.tp, args.pp, args.bucket_mb, args.repeats, timeout=1800)[0]
     one, two = res["one_engine"]["seconds"], res["two_engines"]["seconds"]
+
+    def mode(label: str, **more) -> dict:
+        r = res[label]
+        return dict(seconds=r["seconds"], bytes_per_s=res["bytes"] / r["seconds"], min_seconds=r["min_seconds"],
+                    all_seconds=r["all_seconds"], **more)
+
     out = dict(
         what="weight sync of SmolLM2-135M-Instruct (bf16) from trainer shards into 1 and 2 embedded engines, no audit",
         layout=dict(tp=args.tp, pp=args.pp, dp=args.dp, engine_ranks=[0, world // 2]), bucket_mb=args.bucket_mb,
         machine=common.machine(backend="gloo (CPU)", loadavg_before=load_before, loadavg_after=os.getloadavg()),
         bytes=res["bytes"], buckets=res["buckets"], largest_bucket_bytes=res["largest_bucket"],
         timing="median of --repeats rounds, the modes interleaved within each round, after a warm-up round",
-        one_engine=dict(seconds=one, bytes_per_s=res["bytes"] / one, min_seconds=res["one_engine"]["min_seconds"],
-                        all_seconds=res["one_engine"]["all_seconds"]),
-        two_engines=dict(seconds=two, bytes_per_s=res["bytes"] / two, min_seconds=res["two_engines"]["min_seconds"],
-                         all_seconds=res["two_engines"]["all_seconds"],
-                         ranks_receiving_stage_0=res["two_engines"]["received_by"],
+        one_engine=mode("one_engine"),
+        two_engines=mode("two_engines", ranks_receiving_stage_0=res["two_engines"]["received_by"],
                          ranks_packing_stage_0_from_own_replica=res["two_engines"]["packed_from_own_replica"]),
         two_over_one=two / one,
         broadcast=dict(seconds=res["broadcast_seconds"], bytes_per_s=res["bytes"] / res["broadcast_seconds"],
@@ -146,17 +138,15 @@ def _trial(args, world: int, hf_dir: str) -> dict:
         ratio_to_memcpy=res["bytes"] / one / res["memcpy_bytes_per_s"],
     )
     if "two_engines_over_the_wire" in res:
-        wire = res["two_engines_over_the_wire"]["seconds"]
-        out["two_engines_over_the_wire"] = dict(
-            seconds=wire, bytes_per_s=res["bytes"] / wire, min_seconds=res["two_engines_over_the_wire"]["min_seconds"],
-            all_seconds=res["two_engines_over_the_wire"]["all_seconds"],
-            two_over_one=wire / one, what="the same sync with SyncRoute(local_replicas=False): the second engine receives "
-            "every bucket from rank 0 instead of packing its own replica's copy (the route a TP>1 layout takes)")
+        out["two_engines_over_the_wire"] = mode(
+            "two_engines_over_the_wire", two_over_one=res["two_engines_over_the_wire"]["seconds"] / one,
+            what="the same sync with SyncRoute(local_replicas=False): the second engine receives every bucket from "
+            "rank 0 instead of packing its own replica's copy (the route a TP>1 layout takes)")
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, "weight_sync")
     ap.add_argument("--hf-dir", default=None)
     ap.add_argument("--tp", type=int, default=3, help="SmolLM2 has 9 heads and 3 KV groups: 1 or 3")
     ap.add_argument("--pp", type=int, default=1)
@@ -164,7 +154,6 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds (medians reported), after one warm-up round")
     ap.add_argument("--trials", type=int, default=3, help="whole measurements, each in fresh ranks; the median is reported")
-    ap.add_argument("--out", default=common.out_path("weight_sync"))
     args = ap.parse_args()
     import warnings
 
@@ -187,13 +176,13 @@ def main() -> int:
                           two_engines_seconds=t["two_engines"]["seconds"], copy_in_two_over_one=t["copy_in"]["two_over_one"],
                           loadavg_before=t["machine"]["loadavg_before"]) for t in trials]
     out["timing"] += f"; the median of {len(trials)} trials (fresh ranks each) is reported in full, every trial under 'trials'"
-    res = dict(bytes=out["bytes"], broadcast_seconds=out["broadcast"]["seconds"])
+    nbytes, bcast = out["bytes"], out["broadcast"]["seconds"]
     one, two, load_before = out["one_engine"]["seconds"], out["two_engines"]["seconds"], out["machine"]["loadavg_before"]
     common.write_json(args.out, out)
-    gib = 2**30
-    print(f"sync {res['bytes'] / 2**20:.1f} MiB: 1 engine {one:.3f} s ({res['bytes'] / one / gib:.2f} GiB/s), "
-          f"2 engines {two:.3f} s ({res['bytes'] / two / gib:.2f} GiB/s), ratio {two / one:.2f}; plain broadcast "
-          f"{res['broadcast_seconds']:.3f} s ({res['bytes'] / res['broadcast_seconds'] / gib:.2f} GiB/s); "
+    gib = common.GIB
+    print(f"sync {nbytes / 2**20:.1f} MiB: 1 engine {one:.3f} s ({nbytes / one / gib:.2f} GiB/s), "
+          f"2 engines {two:.3f} s ({nbytes / two / gib:.2f} GiB/s), ratio {two / one:.2f}; plain broadcast "
+          f"{bcast:.3f} s ({nbytes / bcast / gib:.2f} GiB/s); "
           f"copy-in alone/both at once {out['copy_in']['two_over_one']:.2f}x; "
           f"load {load_before[0]:.1f}; wrote {args.out}")
     return 0
