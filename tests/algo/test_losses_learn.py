@@ -4,11 +4,13 @@ well above the first 10's. (50 steps were seed-dependent: with the engine's inve
 docs in the report of issue 27.)"""
 
 import json
-import sys
+from pathlib import Path
 
 import pytest
 
-from tests.proc import run_tree
+from tests.fork_server import run_main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 80
 LOSSES = {"gspo": ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean"],
@@ -17,8 +19,9 @@ LOSSES = {"gspo": ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-m
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_the_demo_learns(tmp_path, name):
-    proc = run_tree([sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={tmp_path}", f"run.steps={STEPS}",
-                     f"eval.interval={STEPS}", *LOSSES[name]], capture_output=True, text=True, timeout=600)
+    # forked from the warm server (tests/fork_server.py): the entry point without an interpreter's start-up
+    proc = run_main([f"hydra.run.dir={tmp_path}", f"run.steps={STEPS}", f"eval.interval={STEPS}", *LOSSES[name]],
+                    timeout=600, cwd=ROOT, scratch=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rewards = [json.loads(line)["reward"] for line in open(tmp_path / "metrics.jsonl")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10

@@ -74,8 +74,13 @@ def test_smollm2_example_runs_and_its_export_matches_the_trainer(tmp_path):
     HF checkpoint (loaded by transformers) gives the trainer's logits."""
     from transformers import AutoTokenizer
 
+    from grpo_mega.data import arithmetic
     from tests.models.hf_fixtures import smollm2_dir
 
+    # The script's own training set (256 rows, seed 0), written here rather than by its two data commands, and 4
+    # validation prompts instead of its 16: the two validations were 2/3 of this test's time.
+    arithmetic.write(arithmetic.make_rows(256, seed=0), tmp_path / "data" / "train.parquet")
+    arithmetic.write(arithmetic.make_rows(4, seed=1, split="val"), tmp_path / "data" / "val.parquet")
     env = dict(os.environ, OUT=str(tmp_path), STEPS="2", MODEL=str(smollm2_dir()), PYTHON=sys.executable)
     proc = run_tree(["bash", str(ROOT / "launch_scripts" / "smollm2_arithmetic.sh"), "batch.train_batch_size=2",
                            "rollout.n=2", "batch.ppo_mini_batch_size=2", "batch.micro_batch_size=4",
