@@ -9,7 +9,7 @@ measuring environment) does what one rank does at start-up, timed and with its r
 before and after:
 - start-up: PromptFile (the jsonl line index; a parquet's Arrow copy written into an empty cache, then, in a
   second process, found in it), check_head (HEAD_ROWS rows checked and tokenised) and the validation sample
-  (`--val` prompts, as eval.max_prompts without data.val_files);
+  (`--val` prompts, as eval.max_prompts without data.val_files), and the PromptStream with epoch 0's permutation;
 - draws: `--batches` batches of `--batch` prompts from a PromptStream (the first one makes the epoch's
   permutation), each timed; the index's bytes and the permutation's.
 Resident memory is VmRSS, and apart its own part (RssAnon) and the mapped files' (RssFile: a parquet's Arrow
@@ -98,9 +98,9 @@ def worker(args) -> dict:
     index_s = time.perf_counter() - t0
     checked, fit, dropped = f.check_head()
     val = f.sample(args.val, args.seed)
+    stream = PromptStream(f, args.seed)  # epoch 0's permutation
     startup_s = time.perf_counter() - t0
     after_start, parts_start = common.rss_mib(), common.rss_mib(*RSS_PARTS)
-    stream = PromptStream(f, args.seed)
     draws = []
     for _ in range(args.batches):
         t = time.perf_counter()

@@ -5,8 +5,8 @@
 # The fewest nodes grpo-mega-plan allows: the full-parameter launch_scripts/llama-3.1-70b.sh needs 8.
 #   MODEL=/ckpts/Llama-3.1-70B-Instruct DATA=~/data/gsm8k/train.parquet launch_scripts/llama-3.1-70b-lora.sh [OVERRIDE ...]
 # Per-GPU memory of exactly what this submits: grpo-mega-plan --from-launch-script launch_scripts/llama-3.1-70b-lora.sh
-# LoRA adapts megatron-core's local layers (Transformer Engine's fused layers are refused): run it from a Python
-# environment without transformer_engine. Slurm partition/account/time: SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
+# LoRA runs on megatron-core's local layers, which the trainer picks under lora.rank even where Transformer Engine is
+# installed (no FP8). Slurm partition/account/time: SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 

@@ -222,6 +222,9 @@ CONFIG_CASES = {
                                       r"smaller dimension 64 \(64 x 64\); choose lora\.rank <= 64"),
     "lora_with_reference_updates": (["lora.rank=4", "algo.kl_coef=0.01", "algo.ref_update_interval=5"],
                                     r"lora\.rank=4 with algo\.ref_update_interval=5: under LoRA the reference is the frozen base"),
+    "lora_with_fp8": (["lora.rank=4", "precision.fp8=hybrid"],
+                      r"lora\.rank=4 with precision\.fp8='hybrid': LoRA runs on megatron-core's local layers \(chosen even "
+                      r"where Transformer Engine is installed\), FP8 only on Transformer Engine's; set precision\.fp8=null"),
     "routing_replay_unknown": (["algo.routing_replay=always"],
                                r"algo\.routing_replay='always' must be 'none', 'measure' or 'rollout'"),
     "routing_measure_on_a_dense_model": (["algo.routing_replay=measure"],

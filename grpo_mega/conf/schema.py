@@ -129,6 +129,10 @@ class TrainConfig:
             raise ValueError(f"lora.rank={r} with algo.ref_update_interval={self.algo.ref_update_interval}: under LoRA the "
                              "reference is the frozen base (the actor with adapters off) and cannot follow the policy; "
                              "set algo.ref_update_interval=null or lora.rank=null")
+        if self.precision.fp8 is not None:
+            raise ValueError(f"lora.rank={r} with precision.fp8={self.precision.fp8!r}: LoRA runs on megatron-core's "
+                             "local layers (chosen even where Transformer Engine is installed), FP8 only on Transformer "
+                             "Engine's; set precision.fp8=null or lora.rank=null")
 
     def check_routing_replay(self, model: ModelConfig) -> None:
         """algo.routing_replay=rollout or measure against the model and the engines: a ValueError naming what

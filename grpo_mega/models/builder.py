@@ -2,7 +2,7 @@
 
 Owns: the one adapter from our configs to megatron's TransformerConfig (never megatron's argparse), the
 layer-spec choice (Transformer Engine spec and FP8 where transformer_engine and CUDA exist, megatron-core's
-local spec elsewhere), this rank's pipeline stage, Megatron DDP around the actor, and freezing the
+local spec elsewhere and under LoRA), this rank's pipeline stage, Megatron DDP around the actor, and freezing the
 reference. Parallelism is applied to the model here, not written into it.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,42 @@ from grpo_mega.conf.parallel import ParallelConfig
 from grpo_mega.conf.optim import PrecisionConfig
 from grpo_mega.parallel import cpu_compat
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+LAYER_SPECS = ("transformer_engine", "local")
+"""The layer specs build_gpt chooses from (spec_choice)."""
+
+_said_lora_local = False
 
 
 def have_transformer_engine() -> bool:
     """TE's layer spec needs both the package and a GPU (TE cannot even import without one)."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def spec_choice(lora: "LoraConfig | None" = None) -> str:
+    """The layer spec build_gpt uses: 'transformer_engine' where transformer_engine and CUDA exist, else 'local'
+    (megatron-core's local layers). LoRA adapts megatron-core's Column/RowParallelLinear, not TE's fused layers,
+    so with lora.rank set it is 'local' even where TE exists (said once, in one log line on rank 0)."""
+    global _said_lora_local
+    if not have_transformer_engine():
+        return "local"
+    if lora is None or not lora.enabled:
+        return "transformer_engine"
+    if not _said_lora_local:
+        _said_lora_local = True
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.info("lora.rank=%s: megatron-core's local layer spec (LoRA adapts its linears, not Transformer "
+                     "Engine's fused ones), although Transformer Engine is installed", lora.rank)
+    return "local"
+
+
+def uses_transformer_engine(gpt: torch.nn.Module) -> bool:
+    """Whether build_gpt built this GPTModel on Transformer Engine's layer spec."""
+    spec = getattr(gpt, "grpo_mega_layer_spec", None)
+    return (spec or spec_choice()) == "transformer_engine"
 
 
 def check_fp8(precision: PrecisionConfig) -> None:
@@ -44,12 +75,19 @@ def check_fp8(precision: PrecisionConfig) -> None:
         )
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig):
-    """The single adapter from (model, parallel, precision) to megatron's TransformerConfig."""
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, spec: "str | None" = None):
+    """The single adapter from (model, parallel, precision) to megatron's TransformerConfig, for layer spec `spec`
+    (spec_choice()'s by default): the fused kernels are Transformer Engine's spec's."""
     from megatron.core.transformer import TransformerConfig
 
     parallel.check(model)
     check_fp8(precision)
+    spec = spec or spec_choice()
+    if spec not in LAYER_SPECS:
+        raise ValueError(f"layer spec {spec!r} must be one of {LAYER_SPECS}")
+    if precision.fp8 is not None and spec != "transformer_engine":
+        raise ValueError(f"precision.fp8={precision.fp8!r} runs only on Transformer Engine's layer spec, and this "
+                         "model is built on megatron-core's local one (lora.rank is set): set precision.fp8=null")
     dtype = _DTYPES[precision.params_dtype]
     recompute = {}
     if parallel.recompute == "selective":
@@ -59,7 +97,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     fp8 = {}
     if precision.fp8 is not None:
         fp8 = dict(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
-    te = have_transformer_engine()
+    te = spec == "transformer_engine"
     return TransformerConfig(
         **moe_config(model, parallel, te),
         num_layers=model.num_layers,
@@ -140,13 +178,13 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 
-def layer_spec(config):
-    """The decoder block spec for this rank's stage: Transformer Engine layers where TE and CUDA exist,
-    megatron-core's local layers (with LocalRMSNorm) otherwise."""
+def layer_spec(config, spec: "str | None" = None):
+    """The decoder block spec for this rank's stage: Transformer Engine layers for spec='transformer_engine',
+    megatron-core's local layers (with LocalRMSNorm) for 'local'; spec_choice()'s by default."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if have_transformer_engine():
+    if (spec or spec_choice()) == "transformer_engine":
         if config.num_moe_experts:
             return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
@@ -203,8 +241,8 @@ def _meta_device():
 
 
 def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, init: bool = True,
-              meta: bool = False):
-    """This rank's pipeline stage of a GPTModel (no DDP).
+              meta: bool = False, lora: "LoraConfig | None" = None):
+    """This rank's pipeline stage of a GPTModel (no DDP), on spec_choice(lora)'s layer spec.
 
     init=False skips the random initialisation (the weights are about to be loaded); meta=True builds
     shapes only, no memory (for the layout description that dist_checkpointing needs)."""
@@ -216,14 +254,16 @@ def build_gpt(model: ModelConfig, parallel: ParallelConfig, precision: Precision
             f"model.rope_scaling={rope}: megatron-core applies llama3 scaling with low_freq_factor=1, "
             "high_freq_factor=4, original_max_position_embeddings=8192 only"
         )
-    config = transformer_config(model, parallel, precision)
+    spec = spec_choice(lora)
+    config = transformer_config(model, parallel, precision, spec)
     if model.is_moe:
         cpu_compat.define_te_general_gemm()  # GPUs without Transformer Engine too
     if not init or meta:
         config.perform_initialization = False
         config.use_cpu_initialization = False
     with _meta_device() if meta else contextlib.nullcontext():
-        gpt = _gpt_model(config, model, rope, ps)
+        gpt = _gpt_model(config, model, rope, ps, spec)
+    gpt.grpo_mega_layer_spec = spec
     if not config.perform_initialization:
         _restore_tp_attributes(gpt)
     if meta:
@@ -257,12 +297,12 @@ def _restore_tp_attributes(gpt) -> None:
             set_tensor_model_parallel_attributes(weight, True, 1, 1)
 
 
-def _gpt_model(config, model: ModelConfig, rope, ps):
+def _gpt_model(config, model: ModelConfig, rope, ps, spec: str):
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, spec),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -281,7 +321,7 @@ def build_actor(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
     With `lora` enabled the base weights are frozen and only the adapters (grpo_mega.models.lora) train."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    gpt, config = build_gpt(model, parallel, precision)
+    gpt, config = build_gpt(model, parallel, precision, lora=lora)
     if lora is not None and lora.enabled:
         from grpo_mega.models.lora import apply_lora
 

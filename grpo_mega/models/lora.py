@@ -73,8 +73,8 @@ def apply_lora(gpt: torch.nn.Module, lora: LoraConfig) -> list[str]:
             _add(module, name, target, lora, layer, column=False)
         else:
             raise ValueError(f"lora: {name} is a {type(module).__name__}, not megatron-core's Column/RowParallelLinear "
-                             "(Transformer Engine's fused layers are not adapted yet): run without Transformer Engine "
-                             "or set lora.rank=null")
+                             "(Transformer Engine's fused layers are not adapted): build the model with "
+                             "builder.build_gpt(..., lora=lora), which picks megatron-core's local layer spec")
     return [n for n, _, _ in found]
 
 

@@ -99,13 +99,13 @@ def forward_micro(model, mb: dict) -> torch.Tensor:
 
 def forward_rows(model, gpt, mb: dict) -> torch.Tensor:
     """`forward_micro`'s model call, padded rows or a packed one."""
-    from grpo_mega.models.builder import have_transformer_engine, set_rope_positions
+    from grpo_mega.models.builder import set_rope_positions, uses_transformer_engine
     from grpo_mega.models.local_attention import packed_row_mask
 
     if "cu_seqlens" not in mb:
         set_rope_positions(gpt, None)
         return model(mb["tokens"], mb["position_ids"], None)
-    if not have_transformer_engine():
+    if not uses_transformer_engine(gpt):  # the spec it was built on (local under LoRA, TE or not)
         set_rope_positions(gpt, mb["position_ids"][0])
         return model(mb["tokens"], mb["position_ids"], packed_row_mask(mb["cu_seqlens"], len(mb["rows"])))
     from megatron.core.packed_seq_params import PackedSeqParams

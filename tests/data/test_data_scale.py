@@ -90,6 +90,10 @@ def test_every_epoch_is_one_permutation_drawn_once(tmp_path, tok):
     n = 997
     f = PromptFile(str(_jsonl(tmp_path / "d.jsonl", n)), tok, 16)
     stream = PromptStream(f, seed=5)
+    assert stream.permutations == 1  # epoch 0's, at start-up: the first draw makes none
+    stream.next_batch(61)
+    assert stream.permutations == 1
+    stream = PromptStream(f, seed=5)
     drawn = []
     while len(drawn) < 3 * n:  # batches that do not divide an epoch: some straddle two
         drawn += [e.index for e in stream.next_batch(61)]
@@ -101,6 +105,10 @@ def test_every_epoch_is_one_permutation_drawn_once(tmp_path, tok):
     assert epochs[0] == [int(i) for i in np.random.default_rng([5, 0]).permutation(n)]  # numpy's, seeded (seed, epoch)
     again = PromptStream(PromptFile(str(tmp_path / "d.jsonl"), tok, 16), seed=5)
     assert [e.index for e in again.next_batch(3 * n)] == drawn[:3 * n]
+    resumed = PromptStream(PromptFile(str(tmp_path / "d.jsonl"), tok, 16), seed=5)
+    resumed.set_state({"cursor": 2 * n + 7, "rows": n})  # resumed in epoch 2: its permutation made at start-up too
+    assert resumed.permutations == 2 and resumed._epoch == 2
+    assert [e.index for e in resumed.next_batch(61)] == drawn[2 * n + 7:2 * n + 68] and resumed.permutations == 2
 
 
 def test_a_skipped_row_keeps_its_place_and_a_file_without_a_fitting_prompt_is_an_error(tmp_path, tok):
