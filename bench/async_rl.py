@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps={args.steps}: at least 5 (two warm-up steps and the validating last are not measured)")
     from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.processes import stop
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     length = int(round(8 * args.median))
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

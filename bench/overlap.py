@@ -46,7 +46,7 @@ def _pin(core: int | None) -> list[str]:
 
 
 def _start_server(core, vocab: int) -> tuple[subprocess.Popen, str]:
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     try:
