@@ -221,10 +221,10 @@ def trainer_and_server_cores() -> tuple:
 
 
 def standin_server(core, *args: str):
-    """A stand-in server (grpo_mega.rollout.standin_server: the tiny model, the toy tokenizer's vocabulary, `args`
+    """A stand-in server (grpo_mega.engines.standin_server: the tiny model, the toy tokenizer's vocabulary, `args`
     added) pinned to `core`, one torch thread: (process, url); SystemExit if it does not come up."""
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     try:

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     import torch
 
-    from grpo_mega.rollout.embedded import EmbeddedEngine
+    from grpo_mega.engines.embedded import EmbeddedEngine
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda (or --gpu) needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)

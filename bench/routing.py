@@ -30,7 +30,7 @@ def _rank(prompts: int, n: int, max_response: int, mini_prompts: int, repeats: i
     from grpo_mega.conf import BatchConfig, ParallelConfig
     from grpo_mega.parallel import comm, cpu_compat
     from grpo_mega.parallel.state import init_distributed
-    from grpo_mega.rollout.interface import Generation
+    from grpo_mega.engines.interface import Generation
     from grpo_mega.rollout.routing import Routing
     from grpo_mega.trainer.dp_layout import dp_rows
 

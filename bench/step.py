@@ -106,7 +106,7 @@ def hf_model_like(actor, cfg, device=None, **from_config):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_mega.models.bridge import FAMILIES
-    from grpo_mega.rollout.weight_sync import stage_hf_tensors
+    from grpo_mega.engines.weight_sync import stage_hf_tensors
 
     hf = FAMILIES.get(cfg.family).hf_config(cfg, dtype="float32")
     config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
@@ -429,8 +429,8 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
 
     from grpo_mega.conf import ParallelConfig, load_model_config
     from grpo_mega.models.builder import have_transformer_engine
-    from grpo_mega.rollout.embedded import EmbeddedEngine
-    from grpo_mega.rollout.weight_sync import sync_weights
+    from grpo_mega.engines.embedded import EmbeddedEngine
+    from grpo_mega.engines.weight_sync import sync_weights
     from grpo_mega.trainer.actor import Actor
     from grpo_mega.trainer.reference import Reference
 

@@ -34,8 +34,8 @@ def _rank(hf_dir: str, tp: int, pp: int, bucket_mb: float, repeats: int):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import init_distributed
-    from grpo_mega.rollout.embedded import EmbeddedEngine
-    from grpo_mega.rollout.weight_sync import SyncRoute, sync_weights
+    from grpo_mega.engines.embedded import EmbeddedEngine
+    from grpo_mega.engines.weight_sync import SyncRoute, sync_weights
 
     with cpu_compat.cpu_device_mode():
         layout = init_distributed(tp=tp, pp=pp)

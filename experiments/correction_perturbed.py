@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.processes import stop
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
     server, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer()))],

@@ -1,4 +1,4 @@
-"""A bounded fuzz campaign against the rollout stand-in server (grpo_mega/rollout/standin_server.py): a fixed
+"""A bounded fuzz campaign against the rollout stand-in server (grpo_mega/engines/standin_server.py): a fixed
 count of malformed requests (bad and lying Content-Lengths, truncated and non-JSON bodies, wrong types, token ids
 out of range, huge batches and max_new_tokens, weight buckets with unknown names, huge shapes and wrong dtypes,
 requests without the API key, JSON nested too deep, bodies that stall), then checks the server still answers
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench_results" / "server_fuzz.json"))
     args = ap.parse_args(argv)
     from grpo_mega.processes import stop
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     key = secrets.token_hex(16)
     env = {**os.environ, "GRPO_MEGA_SERVER_API_KEY": key, "PYTHONPATH": str(REPO)}

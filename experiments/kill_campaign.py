@@ -43,7 +43,7 @@ WATCHED = {"generate": "/generate", "sync": "/update_weights_from_distributed"}
 
 def _start_server() -> tuple[subprocess.Popen, str]:
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     try:
         return standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer())),

@@ -90,8 +90,8 @@ def measure(noise: float = 0.5, ep: int = 1, packing: bool = True, prompts: int 
     from grpo_mega.models import routing_replay
     from grpo_mega.parallel import comm, cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
-    from grpo_mega.rollout.embedded import EmbeddedEngine
-    from grpo_mega.rollout.weight_sync import sync_weights
+    from grpo_mega.engines.embedded import EmbeddedEngine
+    from grpo_mega.engines.weight_sync import sync_weights
     from grpo_mega.trainer.actor import Actor
     from grpo_mega.trainer.reference import Reference
     from grpo_mega.trainer.batch import RolloutBatch

@@ -67,8 +67,8 @@ def kill_tree(pid: int) -> None:
 
 
 def stop(proc) -> None:
-    """SIGKILL a server (a server started by `grpo_mega.rollout.standin_server.launch` or
-    `grpo_mega.rollout.sglang_launch.launch_sglang`) and every process it started (SGLang's
+    """SIGKILL a server (a server started by `grpo_mega.engines.standin_server.launch` or
+    `grpo_mega.engines.sglang_launch.launch_sglang`) and every process it started (SGLang's
     scheduler and detokenizer), each by its PID, and reap them."""
     if proc.poll() is None:  # not reaped yet, so its PID is still its own
         kill_tree(proc.pid)

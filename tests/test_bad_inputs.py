@@ -538,7 +538,7 @@ def _train_with_a_dying_engine():
     from grpo_mega.data.toy import SuccessorTask, make_tokenizer
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import init_distributed
-    from grpo_mega.rollout.embedded import EmbeddedEngine
+    from grpo_mega.engines.embedded import EmbeddedEngine
     from grpo_mega.trainer.loop import train
     from grpo_mega.trainer.setup import Run
     from grpo_mega.data.tasks import Task

@@ -69,13 +69,14 @@ ALLOWED = {
     "parallel": GROUND, "registry.py": GROUND, "processes.py": GROUND, "workers.py": GROUND,
     "models": {"conf", "parallel", "registry.py"},
     "planning.py": {"conf", "models", "parallel"},
-    "rollout": {"models", "parallel", "conf", "toolcalls", "registry.py", "processes.py"},
+    "engines": {"models", "conf", "registry.py", "processes.py"},
+    "rollout": {"engines", "parallel", "toolcalls", "registry.py"},
 }
 NEVER = {  # part -> parts it must not import
     "conf": {"trainer", "train.py", "cli"},
-    "data": {"trainer", "rollout", "train.py", "cli"},
-    "rewards": {"trainer", "rollout", "train.py", "cli"},
-    "toolcalls": {"trainer", "rollout", "train.py", "cli"},
+    "data": {"trainer", "engines", "rollout", "train.py", "cli"},
+    "rewards": {"trainer", "engines", "rollout", "train.py", "cli"},
+    "toolcalls": {"trainer", "engines", "rollout", "train.py", "cli"},
     "trainer": {"train.py", "cli"},
 }
 

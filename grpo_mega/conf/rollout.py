@@ -117,7 +117,7 @@ class RolloutConfig:
     """Checksum every synced tensor against the engine's copy."""
     placement: str = "colocated"
     """'colocated': engines inside trainer ranks, phases in turn. 'dedicated': the engines are the servers
-    in `servers` (SGLang's HTTP API; `python -m grpo_mega.rollout.standin_server` is the CPU stand-in), spoken to
+    in `servers` (SGLang's HTTP API; `python -m grpo_mega.engines.standin_server` is the CPU stand-in), spoken to
     from global rank 0."""
     servers: list[str] = field(default_factory=list)
     """Dedicated placement: the servers' URLs, e.g. [http://10.0.0.5:30000, http://10.0.0.6:30000]."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
 
 from grpo_mega.registry import import_async_function
-from grpo_mega.rollout.interface import sample_seed
+from grpo_mega.engines.interface import sample_seed
 from grpo_mega.toolcalls.parsers import ToolCall, parse_turn
 from grpo_mega.toolcalls.pool import ToolResult
 

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.interface import Generation, sample_seed
+from grpo_mega.engines.interface import Generation, sample_seed
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.rollout.scheduler import SamplingArgs, StepSamples
 

@@ -25,7 +25,7 @@ import itertools
 from typing import Callable, Iterable, Optional, Sequence
 
 from grpo_mega.rollout.agent_loop import COUNTS, _Driver, load_agent_loop, run_trajectories, tool_loop
-from grpo_mega.rollout.interface import Generation, RolloutEngine, sample_seed
+from grpo_mega.engines.interface import Generation, RolloutEngine, sample_seed
 from grpo_mega.rollout.turns import MessageRenderer
 from grpo_mega.toolcalls.parsers import PARSERS
 from grpo_mega.toolcalls.pool import ToolPool

@@ -12,14 +12,14 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout import validate
-from grpo_mega.rollout.interface import Generation
-from grpo_mega.rollout.weight_sync import SyncRoute, sync_weights
+from grpo_mega.engines import validate
+from grpo_mega.engines.interface import Generation
+from grpo_mega.engines.weight_sync import SyncRoute, sync_weights
 
 
 class RolloutError(RuntimeError):
     """The rollout engine failed (it died, timed out, refused the request, or answered samples that break the
-    contract: grpo_mega.rollout.validate); raised on every rank. `transient`: a server that did not answer or
+    contract: grpo_mega.engines.validate); raised on every rank. `transient`: a server that did not answer or
     answered 5xx, still so after the client's retries (the trainer exits 75 and the job is requeued)."""
 
     def __init__(self, message: str, transient: bool = False):
@@ -34,7 +34,7 @@ def _failure(engine, rank: int, e: Exception, doing: str = "failed") -> "Rollout
 
 class Engines:
     """The run's rollout engines: global rank `ranks[i]` hosts engine i (`local` on that rank, else None). Every
-    Generation an engine returns is checked against `spec` (grpo_mega.rollout.validate) before any rank sees it."""
+    Generation an engine returns is checked against `spec` (grpo_mega.engines.validate) before any rank sees it."""
 
     def __init__(self, factory: Callable[[], object], count: int = 1, spec: validate.OutputSpec = validate.OutputSpec()):
         world, rank = dist.get_world_size(), dist.get_rank()

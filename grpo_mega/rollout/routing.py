@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 
 
 class Routing:

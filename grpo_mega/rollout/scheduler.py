@@ -12,8 +12,7 @@ off-policy"): version v is the trainer's weights after v steps, synced as `versi
 version k-1. In turn, step k's samples carry k-1; one
 step ahead, step 1's carry 0 and step k >= 2's carry k-2 (the weights step k-1 trained from: one version
 behind the trainer's). `state()` / `restore()` carry a generated, not yet trained batch through a checkpoint.
-What the samples are made of (the client, the engines, the weight transfer) is grpo_mega.rollout's other
-modules'.
+What the samples are made of (the client, the engines, the weight transfer) is grpo_mega.engines'.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.placement import Engines, RolloutError
-from grpo_mega.rollout.validate import check_generation
+from grpo_mega.engines.validate import check_generation
 
 
 @dataclass

@@ -154,7 +154,7 @@ def export_hf(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optio
     files are copied from `hf_dir`."""
     from grpo_mega.models import bridge
     from grpo_mega.models.hf_io import HFWriter, read_hf_config
-    from grpo_mega.rollout.weight_sync import sync_weights
+    from grpo_mega.engines.weight_sync import sync_weights
 
     sink = None
     if dist.get_rank() == 0:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from grpo_mega.algo import dynamic_sampling as ds
 from grpo_mega.algo.shaping import overlong_rewards
 from grpo_mega.rewards.scoring import score_step
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.scheduler import StepSamples
 
 

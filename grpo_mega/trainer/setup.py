@@ -18,7 +18,7 @@ from grpo_mega.parallel import comm
 from grpo_mega.rollout.placement import Engines
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
-from grpo_mega.rollout.validate import OutputSpec
+from grpo_mega.engines.validate import OutputSpec
 from grpo_mega.trainer.actor import Actor
 from grpo_mega.trainer.reference import AdapterOffReference, Reference
 from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
@@ -54,16 +54,16 @@ def engine_factory(cfg: TrainConfig, model: ModelConfig, hf_dir: Optional[str], 
 
     def build():
         if rollout.placement == "dedicated":
-            from grpo_mega.rollout.client import ServerClient
+            from grpo_mega.engines.client import ServerClient
 
             engine = ServerClient(list(rollout.servers), timeout_s=rollout.server_timeout_s, server_tp=rollout.engine_tp,
                                   moe_layers=model.moe_layers() if cfg.algo.records_routes else None,
                                   spec=OutputSpec.of(model), retries=rollout.server_retries,
                                   backoff_s=rollout.server_retry_backoff_s)
         else:
-            import grpo_mega.rollout.embedded  # noqa: F401  (each module registers its engine)
-            import grpo_mega.rollout.sglang_engine  # noqa: F401
-            from grpo_mega.rollout.interface import ENGINES, EngineSpec
+            import grpo_mega.engines.embedded  # noqa: F401  (each module registers its engine)
+            import grpo_mega.engines.sglang_engine  # noqa: F401
+            from grpo_mega.engines.interface import ENGINES, EngineSpec
 
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
             spec = EngineSpec(model=model, hf_dir=hf_dir, seed=cfg.run.seed, device=device, tp=rollout.engine_tp,

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grpo_mega.data.dataset import DataError, load_prompts
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.rollout.scheduler import example_row
 from grpo_mega.toolcalls import build_tools

@@ -12,7 +12,7 @@ import pytest
 
 from grpo_mega.conf.rollout import MultiTurnConfig
 from grpo_mega.rollout.dump import read_dump, write_dump
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine, rollout_metrics
 from grpo_mega.toolcalls import Tool
 from grpo_mega.toolcalls.pool import ToolPool

@@ -16,7 +16,7 @@ import torch
 
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
+from grpo_mega.engines import standin_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
@@ -36,7 +36,7 @@ def server():
 
 def _engine():
     from grpo_mega.conf import load_model_config
-    from grpo_mega.rollout.embedded import EmbeddedEngine
+    from grpo_mega.engines.embedded import EmbeddedEngine
 
     cfg = load_model_config("tiny")
     cfg.vocab_size = VOCAB
@@ -76,13 +76,13 @@ class _Engines:
     def __init__(self, url, base):
         import torch.distributed as dist
 
-        from grpo_mega.rollout.client import ServerClient
+        from grpo_mega.engines.client import ServerClient
 
         self.ranks, self.base = [0], base
         self.local = _SlowClient(ServerClient([url], timeout_s=60)) if dist.get_rank() == 0 else None
 
     def sync(self, gpt, version):
-        from grpo_mega.rollout.weight_sync import pack_buckets
+        from grpo_mega.engines.weight_sync import pack_buckets
 
         if self.local is not None:
             self.local.update_weights(version, pack_buckets(iter(_weights(self.base, version).items()), 1 << 20))

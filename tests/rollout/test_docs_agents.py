@@ -165,7 +165,7 @@ class ScriptedVault:
                 key = re.findall(r"What is under (k\d+)\?", text)[0]
                 answer = '<tool_call>{"name": "vault", "arguments": {"key": "%s"}}</tool_call>' % key
             out.append(self.tok.encode(answer, add_special_tokens=False) + [self.end])
-        from grpo_mega.rollout.interface import Generation
+        from grpo_mega.engines.interface import Generation
 
         return Generation(out, [[-0.1] * len(o) for o in out], ["stop"] * len(out), 0)
 

@@ -7,7 +7,7 @@ never trained on; task=lookup_call (the warm-up's shaping) rewards a call."""
 import pytest
 
 from grpo_mega.data.toy_tools import LOOKUP_TABLE, KeyLookup, LookupTask, UnavailableLookup, make_lookup_tokenizer
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.toolcalls import ToolError
 from grpo_mega.toolcalls.pool import ToolPool

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine, rollout_metrics
 from grpo_mega.rollout.turns import MessageRenderer
 from grpo_mega.toolcalls.pool import ToolPool

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts through a dedicated server (grpo_mega.rollout.client speaking HTTP to the stand-in
+"""Multi-turn rollouts through a dedicated server (grpo_mega.engines.client speaking HTTP to the stand-in
 server): the same trajectories, token for token, as the embedded engine holding the same weights, tool turns
 included; and end to end with rollout.off_policy_steps=1, where a run SIGKILLed while a multi-turn batch is
 being generated (a tool call in flight) resumes from its checkpoint to the uninterrupted run's metrics (1e-6)."""
@@ -15,9 +15,9 @@ import pytest
 from grpo_mega.conf import load_model_config
 from grpo_mega.data.toy_tools import TENS_TEMPLATE, TensDigitTask, make_tool_tokenizer
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
-from grpo_mega.rollout.client import ServerClient
-from grpo_mega.rollout.embedded import EmbeddedEngine
+from grpo_mega.engines import standin_server
+from grpo_mega.engines.client import ServerClient
+from grpo_mega.engines.embedded import EmbeddedEngine
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.toolcalls import Calculator
 from grpo_mega.toolcalls.pool import ToolPool

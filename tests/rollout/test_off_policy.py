@@ -17,7 +17,7 @@ import pytest
 
 from experiments.proxies import ForwardingProxy
 from grpo_mega.processes import free_port, stop
-from grpo_mega.rollout import standin_server
+from grpo_mega.engines import standin_server
 from tests.fork_server import run_main
 from tests.proc import kill_tree
 

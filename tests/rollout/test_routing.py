@@ -11,7 +11,7 @@ from grpo_mega.conf import ParallelConfig
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.routing import Routing
 from grpo_mega.trainer.actor import Actor
 from grpo_mega.trainer.batch import RolloutBatch

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
+from grpo_mega.engines import standin_server
 from tests.fork_server import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from grpo_mega.parallel.forked import run_ranks
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.placement import RolloutError
 from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 
@@ -72,7 +72,7 @@ class _Engines:
     def __init__(self, engine):
         import torch.distributed as dist
 
-        from grpo_mega.rollout.validate import OutputSpec
+        from grpo_mega.engines.validate import OutputSpec
 
         self.ranks = [0]
         self.local = engine if dist.get_rank() == 0 else None

@@ -59,7 +59,7 @@ def test_sglang_multi_turn_tokens_in_tokens_out(tmp_path):
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         sys.modules.setdefault("flash_mla", None)
     from grpo_mega.rollout.multi_turn import MultiTurnEngine
-    from grpo_mega.rollout.sglang_engine import SGLangEngine
+    from grpo_mega.engines.sglang_engine import SGLangEngine
     from grpo_mega.toolcalls.pool import ToolPool
 
     tok = make_tool_tokenizer(TENS_TEMPLATE)

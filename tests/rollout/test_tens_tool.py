@@ -9,7 +9,7 @@ import math
 import pytest
 
 from grpo_mega.data.toy_tools import TENS_TEMPLATE, TensDigitTask, make_tool_tokenizer
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.toolcalls.pool import ToolPool
 from tests.fork_server import ROOT, run_main

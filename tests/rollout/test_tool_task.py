@@ -7,7 +7,7 @@ import math
 import sys
 
 from grpo_mega.data.toy_tools import ProductTask, make_tool_tokenizer
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine
 from grpo_mega.toolcalls.pool import ToolPool
 from tests.proc import run_tree

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import MultiTurnEngine, check_multi_turn
 from grpo_mega.rollout.turns import MessageRenderer, check_tools_shown, control_ids
 from grpo_mega.toolcalls.pool import ToolPool

@@ -135,7 +135,7 @@ def test_one_node_trains_and_one_serves(cluster, tmp_path):
     env = {"GRPO_MEGA_LOG_ROOT": str(tmp_path / "logs"), "GRPO_MEGA_PYTHON": sys.executable,
            "MASTER_PORT": str(free_ports(1)[0]), "OMP_NUM_THREADS": "1", "GRPO_MEGA_NPROC_PER_NODE": "2",
            "GRPO_MEGA_ROLLOUT_NODES": "1", "GRPO_MEGA_SERVER_PORT": str(free_ports(1)[0]),
-           "GRPO_MEGA_SERVER_CMD": f"{sys.executable} -m grpo_mega.rollout.standin_server --model tiny --vocab-size {vocab} "
+           "GRPO_MEGA_SERVER_CMD": f"{sys.executable} -m grpo_mega.engines.standin_server --model tiny --vocab-size {vocab} "
                                    "--host 0.0.0.0 --port $GRPO_MEGA_SERVER_PORT"}
     args = ["--nodes=2", "--gpus-per-node=2", "--job-name=grpo-dedicated", f"--output={tmp_path}/slurm-%j.out",
             str(SBATCH), "parallel.tp=2", "eval.interval=2", "run.steps=3"]

@@ -13,7 +13,7 @@ import pytest
 
 from experiments.proxies import NoisyProxy
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
+from grpo_mega.engines import standin_server
 from tests.fork_server import run_main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -83,7 +83,7 @@ def server():
 
     from grpo_mega.data.toy import make_tokenizer
     from grpo_mega.processes import stop
-    from grpo_mega.rollout import standin_server
+    from grpo_mega.engines import standin_server
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(len(make_tokenizer()))],

@@ -58,7 +58,7 @@ def test_engine_records_transformers_router_choices():
     token) are those transformers' router picks when the whole sequence runs through the model in one
     forward, without the KV cache or the batch's left padding; and recording changes no sample."""
     from grpo_mega.conf import load_model_config
-    from grpo_mega.rollout.embedded import EmbeddedEngine
+    from grpo_mega.engines.embedded import EmbeddedEngine
 
     cfg = load_model_config("tiny-qwen3-moe")
     engine = EmbeddedEngine.from_model_config(cfg, seed=3)

@@ -1,7 +1,7 @@
 """grpo_mega.trainer.sampling._pick: the refilled step's Generation from (round, row) picks of several rounds,
 multi-turn masks and per-sample tool stats carried with their rows, tool seconds summed, the oldest version."""
 
-from grpo_mega.rollout.interface import Generation
+from grpo_mega.engines.interface import Generation
 from grpo_mega.rollout.multi_turn import STAT_KEYS
 from grpo_mega.trainer.sampling import _pick
 

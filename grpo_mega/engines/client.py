@@ -1,6 +1,6 @@
 """The client of dedicated rollout servers (`rollout.placement=dedicated`): the RolloutEngine interface over
 SGLang's HTTP API, spoken to `python -m sglang.launch_server` (GPUs that do not train, or SGLang's CPU engine)
-or to the embedded engine's server (grpo_mega.rollout.standin_server) on CPU; both through the same calls.
+or to the embedded engine's server (grpo_mega.engines.standin_server) on CPU; both through the same calls.
 
 Owns the requests, not the servers: health at start-up (an unreachable server is named before training
 starts), spreading prompts over servers by outstanding tokens (prompt plus n * max_new_tokens, not by
@@ -13,7 +13,7 @@ our server's /grpo_mega/weight_checksums, or, where a server has no such route (
 back with /get_weights_by_name. Every call has a timeout; a server that dies or stops answering raises
 ServerError naming its URL. Where the client lives and how samples reach the ranks is grpo_mega.rollout.placement'.
 
-Nothing a server answers is trusted: every sample is checked (grpo_mega.rollout.validate: integral token ids in
+Nothing a server answers is trusted: every sample is checked (grpo_mega.engines.validate: integral token ids in
 the vocabulary, one finite logprob <= 0 per token, a known finish reason, routed experts in range and distinct,
 k the model's top-k, all before any narrowing) and a violation is a ServerError naming the server and the field.
 A transient failure (no connection, a reset, a timeout, an HTTP 5xx) of a call that can be repeated (/generate,
@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.processes import free_port
-from grpo_mega.rollout import validate
-from grpo_mega.rollout.interface import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+from grpo_mega.engines import validate
+from grpo_mega.engines.interface import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class ServerClient(RolloutEngine):
         routed = None if self.moe_layers is None else []
         for i in range(len(prompts)):
             for url, k, o in rows[i]:
-                try:  # checked before anything is narrowed or kept (grpo_mega.rollout.validate)
+                try:  # checked before anything is narrowed or kept (grpo_mega.engines.validate)
                     ids, lps, reason = validate.sglang_sample(o, self.spec)
                     if routed is not None:
                         routed.append(self._routed_experts(url, o["meta_info"], len(prompts[i]) + len(ids) - 1))
@@ -466,7 +466,7 @@ def wait_healthy(urls: list[str], limit_s: float, step_pid: Optional[int] = None
 
 
 def main(argv=None) -> int:
-    """`python -m grpo_mega.rollout.client --wait-healthy SECONDS [--step-pid PID] URL...`: slurm/train.sbatch
+    """`python -m grpo_mega.engines.client --wait-healthy SECONDS [--step-pid PID] URL...`: slurm/train.sbatch
     waits with it for the rollout servers before it starts the trainer."""
     import argparse
     import sys

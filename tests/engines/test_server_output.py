@@ -1,4 +1,4 @@
-"""Nothing a rollout server answers is trusted (grpo_mega.rollout.validate): token ids integral and in the vocabulary,
+"""Nothing a rollout server answers is trusted (grpo_mega.engines.validate): token ids integral and in the vocabulary,
 one finite logprob <= 0 per token, a known finish reason, routed experts in range, distinct and k = top-k, checked
 before anything is narrowed; a violation is a ServerError naming the server and the field. A transient failure is
 retried with backoff, and a run that still meets it exits 75 with a REQUEUE file, what slurm/train.sbatch requeues.
@@ -19,9 +19,9 @@ import torch
 
 from experiments.proxies import ForwardingProxy
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
-from grpo_mega.rollout.client import ServerClient, ServerError
-from grpo_mega.rollout.validate import LOGPROB_TOLERANCE, BadOutput, OutputSpec, check_generation, finish_reason, \
+from grpo_mega.engines import standin_server
+from grpo_mega.engines.client import ServerClient, ServerError
+from grpo_mega.engines.validate import LOGPROB_TOLERANCE, BadOutput, OutputSpec, check_generation, finish_reason, \
     logprobs, routed_experts, sglang_sample, token_ids
 from tests.fork_server import run_main
 
@@ -106,7 +106,7 @@ def test_an_sglang_output():
 
 
 def test_a_generation_from_an_engine_in_this_process():
-    from grpo_mega.rollout.interface import Generation
+    from grpo_mega.engines.interface import Generation
 
     gen = Generation(token_ids=[[1, 2], [3]], logprobs=[[-0.1, -0.2], [-0.3]], finish_reasons=["stop", "length"],
                      weight_version=0)

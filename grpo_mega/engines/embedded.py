@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 import torch
 
 from grpo_mega.conf.model import ModelConfig
-from grpo_mega.rollout.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+from grpo_mega.engines.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

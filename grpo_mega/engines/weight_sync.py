@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.models import bridge
-from grpo_mega.rollout.interface import Bucket, RolloutEngine, TensorMeta, tensor_checksum
+from grpo_mega.engines.interface import Bucket, RolloutEngine, TensorMeta, tensor_checksum
 
 log = logging.getLogger(__name__)
 

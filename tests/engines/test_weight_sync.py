@@ -10,8 +10,8 @@ from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig,
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
-from grpo_mega.rollout.embedded import EmbeddedEngine
-from grpo_mega.rollout.weight_sync import Staging, WeightSyncError, check_audit, pack_buckets, sync_weights
+from grpo_mega.engines.embedded import EmbeddedEngine
+from grpo_mega.engines.weight_sync import Staging, WeightSyncError, check_audit, pack_buckets, sync_weights
 from grpo_mega.trainer.batch import RolloutBatch
 from tests.trainer import layouts as L
 

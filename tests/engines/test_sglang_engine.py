@@ -42,7 +42,7 @@ def _mismatch(actor, gen, prompts, temperature):
 
 def _kill_and_generate(engine, before: set) -> dict:
     """SIGKILL the engine's own processes (by PID) and ask it for more: an EngineError within seconds, not a hang."""
-    from grpo_mega.rollout.sglang_engine import EngineError
+    from grpo_mega.engines.sglang_engine import EngineError
 
     engine.timeout_s = 30  # a dead engine noticed by the timeout alone would still be an error within the minute
     for p in _children():
@@ -60,9 +60,9 @@ def _kill_and_generate(engine, before: set) -> dict:
 
 def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1, kill=False):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
-    from grpo_mega.rollout.interface import Bucket, TensorMeta
-    from grpo_mega.rollout.sglang_engine import SGLangEngine
-    from grpo_mega.rollout.weight_sync import WeightSyncError, check_audit, sync_weights
+    from grpo_mega.engines.interface import Bucket, TensorMeta
+    from grpo_mega.engines.sglang_engine import SGLangEngine
+    from grpo_mega.engines.weight_sync import WeightSyncError, check_audit, sync_weights
     from grpo_mega.trainer.actor import Actor
 
     out = {}

@@ -16,12 +16,12 @@ import torch.distributed as dist
 
 from grpo_mega import algo
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
+from grpo_mega.engines import standin_server
 from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
-from grpo_mega.rollout.client import ServerClient, ServerError
+from grpo_mega.engines.client import ServerClient, ServerError
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.loop import engine_logprobs
@@ -135,7 +135,7 @@ def test_a_dedicated_run_trains_against_a_server(tmp_path):
     from grpo_mega.data.toy import make_tokenizer
     from tests.fork_server import run_main
 
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.rollout.standin_server", "--model", "tiny", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_mega.engines.standin_server", "--model", "tiny", "--port", "0",
                              "--vocab-size", str(len(make_tokenizer()))], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     try:

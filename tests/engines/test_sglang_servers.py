@@ -1,5 +1,5 @@
 """Dedicated rollout servers that are real SGLang (`python -m sglang.launch_server`, its CPU engine, started
-here on free ports; the `sglang` tier): a TP2 trainer feeds two of them through grpo_mega.rollout.client, and
+here on free ports; the `sglang` tier): a TP2 trainer feeds two of them through grpo_mega.engines.client, and
 after every step both hold the trainer's weights (the audit reads every tensor back from each server; engine
 and trainer logprobs agree to 1e-5), both report the step's weight version, and each tensor is gathered
 once per step whatever the number of servers. A server that drifts from the other is named by the audit. The
@@ -17,9 +17,9 @@ from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 from grpo_mega.processes import stop
-from grpo_mega.rollout.sglang_launch import launch_sglang
+from grpo_mega.engines.sglang_launch import launch_sglang
 from tests.models.hf_fixtures import tiny_hf
-from tests.rollout.test_sync_every_engine import _count_gathers, check_gathered_once
+from tests.engines.test_sync_every_engine import _count_gathers, check_gathered_once
 from tests.trainer import layouts as L
 
 pytestmark = pytest.mark.sglang
@@ -30,9 +30,9 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")  # the stand-in sgl_kernel
 
 def _trainer(hf_dir, urls):
     from grpo_mega.models.hf_io import read_hf_config
-    from grpo_mega.rollout.client import ServerClient
+    from grpo_mega.engines.client import ServerClient
     from grpo_mega.rollout.placement import Engines
-    from grpo_mega.rollout.weight_sync import WeightSyncError, check_audit
+    from grpo_mega.engines.weight_sync import WeightSyncError, check_audit
     from grpo_mega.trainer.actor import Actor
     from grpo_mega.trainer.batch import RolloutBatch
     from grpo_mega.trainer.loop import engine_logprobs
@@ -112,7 +112,7 @@ def _alive(pids: list[int]) -> list[int]:
 @pytest.mark.timeout(600)
 def test_two_sglang_servers_hold_the_trainers_weights_after_every_tp2_step(tmp_path, monkeypatch):
     """Two SGLang servers started with an API key feed a TP2 trainer. The key: SGLang 0.5.23 logs
-    `server_args={...}` at INFO, api_key included; started through grpo_mega.rollout.sglang_launch (what
+    `server_args={...}` at INFO, api_key included; started through grpo_mega.engines.sglang_launch (what
     launch_sglang and slurm/train.sbatch do when the environment holds a key) the key is in no command line and
     the log has `<redacted>` in its place, while the server still requires it (the trainer's client sends it from
     the environment)."""

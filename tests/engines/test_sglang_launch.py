@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from grpo_mega.processes import stop
-from grpo_mega.rollout.sglang_launch import sglang_command, training_flags
+from grpo_mega.engines.sglang_launch import sglang_command, training_flags
 
 REPO = Path(__file__).resolve().parents[2]
 FLAG = "--enable-return-routed-experts"
@@ -70,7 +70,7 @@ def test_train_sbatch_server_command_follows_routing_replay(tmp_path, mode):
     replay = mode != "none"
     overrides = ["model=tiny-qwen3-moe", "parallel.ep=2"] + ([f"algo.routing_replay={mode}"] if replay else [])
     cmd = _sbatch_server_command(tmp_path, overrides)
-    assert cmd.startswith(f"{sys.executable} -m grpo_mega.rollout.sglang_launch --model-path /models/qwen3-30b-a3b "
+    assert cmd.startswith(f"{sys.executable} -m grpo_mega.engines.sglang_launch --model-path /models/qwen3-30b-a3b "
                           "--tp 2 --skip-tokenizer-init --weight-version 0"), cmd
     assert (FLAG in cmd.split()) == replay, cmd
     assert cmd.endswith("--host 0.0.0.0 --port $GRPO_MEGA_SERVER_PORT"), cmd
@@ -79,10 +79,10 @@ def test_train_sbatch_server_command_follows_routing_replay(tmp_path, mode):
 def test_a_key_in_the_servers_environment_starts_them_through_sglang_launch_and_never_on_a_command_line():
     """The module is chosen from the environment the server gets (launch_sglang's `env`), not the caller's own: a
     key given only there used to start `sglang.launch_server` without any key, every route open."""
-    from grpo_mega.rollout.client import API_KEY_ENV
+    from grpo_mega.engines.client import API_KEY_ENV
 
     keyed = sglang_command("/m", 30000, cpu=True, env={API_KEY_ENV: "s3cret"})
-    assert keyed[1:3] == ["-m", "grpo_mega.rollout.sglang_launch"] and not any("s3cret" in a for a in keyed)
+    assert keyed[1:3] == ["-m", "grpo_mega.engines.sglang_launch"] and not any("s3cret" in a for a in keyed)
     assert "--api-key" not in keyed
     assert sglang_command("/m", 30000, cpu=True, env={})[1:3] == ["-m", "sglang.launch_server"]
 
@@ -93,7 +93,7 @@ def test_log_records_have_the_key_redacted():
     import io
     import logging
 
-    from grpo_mega.rollout.sglang_launch import REDACTED, redact_logs
+    from grpo_mega.engines.sglang_launch import REDACTED, redact_logs
 
     before = logging.getLogRecordFactory()
     stream = io.StringIO()
@@ -134,7 +134,7 @@ def test_a_server_whose_port_was_taken_restarts_on_another(tmp_path, monkeypatch
     import socket
 
     from grpo_mega.processes import free_port
-    from grpo_mega.rollout import sglang_launch
+    from grpo_mega.engines import sglang_launch
 
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
@@ -166,7 +166,7 @@ def test_a_server_that_loses_its_last_port_is_an_error_at_once(tmp_path, monkeyp
     import time
 
     from grpo_mega.processes import free_port
-    from grpo_mega.rollout import sglang_launch
+    from grpo_mega.engines import sglang_launch
 
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)

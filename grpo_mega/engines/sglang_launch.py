@@ -2,7 +2,7 @@
 client expects it (token ids in and out, weight version 0 until the first sync) and `launch_sglang`, which
 starts several at once and waits until each answers /health. `grpo_mega.processes.stop` ends them.
 
-`python -m grpo_mega.rollout.sglang_launch SGLANG_ARGS...` runs SGLang's server (what `python -m
+`python -m grpo_mega.engines.sglang_launch SGLANG_ARGS...` runs SGLang's server (what `python -m
 sglang.launch_server` runs) in this process with its API key taken from GRPO_MEGA_SERVER_API_KEY: SGLang 0.5.23
 takes its key only as a command-line option, and a key on a command line is readable by every user of the node
 (/proc/PID/cmdline). The key is set on the parsed ServerArgs, never in any argv (SGLang keeps its argv as the
@@ -10,7 +10,7 @@ server's `launch_command`), and this process's log records have it replaced by `
 `server_args={...}`, api_key included, at INFO: the Slurm output would carry it). Its other processes
 (scheduler, detokenizer) get the ServerArgs but do not log them.
 
-`python -m grpo_mega.rollout.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a
+`python -m grpo_mega.engines.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a
 training run composed from those overrides needs of its servers (`training_flags`: token ids only, weight
 version 0, and `--enable-return-routed-experts` when algo.routing_replay=rollout or measure); slurm/train.sbatch
 builds its default server command with it."""
@@ -23,7 +23,7 @@ import sys
 from typing import Optional
 
 from grpo_mega.processes import free_port, stop, tail
-from grpo_mega.rollout.client import API_KEY_ENV
+from grpo_mega.engines.client import API_KEY_ENV
 
 
 def training_flags(routing_replay: bool = False) -> list[str]:
@@ -62,7 +62,7 @@ def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int 
     (tests/fixtures) first on PYTHONPATH."""
     import torch
 
-    module = "grpo_mega.rollout.sglang_launch" if (os.environ if env is None else env).get(API_KEY_ENV) \
+    module = "grpo_mega.engines.sglang_launch" if (os.environ if env is None else env).get(API_KEY_ENV) \
         else "sglang.launch_server"
     cmd = [python, "-m", module, "--model-path", str(model_path), "--host", host, "--port", str(port),
            "--tp-size", str(tp), "--dtype", dtype, *training_flags(routing_replay)]

@@ -5,7 +5,7 @@ text (transformers and SGLang may tokenize the same text differently), and the w
 run at scale: `init_weights_update_group` once (NCCL on GPU, gloo on CPU), then for every sync
 `begin_weight_update` -> one `update_weights_from_distributed(load_format="flattened_bucket")` per bucket,
 its flat buffer broadcast from the trainer -> `end_weight_update` -> `flush_cache`. The buckets are
-grpo_mega.rollout.weight_sync's (same byte layout as SGLang's FlattenedTensorBucket), so the trainer's
+grpo_mega.engines.weight_sync's (same byte layout as SGLang's FlattenedTensorBucket), so the trainer's
 TP/PP and the engine's TP are independent. Every call into SGLang has a timeout: an engine that dies or
 stops answering raises EngineError instead of hanging (a SIGALRM deadline on the main thread, where SGLang's
 client runs its event loop).
@@ -27,8 +27,8 @@ from typing import Iterable, Optional
 import torch
 
 from grpo_mega.processes import free_port
-from grpo_mega.rollout import validate
-from grpo_mega.rollout.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+from grpo_mega.engines import validate
+from grpo_mega.engines.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 
 class EngineError(RuntimeError):
@@ -204,7 +204,7 @@ class SGLangEngine(RolloutEngine):
                          return_logprob=True)
         tokens, logps, finish = [], [], []
         for k, o in enumerate(out):
-            try:  # the same checks as a server's answer (grpo_mega.rollout.validate), before anything is kept
+            try:  # the same checks as a server's answer (grpo_mega.engines.validate), before anything is kept
                 ids, lps, reason = validate.sglang_sample(o, self.output_spec)
             except validate.BadOutput as e:
                 raise EngineError(f"SGLang's Engine.generate returned a bad output {k}: {e}") from None

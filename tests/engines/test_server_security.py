@@ -20,7 +20,7 @@ import pytest
 
 from experiments import fuzz_server
 from grpo_mega.processes import stop
-from grpo_mega.rollout import standin_server
+from grpo_mega.engines import standin_server
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = secrets.token_hex(16)
@@ -68,7 +68,7 @@ def test_with_the_key_it_serves(server, monkeypatch):
                                               "sampling_params": {"max_new_tokens": 4, "sampling_seed": 1}}, key=KEY)
     assert status == 200 and 1 <= len(out[0]["output_ids"]) <= 4
     monkeypatch.setenv("GRPO_MEGA_SERVER_API_KEY", KEY)
-    from grpo_mega.rollout.client import ServerClient
+    from grpo_mega.engines.client import ServerClient
 
     client = ServerClient([server], timeout_s=30)  # its start-up health check, then a keyed generate
     gen = client.generate([[1, 2, 3]], 2, 1.0, 1.0, 3, [], 0)
@@ -87,7 +87,7 @@ def test_a_fuzz_campaign_leaves_the_server_healthy_and_unchanged(server):
 
 
 def test_the_client_names_a_routable_address_for_the_update_group():
-    from grpo_mega.rollout.client import routable_address
+    from grpo_mega.engines.client import routable_address
 
     assert routable_address(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
 
@@ -95,7 +95,7 @@ def test_the_client_names_a_routable_address_for_the_update_group():
 def test_without_a_key_it_will_not_serve_beyond_loopback():
     """Every route (weight updates included) would be open to the network: refused at start-up, in one line."""
     env = {k: v for k, v in os.environ.items() if k != "GRPO_MEGA_SERVER_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.rollout.standin_server", "--model", "tiny", "--host",
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.engines.standin_server", "--model", "tiny", "--host",
                            "0.0.0.0", "--port", "0"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --host 0.0.0.0 without an API key would open every route (weight updates included) to the network: "

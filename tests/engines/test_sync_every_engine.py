@@ -11,8 +11,8 @@ from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig,
 from grpo_mega.parallel import cpu_compat
 from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
-from grpo_mega.rollout import weight_sync as ws
-from grpo_mega.rollout.embedded import EmbeddedEngine
+from grpo_mega.engines import weight_sync as ws
+from grpo_mega.engines.embedded import EmbeddedEngine
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.loop import engine_logprobs

@@ -1,7 +1,7 @@
 """Rollout servers as processes of their own: our CPU stand-in for SGLang's server, and starting either.
 
 The stand-in (the embedded engine behind SGLang's HTTP API, in place of `python -m sglang.launch_server`)
-owns only the translation between SGLang's HTTP API (the subset grpo_mega.rollout.client speaks, with
+owns only the translation between SGLang's HTTP API (the subset grpo_mega.engines.client speaks, with
 SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /model_info (also as
 /get_model_info); POST /generate (input_ids, sampling_params with sampling_seed, return_logprob ->
 output_ids and meta_info's output_token_logprobs, finish_reason, weight_version), /init_weights_update_group,
@@ -13,7 +13,7 @@ rank 0 of the update group), /update_weight_version, /flush_cache. One extension
 back with /get_weights_by_name instead). Requests run one at a time; sampling, logprobs and loading are
 the embedded engine's.
 
-    python -m grpo_mega.rollout.standin_server --model tiny --port 30000     (or --hf-dir DIR)
+    python -m grpo_mega.engines.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
 For benchmarks, `--simulate-lengths MEDIAN,SIGMA` ends each response after a lognormal number of tokens drawn
 from its seed (sampling_params.custom_params.sample_seed, else sampling_seed), less custom_params.generated (the
@@ -31,7 +31,7 @@ anything is allocated; a weight bucket's names, shapes and dtypes are checked wh
 any byte is received or any weight changes.
 
 `launch` starts the stand-in as a process of its own; `grpo_mega.processes.stop` ends it
-(`grpo_mega.rollout.sglang_launch` starts real SGLang servers).
+(`grpo_mega.engines.sglang_launch` starts real SGLang servers).
 
 Long on purpose: each HTTP route beside the hardening that guards it (sizes, types, auth) and the launcher
 that starts either server: what a request may do is read in one file.
@@ -55,9 +55,9 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega import processes
-from grpo_mega.rollout.client import join_update_group
-from grpo_mega.rollout.embedded import EmbeddedEngine
-from grpo_mega.rollout.interface import Bucket, TensorMeta
+from grpo_mega.engines.client import join_update_group
+from grpo_mega.engines.embedded import EmbeddedEngine
+from grpo_mega.engines.interface import Bucket, TensorMeta
 
 
 MAX_BODY_BYTES = 64 << 20
@@ -379,14 +379,14 @@ def make_handler(server: EngineServer):
 
 def launch(args: list[str], prefix: tuple = (), env: Optional[dict] = None, cwd: Optional[str] = None,
            timeout_s: float = 180.0):
-    """Start `python -m grpo_mega.rollout.standin_server ARGS` as a process of its own (`prefix`, e.g. taskset, before
+    """Start `python -m grpo_mega.engines.standin_server ARGS` as a process of its own (`prefix`, e.g. taskset, before
     it) and wait until it prints its URL; returns (the process, the URL). A server that does not come up in
     `timeout_s` is killed by its PID and reported in a RuntimeError with its last line."""
     import select
     import subprocess
     import time
 
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "grpo_mega.rollout.standin_server", *args],
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "grpo_mega.engines.standin_server", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
     line, deadline = "", time.monotonic() + timeout_s
     while "ready on " not in line and time.monotonic() < deadline and proc.poll() is None:

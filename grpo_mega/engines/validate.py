@@ -1,5 +1,5 @@
 """What an engine returns, checked where it enters the trainer: nothing a server (or an engine in this process)
-sends is trusted. The dedicated servers' client (grpo_mega.rollout.client) checks each sample of SGLang's JSON
+sends is trusted. The dedicated servers' client (grpo_mega.engines.client) checks each sample of SGLang's JSON
 (or the stand-in server's, which speaks it) before it narrows anything, and raises ServerError naming the server
 and the field; grpo_mega.rollout.placement.Engines checks every Generation an engine hands it (the embedded and
 SGLang engines in this process, the multi-turn engine over either) with the same functions.

@@ -3,7 +3,7 @@
 Owns the contract only. Samples are group-contiguous (the n samples of prompt g are rows [g*n, (g+1)*n)).
 Logprobs are of softmax(logits / temperature) at each sampled token, the definition the trainer uses
 (docs/design.md, "Tokens, masks and logprobs"), whatever top_p did to the sampling distribution. Weights
-arrive as buckets of HF-named tensors flattened into one byte buffer each (grpo_mega.rollout.weight_sync
+arrive as buckets of HF-named tensors flattened into one byte buffer each (grpo_mega.engines.weight_sync
 builds them).
 """
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_mega.conf import RolloutConfig, load_model_config
-from grpo_mega.rollout.embedded import EmbeddedEngine
+from grpo_mega.engines.embedded import EmbeddedEngine
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 7], [250, 251, 252]]  # left padding of 0, 5 and 4 tokens
 
@@ -60,7 +60,7 @@ def test_static_cache_keeps_per_row_seeds():
     assert max(abs(x - y) for a, b in zip(alone.logprobs, batch.logprobs[2:4]) for x, y in zip(a, b)) < 1e-5
     shorter = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_new_tokens=5, stop_token_ids=[], seed=7)
     assert shorter.token_ids == [t[:5] for t in batch.token_ids]
-    from grpo_mega.rollout.interface import sample_seed
+    from grpo_mega.engines.interface import sample_seed
 
     seeded = engine.generate(PROMPTS, n=1, temperature=1.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[], seed=0,
                              row_seeds=[sample_seed(7, p, 1) for p in range(3)])
