@@ -11,7 +11,7 @@ grad_hidden[chunk] = g W and grad_W += g^T h[chunk]: no communication. The weigh
 own output layer puts it under gradient-accumulation fusion, straight into the fp32 `main_grad` of megatron DDP's
 buffer (a plain parameter gets an ordinary `.grad`). The math stays in vocab_parallel.py; the input's
 communication is megatron's (`tensor_parallel` mappings, as ColumnParallelLinear applies them); which positions
-reach the op is grpo_mega.models.builder's (`set_output_positions`).
+reach the op is grpo_mega.models.forward_hooks' (`set_output_positions`).
 """
 
 from __future__ import annotations

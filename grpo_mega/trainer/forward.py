@@ -82,7 +82,7 @@ def forward_micro(model, mb: dict) -> torch.Tensor:
     cu_seqlens go where the attention mask would (SDPACoreAttention attends within each sequence) and RoPE
     positions restart per sequence. With mb["routes"] the MoE
     layers route to the rollout engine's experts (grpo_mega.models.routing_replay)."""
-    from grpo_mega.models.builder import set_output_hidden, set_output_positions
+    from grpo_mega.models.forward_hooks import set_output_hidden, set_output_positions
     from grpo_mega.models.routing_replay import set_routes
 
     gpt = unwrap(model)
@@ -99,7 +99,8 @@ def forward_micro(model, mb: dict) -> torch.Tensor:
 
 def forward_rows(model, gpt, mb: dict) -> torch.Tensor:
     """`forward_micro`'s model call, padded rows or a packed one."""
-    from grpo_mega.models.builder import set_rope_positions, uses_transformer_engine
+    from grpo_mega.models.builder import uses_transformer_engine
+    from grpo_mega.models.forward_hooks import set_rope_positions
     from grpo_mega.models.local_attention import packed_row_mask
 
     if "cu_seqlens" not in mb:
@@ -183,7 +184,7 @@ def with_fused_output(mb: dict, batch: BatchConfig, model, ref_gpt=None) -> dict
     input instead of logits, and `token_stats` runs the fused op with these weights."""
     if not batch.fused_output:
         return mb
-    from grpo_mega.models.builder import output_weight
+    from grpo_mega.models.forward_hooks import output_weight
 
     ref = output_weight(ref_gpt) if ref_gpt is not None else None
     return {**mb, "output_weights": (output_weight(unwrap(model)), ref)}
