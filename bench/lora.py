@@ -1,7 +1,8 @@
 """Benchmark: full fine-tuning vs LoRA (rank 8 and 64, alpha = 2 x rank, on qkv, proj, fc1, fc2) on the SmolLM2
 example (launch_scripts/smollm2_arithmetic.sh: task=prompts, the arithmetic set, math reward, fp32 on the CPU).
 
-    python -m bench.lora [--steps 4] [--val 4] [--modes full,r8,r64] [--model HF_DIR] [--out bench_results/lora_smollm2.json]
+    python -m bench.lora [--steps 4] [--val 4] [--modes full,r8,r64] [--model HF_DIR]
+                         [--out bench_results/lora_smollm2.json]
 
 Per mode, one training run of the example's settings (the same seed, data and steps; validation before step 1 and
 after the last) gives the update time (median timing/update over the steps after the first), the weight sync's
@@ -70,8 +71,10 @@ def _allocated(model_dir: str, rank) -> dict:
         sync = sum(t.numel() * t.element_size() for _, t in stage_hf_tensors(actor.built.gpt, model, torch.float32))
         out = dict(trainable_params=sum(p.numel() for p in params if p.requires_grad),
                    frozen_params=sum(p.numel() for p in params if not p.requires_grad),
-                   weights_bytes=storage_bytes(params), frozen_bytes=storage_bytes(p for p in params if not p.requires_grad),
-                   gradient_bytes=sum(b.grad_data.numel() * b.grad_data.element_size() for b in actor.built.module.buffers),
+                   weights_bytes=storage_bytes(params),
+                   frozen_bytes=storage_bytes(p for p in params if not p.requires_grad),
+                   gradient_bytes=sum(b.grad_data.numel() * b.grad_data.element_size()
+                                      for b in actor.built.module.buffers),
                    optimizer_bytes=storage_bytes(states), grad_norm=metrics["grad_norm"], sync_bytes_per_step=sync)
         destroy_distributed()
     return out
@@ -82,9 +85,9 @@ def _planned(model_dir: str, rank) -> dict:
     from grpo_mega.conf import ParallelConfig
     from grpo_mega.models.hf_io import read_hf_config
 
-    (st,) = planning.plan(planning.PlanInput(model=read_hf_config(model_dir)[2], parallel=ParallelConfig(), world_size=1,
-                                             params_dtype="fp32", reference="none", layer_spec="local",
-                                             lora_rank=rank)).stages
+    (st,) = planning.plan(planning.PlanInput(model=read_hf_config(model_dir)[2], parallel=ParallelConfig(),
+                                             world_size=1, params_dtype="fp32", reference="none",
+                                             layer_spec="local", lora_rank=rank)).stages
     b = {k: round(st.gib[k] * planning.GIB) for k in ("parameters", "gradients", "optimizer")}
     return dict(trainable_params=st.adapter_numel if rank else st.param_numel, **b, total_bytes=sum(b.values()))
 
@@ -132,9 +135,10 @@ def main(argv=None) -> int:
                      f"data.val_files={data / 'val.parquet'}", f"run.steps={args.steps}",
                      f"eval.interval={args.steps}", *EXAMPLE, *args.set]
         for m in modes:
-            run = Path(tmp) / m
+            run, load = Path(tmp) / m, os.getloadavg()
             rows = common.train(run, [*overrides, *_lora(MODES[m])], f"the {m} run")
             result[m] = _mode(args.model, MODES[m], rows, json.loads((run / "summary.json").read_text()))
+            result[m].update(loadavg_before=load, loadavg_after=os.getloadavg())  # the machine is shared
             common.write_json(args.out, _result(args, overrides, result, load_before))
             print(f"{m}: trainable {result[m]['measured']['trainable_params']:,}, model states "
                   f"{result[m]['measured']['total_bytes'] / 2**20:.1f} MiB (planned "

@@ -90,7 +90,8 @@ def _fuzz(d):
 
 def _lora(d):
     full, v = d["modes"]["full"], d["vs_full"]
-    return (f"model states (parameters + gradients + optimizer) {full['measured']['total_bytes'] / 2**20:.0f} MiB full, "
+    mib = full["measured"]["total_bytes"] / 2**20
+    return (f"model states (parameters + gradients + optimizer) {mib:.0f} MiB full, "
             + ", ".join(f"{_x(v[m]['model_state_bytes'])} at rank {d['modes'][m]['lora_rank']}" for m in v)
             + " (measured = planned: " + str(all(r["measured"]["total_bytes"] == r["planned"]["total_bytes"]
                                                  for r in d["modes"].values())).lower()
