@@ -88,6 +88,17 @@ def _fuzz(d):
             + ("healthy, weights unchanged after" if ok else "SERVER CHANGED"))
 
 
+def _lora(d):
+    full, v = d["modes"]["full"], d["vs_full"]
+    mib = full["measured"]["total_bytes"] / 2**20
+    return (f"model states (parameters + gradients + optimizer) {mib:.0f} MiB full, "
+            + ", ".join(f"{_x(v[m]['model_state_bytes'])} at rank {d['modes'][m]['lora_rank']}" for m in v)
+            + " (measured = planned: " + str(all(r["measured"]["total_bytes"] == r["planned"]["total_bytes"]
+                                                 for r in d["modes"].values())).lower()
+            + "); update " + ", ".join(f"{_x(v[m]['update_time'])}" for m in v)
+            + "; sync bytes " + ", ".join(f"{_x(v[m]['sync_bytes'])}" for m in v) + " (merged weights sent)")
+
+
 def _data(d):
     at = {(r["format"], r["rows"], r["run"]): r for r in d["results"]}
     n = max(rows for fmt, rows, run in at if fmt == "jsonl")
@@ -155,6 +166,8 @@ ROWS = [
     Row("the stand-in server under malformed requests", "server_fuzz.json", "python -m experiments.fuzz_server",
         _fuzz),
     Row("prompt data at scale (index, draw)", "data.json", "python -m bench.data", _data),
+    Row("LoRA rank 8 and 64 vs full fine-tuning (SmolLM2-135M example, fp32)", "lora_smollm2.json",
+        "python -m bench.lora", _lora),
     Row("async vs lockstep tool calls (tens_tool, tool latency exponential, mean 0.5 s)", "tools.json",
         "python -m bench.tools",
         lambda d: f"tool share of the step {d['steps']['lockstep']['tool_share']:.3f} -> "
