@@ -369,7 +369,10 @@ class ToolPool:
         try:
             reply = w.conn.recv()
         except (EOFError, OSError):
-            code = w.proc.poll()
+            try:  # the pipe closes while the process exits: its status can lag the EOF by a moment
+                code = w.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                code = None
             self._drop(w)
             if w.state == "starting":
                 self._start_failed(f"it exited while starting (exit code {code})")
