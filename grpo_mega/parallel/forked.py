@@ -1,14 +1,15 @@
 """Fork N gloo ranks from a warm process: the multi-rank test harness and the benchmarks' launcher.
 
-torch and megatron-core are imported once, in the parent (importing megatron.core costs 5-6 s); `run_ranks`
-forks `world_size` children that inherit those modules, join one gloo process group through a FileStore,
-run the function and send back its return value or its traceback. A rank that has not finished within
+torch and megatron-core are imported once, in the parent (`warm`: what a rank needs is ~5 s of imports);
+`run_ranks` forks `world_size` children that inherit those modules, join one gloo process group through a
+FileStore, run the function and send back its return value or its traceback. A rank that has not finished within
 `timeout` seconds is a failure, and every child still alive is ended by its PID, so a hang never stalls CI.
 On GPU machines use torchrun instead: CUDA cannot be used in a forked child once the parent touched it.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -20,6 +21,29 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+# What every rank imports whatever it runs: megatron-core's model, optimizer, pipeline schedules and
+# dist_checkpointing, and torch's compiler stack (megatron's fused kernels and torch.optim load it). Imported
+# once in the parent before the first fork, they are inherited; otherwise each rank imports ~2,300 modules
+# itself (wandb, tensorboard, inductor, sympy come with them), which at 4 ranks on 2 cores is most of a run.
+_WARM = ("megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+         "megatron.core.dist_checkpointing", "torch._dynamo")
+_warmed = False
+
+
+def warm() -> None:
+    """Import _WARM in this process (once; megatron-core through the CPU compatibility layer, as every rank
+    does): the ranks forked from it afterwards start with those modules loaded."""
+    global _warmed
+    if _warmed:
+        return
+    from grpo_mega.parallel import cpu_compat
+
+    cpu_compat.apply()
+    for name in _WARM:
+        importlib.import_module(name)
+    _warmed = True
 
 
 class RankFailed(AssertionError):
@@ -65,6 +89,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     naming the rank and carrying its traceback if any rank raises, exits without a result, or is still
     running after `timeout` seconds.
     """
+    warm()
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="grpo_mega_ranks_") as tmp:
         store_path = os.path.join(tmp, "store")
