@@ -10,7 +10,7 @@ token it feeds the model (forward hooks; Generation.routed_experts).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -142,9 +142,14 @@ class EmbeddedEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0,
-                 row_seeds: Optional[list[int]] = None) -> Generation:
+                 row_seeds: Optional[list[int]] = None, row_max_new_tokens: Optional[list[int]] = None,
+                 on_row_done: Optional[Callable[[int, list[int], list[float], str], None]] = None) -> Generation:
         """As RolloutEngine.generate; with `row_seeds` (n=1, one per prompt) sample i is drawn with generator
-        seed row_seeds[i] instead (the server's path: SGLang's per-request sampling_seed)."""
+        seed row_seeds[i] instead (the server's path: SGLang's per-request sampling_seed). `row_max_new_tokens`:
+        a budget per row (at most max_new_tokens; a row that reaches its own ends with "length"); `on_row_done(row,
+        ids, logprobs, finish)` is called, from this thread, as soon as a row ends, while the others decode on
+        (how a multi-turn driver starts a trajectory's tool calls before the batch is done). A row's tokens do
+        not depend on either, nor on the other rows."""
         from transformers import DynamicCache, StaticCache
 
         if n < 1 or max_new_tokens < 1:
@@ -172,6 +177,10 @@ class EmbeddedEngine(RolloutEngine):
         uniforms = torch.stack([torch.rand(max_new_tokens, generator=g, dtype=torch.float64) for g in gens])
         uniforms = uniforms.to(self.device)
         stop = set(int(t) for t in stop_token_ids)
+        budgets = list(row_max_new_tokens) if row_max_new_tokens is not None else [max_new_tokens] * b
+        if len(budgets) != b or not all(1 <= x <= max_new_tokens for x in budgets):
+            raise ValueError(f"row_max_new_tokens needs one budget in [1, max_new_tokens={max_new_tokens}] per row "
+                             f"({b} rows); got {budgets}")
         mode = self.decode_mode()
         if mode == "dynamic":
             cache = DynamicCache()
@@ -214,6 +223,10 @@ class EmbeddedEngine(RolloutEngine):
                 if tok_l[r] in stop:
                     finish[r] = "stop"
                     active[r] = False
+                elif len(tokens[r]) >= budgets[r]:
+                    active[r] = False  # finish stays "length"
+                if not active[r] and on_row_done is not None:
+                    on_row_done(r, tokens[r], logps[r], finish[r])
             if not any(active) or step == max_new_tokens - 1:
                 break
             if mode == "dynamic":

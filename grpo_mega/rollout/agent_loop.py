@@ -8,12 +8,14 @@ template renders tool turns) and may answer as a user or an environment (`traj.r
 appends is the engine's sampled id or a rendered segment's id (grpo_mega.rollout.turns), never a re-tokenized
 conversation; the model's ids carry mask 1 and their logprobs, everything else mask 0 and logprob 0.0.
 
-The driver (`run_trajectories`) batches every pending `generate()` of the trajectories into one engine call
-(each sample with its own per-turn seed, so a sample does not depend on what else is in the batch). With
-`async_tools` a call runs while the engine generates other trajectories' turns, and a trajectory goes on as
-soon as its own calls are answered (a free engine waits for trajectories still in their calls at most half its
-last call's time: an engine call costs about as much for a few rows as for many); without, a batch waits until
-every trajectory has its results (turns in lockstep, batches independent of timing). An exception in a user's loop ends that trajectory (counted in
+The driver (`run_trajectories`) batches every pending `generate()` of the trajectories into one engine call (each
+sample with its own per-turn seed, so a sample does not depend on what else is in the batch). With `async_tools` a
+call runs while the engine generates other trajectories' turns (with an engine that reports each row as it ends,
+the embedded engine's `on_row_done`, from the moment its own turn is decoded, while the batch's longer rows decode
+on), and a trajectory goes on as soon as its own calls are answered (a free engine waits for trajectories still in
+their calls at most a fifth of its last call's time: an engine call costs about as much for a few rows as for
+many); without, a batch waits until every trajectory has its results (turns in lockstep, batches independent of
+timing). An exception in a user's loop ends that trajectory (counted in
 `agent_loop_errors`, the first traceback logged); an engine failure ends the whole call.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 
 AgentLoop = Callable[["Trajectory"], Awaitable[None]]
 
-COALESCE = 0.5
+COALESCE = 0.2
 """Async tool calls: a batch waits for trajectories still in their tool calls at most this many times the last
 engine call's duration (grpo_mega.rollout.agent_loop._Driver._gather)."""
 
@@ -261,6 +264,7 @@ class _Driver:
         self.waited = 0.0  # seconds generation waited with trajectories live and none ready (tool calls, rendering)
         self.engine_calls = 0
         self.version = engine.inner.weight_version
+        self.streams_rows = "on_row_done" in inspect.signature(engine.inner.generate).parameters
 
     async def generate(self, traj: Trajectory):
         fut = asyncio.get_running_loop().create_future()
@@ -328,21 +332,41 @@ class _Driver:
                 self.waited += time.perf_counter() - idle_since
             trajs = [t for t, _ in batch]
             t0 = time.perf_counter()
-            call = functools.partial(
-                self.engine.inner.generate,
-                [t.prompt_ids + t.ids for t in trajs], 1, self.temperature, self.top_p, max(t.room for t in trajs),
-                self.stop, self.seed, row_seeds=[sample_seed(t.seed, t.model_turns, 0) % 2**31 for t in trajs])
+            kwargs = dict(row_seeds=[sample_seed(t.seed, t.model_turns, 0) % 2**31 for t in trajs])
+            # An engine that reports each row as it ends (the embedded engine): with async tools the batch decodes
+            # in a worker thread, and a trajectory whose turn is done starts its tool calls at once, while the
+            # longer rows decode on.
+            streams = self.async_tools and self.streams_rows
+            if streams:
+                loop = asyncio.get_running_loop()
+
+                def row_done(r, ids, lps, fin, batch=batch):
+                    loop.call_soon_threadsafe(self._answer, batch[r], list(ids), list(lps), fin)
+
+                kwargs.update(row_max_new_tokens=[t.room for t in trajs], on_row_done=row_done)
+            call = functools.partial(self.engine.inner.generate, [t.prompt_ids + t.ids for t in trajs], 1,
+                                     self.temperature, self.top_p, max(t.room for t in trajs), self.stop, self.seed,
+                                     **kwargs)
             # an engine that runs an event loop of its own (SGLang's Engine: run_until_complete) cannot be called
-            # inside this running loop: it runs in a worker thread while this loop waits
-            gen = await asyncio.to_thread(call) if getattr(self.engine.inner, "runs_own_event_loop", False) else call()
+            # inside this running loop either: it runs in a worker thread while this loop waits
+            threaded = streams or getattr(self.engine.inner, "runs_own_event_loop", False)
+            gen = await asyncio.to_thread(call) if threaded else call()
             idle_since = time.perf_counter()
             last_call_s = idle_since - t0
             self.engine_calls += 1
             self.version = gen.weight_version
-            for (t, fut), ids, lps, fin in zip(batch, gen.token_ids, gen.logprobs, gen.finish_reasons):
-                if len(ids) > t.room:  # a longer budget was asked for the batch: this sample's ends here
-                    ids, lps, fin = ids[:t.room], lps[:t.room], "length"
-                fut.set_result((list(ids), list(lps), fin))
+            for entry, ids, lps, fin in zip(batch, gen.token_ids, gen.logprobs, gen.finish_reasons):
+                self._answer(entry, ids, lps, fin)
+
+    @staticmethod
+    def _answer(entry: tuple, ids: list[int], lps: list[float], fin: str) -> None:
+        """Resolve a trajectory's generate() with its row (once: a row reported as it ended is not again)."""
+        t, fut = entry
+        if fut.done():
+            return
+        if len(ids) > t.room:  # a longer budget was asked for the batch: this sample's ends here
+            ids, lps, fin = ids[:t.room], lps[:t.room], "length"
+        fut.set_result((list(ids), list(lps), fin))
 
     async def run(self, loop: AgentLoop) -> None:
         self.wake = asyncio.Event()

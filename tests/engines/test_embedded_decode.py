@@ -67,6 +67,38 @@ def test_static_cache_keeps_per_row_seeds():
     assert seeded.token_ids == batch.token_ids[1::2]
 
 
+def test_rows_are_reported_as_they_end_with_their_own_budgets():
+    """on_row_done gets each row once, the moment it ends (a row that stops early is reported before the batch's
+    last step), with the tokens the Generation returns; row_max_new_tokens ends a row at its budget with
+    "length", and its tokens are the full-budget sample's first ones (a budget does not change what is drawn)."""
+    engine = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    full = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, stop_token_ids=[], seed=7)
+    stop = full.token_ids[0][2]  # row 0 stops at its third token
+    budgets = [12, 3, 12, 7, 1, 12]
+    reported, steps = [], []
+    hook = engine._decode_step
+
+    def counting(mode):  # counts decode forwards: a report's position among them is when it came
+        step = hook(mode)
+        return lambda *a: steps.append(1) or step(*a)
+
+    engine._decode_step = counting
+    gen = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, stop_token_ids=[stop], seed=7,
+                          row_max_new_tokens=budgets,
+                          on_row_done=lambda r, ids, lps, fin: reported.append((r, list(ids), list(lps), fin, len(steps))))
+    assert sorted(r for r, *_ in reported) == list(range(6))
+    for r, ids, lps, fin, at in reported:
+        assert (ids, lps, fin) == (gen.token_ids[r], gen.logprobs[r], gen.finish_reasons[r])
+        first_stop = full.token_ids[r].index(stop) + 1 if stop in full.token_ids[r] else 99
+        n = min(budgets[r], first_stop)
+        assert ids == full.token_ids[r][:n] and fin == ("stop" if first_stop <= budgets[r] else "length"), r
+        assert at == len(ids) - 1  # reported right after the step that drew its last token
+    assert min(at for *_, at in reported) < len(steps)  # some rows were reported while others decoded on
+    with pytest.raises(ValueError, match="row_max_new_tokens needs one budget"):
+        engine.generate(PROMPTS, n=1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[], seed=7,
+                        row_max_new_tokens=[4, 5, 1])
+
+
 def test_bad_decode_settings_are_named():
     cfg = load_model_config("tiny")
     with pytest.raises(ValueError, match="rollout.embedded_decode='fast'"):

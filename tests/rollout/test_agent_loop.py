@@ -87,6 +87,54 @@ def test_a_slow_call_holds_up_only_its_own_trajectory(tok, async_tools):
     assert gen.extra["multi_turn"]["per_tool"]["sleeper"]["calls"] == 2
 
 
+class StreamingPolicy(Policy):
+    """A Policy that reports each row as it ends, as the embedded engine does (on_row_done): row 0 at once, the
+    others `tail` seconds later (a long row still decoding)."""
+
+    def __init__(self, tok, turn, tail):
+        super().__init__(tok, turn)
+        self.tail, self.streamed = tail, []
+
+    def generate(self, prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed, prompt_offset=0,
+                 row_seeds=None, row_max_new_tokens=None, on_row_done=None):
+        gen = super().generate(prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed, prompt_offset,
+                               row_seeds)
+        self.streamed.append(on_row_done is not None)
+        for r in range(len(prompts)):
+            if r == 1:
+                time.sleep(self.tail)
+            if on_row_done is not None:
+                on_row_done(r, gen.token_ids[r], gen.logprobs[r], gen.finish_reasons[r])
+        return gen
+
+
+@pytest.mark.parametrize("async_tools", [True, False])
+def test_a_call_starts_when_its_row_ends_not_when_the_batch_does(tok, async_tools):
+    """'quick' calls a 0.6 s tool in its first turn, whose row ends at once; 'long' answers, its row ending 1.2 s
+    later. Async: quick's call runs while long's row decodes, so its second turn is generated as soon as the
+    first batch is done (not 0.6 s after); in lockstep the engine is never asked to report rows early."""
+    engine = StreamingPolicy(tok, lambda t, s: "done" if "slept" in t or first_user(t) == "long" else sleep_call(0.6),
+                             tail=1.2)
+    pool = ToolPool(["tests.toolcalls.test_toolcalls:Sleeper"], num_workers=1, timeout_s=20)
+    mt = MultiTurnEngine(engine, tok, pool, max_turns=3, stop_token_ids=[engine.end], async_tools=async_tools)
+    try:
+        while len(pool.worker_stats) < 1:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        gen = mt.generate([prompt_ids(tok, "quick"), prompt_ids(tok, "long")], 1, 1.0, 1.0, 200, [engine.end], seed=0)
+    finally:
+        mt.shutdown()
+    assert [b for _, b in engine.log] == [["quick", "long"], ["quick"]]
+    assert engine.streamed == [async_tools, async_tools]
+    second = engine.log[1][0] - t0
+    if async_tools:
+        assert second < 1.2 + 0.4, second  # the call (0.6 s) ran inside the first batch's 1.2 s
+        assert gen.extra["multi_turn"]["tool_calls"] == [1, 0]
+    else:
+        assert second >= 1.2 + 0.6, second
+    assert [t["text"] for t in gen.trajectories[0]["turns"]] == [sleep_call(0.6), "slept", "done"]
+
+
 async def retry_until_right(traj):
     """A scripted user: the model answers; a wrong answer gets "No. Try again." (a user turn), up to 3 answers."""
     for _ in range(3):
