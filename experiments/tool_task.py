@@ -13,9 +13,9 @@ The start: the tiny architecture with tied embeddings, transformers' init with t
 with a shaping reward, task=lookup_call: 1.0 for a call, one turn only (the turn ends at the call, no tool runs,
 nothing after a tool result is trained), exported as an HF directory. Both measured runs start from it.
 
-Measured (bench_results/tool_task.json, 476 s on 2 CPU cores shared with other work): validation 0.00 -> 0.58
-(step 5) -> 1.00 (step 10 to 60) with the tool; 0.00 -> 0.09-0.13 with it unavailable (chance 0.1). Without the
-copying prior kept (megatron's init, or a warm-up at lr 2e-3, which drops p(copy) after a result to ~0.01) the
+Measured (bench_results/tool_task.json, 425 s on 2 CPU cores, the reward reading the trajectory's turns, async
+tool calls): validation 0.00 -> 1.00 (step 5 to 60) with the tool; 0.00 -> 0.00-0.05 with it unavailable (chance
+0.1). Without the copying prior kept (megatron's init, or a warm-up at lr 2e-3, which drops p(copy) after a result to ~0.01) the
 reward after a call stayed at 0.02-0.12 for 30-60 steps (bench_results/tool_task_lookup_attempts.json).
 """
 
