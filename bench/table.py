@@ -88,6 +88,17 @@ def _fuzz(d):
             + ("healthy, weights unchanged after" if ok else "SERVER CHANGED"))
 
 
+def _async_parity(d):
+    first = {k: d[k]["first_step_at_target"] for k in ("in_turn_embedded", "in_turn", "async")}
+    ratio = d["async_over_in_turn_embedded_steps"]
+    lag = d["async"].get("mean_token_lag", {})
+    return (f"first step at validation >= {d['target']}: in turn {first['in_turn_embedded']} (embedded), "
+            f"{first['in_turn'] or 'none in ' + str(d['in_turn']['steps'])} (dedicated server); async "
+            f"{first['async'] or 'none'} ({_x(ratio) if ratio else 'n/a'} the embedded run's; target 1.3x "
+            f"{'met' if ratio and ratio <= 1.3 else 'not met'}); tokens 1-2 versions stale "
+            f"{sum(v for k, v in lag.items() if k != '0'):.1%}")
+
+
 def _lora(d):
     full, v = d["modes"]["full"], d["vs_full"]
     mib = full["measured"]["total_bytes"] / 2**20
@@ -168,6 +179,8 @@ ROWS = [
     Row("prompt data at scale (index, draw)", "data.json", "python -m bench.data", _data),
     Row("LoRA rank 8 and 64 vs full fine-tuning (SmolLM2-135M example, fp32)", "lora_smollm2.json",
         "python -m bench.lora", _lora),
+    Row("fully async (k=2, partial rollouts) vs in turn: learning the demo", "async_parity.json",
+        "python -m experiments.async_parity", _async_parity),
     Row("async vs lockstep tool calls (tens_tool, tool latency exponential, mean 0.5 s)", "tools.json",
         "python -m bench.tools",
         lambda d: f"tool share of the step {d['steps']['lockstep']['tool_share']:.3f} -> "
