@@ -114,12 +114,23 @@ def perturbed(logp: torch.Tensor, mask: torch.Tensor, scale: float, seed: int) -
     return (logp + noise) * mask
 
 
-def _load(actor: Actor, ckpt: str) -> None:
+def _load(actor: Actor, ckpt: str | dict) -> dict:
+    """Load W0 into the actor: from the checkpoint `ckpt` (dist_checkpointing, at the actor's layout), or from the
+    local state that an earlier load at the same layout returned. Returns that local state."""
     from megatron.core import dist_checkpointing
 
     gpt = actor.built.gpt
-    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), ckpt))
+    if isinstance(ckpt, str):  # loaded copies, not the parameters themselves: the update must not change them
+        ckpt = {k: v.detach().clone() if torch.is_tensor(v) else v
+                for k, v in dist_checkpointing.load(gpt.sharded_state_dict(), ckpt).items()}
+    gpt.load_state_dict(ckpt)
     actor.optimizer.reload_model_params()
+    return ckpt
+
+
+def combo_key(combo) -> str:
+    """The prefix of a (mode, micro-batch size) update's weights in a layout's checkpoint."""
+    return f"{combo[0]}_{combo[1]}."
 
 
 def full_state(gpt) -> dict:
@@ -128,7 +139,9 @@ def full_state(gpt) -> dict:
 
 def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, optim="adam", parallel_kw=None,
                spec=None):
-    """On every rank of a tp x pp x dp layout: for each (mode, mbs), load W0, one update, save W1.
+    """On every rank of a tp x pp x dp layout: for each (mode, mbs), a new Actor, W0, one update; then every
+    update's W1 saved with dist_checkpointing in one checkpoint at `out_dir`, under combo_key(combo) (read back
+    with `load_combos`). W0 is read from `w0_dir` at the layout once; the later Actors take that local state.
     Returns (logprobs of W0, {combo: metrics}); with spec["ref"], also the logprobs of W0 loaded into a
     Reference: (logprobs, metrics, reference logprobs). `spec`: batch_kw, algo_kw, variant, lengths (see
     `rollout`). `inputs`: (old_logp, ref_logp) or (old_logp, ref_logp, engine_logp)."""
@@ -139,12 +152,12 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
         init_distributed(tp=tp, pp=pp, seed=1234, ep=(parallel_kw or {}).get("ep", 1))
         combos = combos or [(m, b) for m in MODES for b in MICRO]
         parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, **(parallel_kw or {}))
-        results, first_logp = {}, None
+        results, first_logp, w0, updated = {}, None, w0_dir, {}
         cfg = model_cfg(tied, spec.get("variant", "tiny"))
         for mode, mbs in combos:
             kw = configs(mode, mbs, optim, spec.get("batch_kw"), spec.get("algo_kw"))
             actor = Actor(cfg, parallel, **kw)
-            _load(actor, w0_dir)
+            w0 = _load(actor, w0)
             batch = rollout(lengths=spec.get("lengths", "random"))
             if first_logp is None:
                 first_logp = actor.logprobs(batch, TEMPERATURE)
@@ -153,10 +166,10 @@ def run_layout(tp, pp, sp, w0_dir, out_dir, inputs, tied=False, combos=None, opt
             batch.old_logp, batch.ref_logp = inputs[:2]
             batch.engine_logp = inputs[2] if len(inputs) > 2 else None
             (m,) = actor.update(batch, TEMPERATURE)
-            path = os.path.join(out_dir, f"{mode}_{mbs}")
-            os.makedirs(path, exist_ok=True)
-            dist_checkpointing.save(actor.built.gpt.sharded_state_dict(), path)
+            updated.update(actor.built.gpt.sharded_state_dict(prefix=combo_key((mode, mbs))))
             results[(mode, mbs)] = m
+        os.makedirs(out_dir, exist_ok=True)
+        dist_checkpointing.save(updated, out_dir)
         destroy_distributed()
         return (first_logp, results, ref_logp) if spec.get("ref") else (first_logp, results)
 
@@ -194,10 +207,10 @@ def make_reference(w0_dir, tied=False, combos=None, optim="adam", spec=None):
         inputs = (perturbed(logp, mask, 0.3, 1), perturbed(logp, mask, 0.2, 2))
         if spec.get("engine"):
             inputs = inputs + (perturbed(inputs[0], mask, 0.25, 3),)
-        out = {}
+        out, w0_local = {}, w0_dir
         for mode, mbs in combos:
             actor = Actor(cfg, ParallelConfig(), **configs(mode, mbs, optim, spec.get("batch_kw"), spec.get("algo_kw")))
-            _load(actor, w0_dir)
+            w0_local = _load(actor, w0_local)
             b = rollout(lengths=lengths)
             b.old_logp, b.ref_logp = inputs[:2]
             b.engine_logp = inputs[2] if len(inputs) > 2 else None
@@ -222,5 +235,25 @@ def load_many(dirs, tied=False, variant="tiny", cfg=None):
         for d in dirs:
             gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), d))
             out[d] = full_state(gpt)
+        destroy_distributed()
+        return out
+
+
+def load_combos(out_dir, combos, tied=False, variant="tiny"):
+    """The W1 of each combo in `run_layout`'s checkpoint at `out_dir`, loaded into one single-process TP1PP1 model
+    (dist_checkpointing reshards from the layout): {combo: state}."""
+    from megatron.core import dist_checkpointing
+
+    from grpo_mega.models.builder import build_gpt
+
+    with cpu_compat.cpu_device_mode():
+        init_distributed(tp=1, pp=1, seed=1234)
+        gpt, _ = build_gpt(model_cfg(tied, variant), ParallelConfig(), PrecisionConfig(params_dtype="fp32"))
+        out = {}
+        for combo in combos:
+            key = combo_key(combo)
+            loaded = dist_checkpointing.load(gpt.sharded_state_dict(prefix=key), out_dir)
+            gpt.load_state_dict({k[len(key):]: v for k, v in loaded.items()})
+            out[combo] = full_state(gpt)
         destroy_distributed()
         return out

@@ -39,8 +39,8 @@ def _run(tmp, ref, name, tp, pp, dp, sp, combos=None, tied=False, optim="adam", 
     res = run_ranks(L.run_layout, tp * pp * dp, tp, pp, sp, os.path.join(tmp, "w0"), out, inputs, tied, combos, optim,
                     parallel_kw, timeout=600)
     combos = combos or [(m, b) for m in L.MODES for b in L.MICRO]
-    (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in combos], tied, timeout=300)
-    return res, {c: states[os.path.join(out, f"{c[0]}_{c[1]}")] for c in combos}
+    (states,) = run_ranks(L.load_combos, 1, out, combos, tied, timeout=300)
+    return res, states
 
 
 def _check(ref, res, states):
@@ -95,8 +95,8 @@ def test_non_distributed_optimizer_path(tmp):
         out = os.path.join(tmp, name)
         res = run_ranks(L.run_layout, tp * pp * dp, tp, pp, False, os.path.join(tmp, "w0_sgd"), out, ref[2], False,
                         combos, "sgd", timeout=600)
-        (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in combos], timeout=300)
-        _check(ref, res, {c: states[os.path.join(out, f"{c[0]}_{c[1]}")] for c in combos})
+        (states,) = run_ranks(L.load_combos, 1, out, combos, timeout=300)
+        _check(ref, res, states)
 
 
 def test_tied_embeddings_across_pipeline_stages(tmp):
@@ -107,8 +107,8 @@ def test_tied_embeddings_across_pipeline_stages(tmp):
     for name, (tp, pp, dp) in {"tied_PP2": (1, 2, 1), "tied_TP2xPP2": (2, 2, 1)}.items():
         out = os.path.join(tmp, name)
         res = run_ranks(L.run_layout, tp * pp * dp, tp, pp, False, w0_dir, out, ref[2], True, combos, timeout=600)
-        (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in combos], True, timeout=300)
-        _check(ref, res, {c: states[os.path.join(out, f"{c[0]}_{c[1]}")] for c in combos})
+        (states,) = run_ranks(L.load_combos, 1, out, combos, True, timeout=300)
+        _check(ref, res, states)
 
 
 def test_dropping_the_loss_scale_is_caught(reference, tmp, monkeypatch):

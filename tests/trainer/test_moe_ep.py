@@ -39,8 +39,6 @@ def test_ep2_update_matches_single_process(tmp_path):
     grad norm and the gradient read back through the optimizer (tests/trainer/layouts.py) to 1e-5 relative,
     fp32. The EP2 ranks pad their micro-batches to one shape (the allgather token dispatcher); the padding
     must not reach the loss."""
-    import os
-
     from grpo_mega.parallel.forked import run_ranks
     from tests.trainer import layouts as L
     from tests.trainer.test_layout_invariance import _check
@@ -51,9 +49,8 @@ def test_ep2_update_matches_single_process(tmp_path):
     out = str(tmp_path / "ep2")
     res = run_ranks(L.run_layout, 2, 1, 1, False, w0, out, ref[2], False, combos, "adam", dict(ep=2), spec,
                     timeout=300)
-    (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in combos], False,
-                          "tiny-qwen3-moe", timeout=300)
-    _check(ref, res, {c: states[os.path.join(out, f"{c[0]}_{c[1]}")] for c in combos})
+    (states,) = run_ranks(L.load_combos, 1, out, combos, False, "tiny-qwen3-moe", timeout=300)
+    _check(ref, res, states)
     for c in combos:
         print(f"EP2 {c}: loss {res[0][1][c]['loss']:.8f} vs {ref[3][c][0]['loss']:.8f}, grad_norm "
               f"{res[0][1][c]['grad_norm']:.8f} vs {ref[3][c][0]['grad_norm']:.8f}")

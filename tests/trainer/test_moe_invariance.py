@@ -57,9 +57,7 @@ def _run_and_check(tmp, ref, case, w0, name, tp, pp, dp):
     out = os.path.join(tmp, name)
     res = run_ranks(L.run_layout, tp * pp * dp, tp, pp, tp > 1, os.path.join(tmp, w0), out, ref[2], False,
                     case["combos"], "adam", dict(ep=2), _spec(case), timeout=300)
-    (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in case["combos"]], False,
-                          case["variant"], timeout=300)
-    states = {c: states[os.path.join(out, f"{c[0]}_{c[1]}")] for c in case["combos"]}
+    (states,) = run_ranks(L.load_combos, 1, out, case["combos"], False, case["variant"], timeout=300)
     _check(ref, res, states)
     w0_state, per_combo = ref[0], ref[3]
     for combo, state in states.items():  # every tensor on its own, not only the whole gradient

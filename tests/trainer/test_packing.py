@@ -155,8 +155,7 @@ def _packed_matches_padded(tmp, ref, name, tp, pp, dp, sp, variant):
     out = os.path.join(tmp, f"{variant}_{name}")
     res = run_ranks(L.run_layout, tp * pp * dp, tp, pp, sp, os.path.join(tmp, f"w0_{variant}"), out, inputs, False,
                     COMBOS, "adam", None, dict(PACKED, variant=variant), timeout=600)
-    (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{m}_{b}") for m, b in COMBOS], False, variant,
-                          timeout=300)
+    (states,) = run_ranks(L.load_combos, 1, out, COMBOS, False, variant, timeout=300)
     for old_logp, metrics, ref_logp in res:
         assert (old_logp - logp).abs().max().item() <= LOGP_TOL
         assert (ref_logp - logp).abs().max().item() <= LOGP_TOL
@@ -167,7 +166,7 @@ def _packed_matches_padded(tmp, ref, name, tp, pp, dp, sp, variant):
             assert m["tokens"] == m_ref["tokens"]
             assert m["computed_tokens"] < m_ref["computed_tokens"]  # packing computed less
     for combo in COMBOS:
-        rel = _rel_grad(w0, states[os.path.join(out, f"{combo[0]}_{combo[1]}")], per_combo[combo][1])
+        rel = _rel_grad(w0, states[combo], per_combo[combo][1])
         assert rel <= REL_TOL, f"{variant} {name} {combo}: gradient relative error {rel:.2e}"
     return res
 

@@ -83,8 +83,8 @@ def test_policy_loss_layout_matches_single_process(references, name, layout):
     spec = dict(algo_kw=algo_kw)
     res = run_ranks(L.run_layout, tp * pp * dp, tp, pp, sp, os.path.join(tmp, name, "w0"), out, inputs, False,
                     [combo], "adam", None, spec, timeout=600)
-    (states,) = run_ranks(L.load_many, 1, [os.path.join(out, f"{combo[0]}_{combo[1]}")], timeout=300)
-    state = next(iter(states.values()))
+    (states,) = run_ranks(L.load_combos, 1, out, [combo], timeout=300)
+    state = states[combo]
     m_ref, g_ref = per_combo[combo]
     for r in res:
         m = r[1][combo]
