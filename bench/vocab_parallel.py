@@ -103,6 +103,7 @@ def main() -> int:
     ap.add_argument("--vocab-size", type=int, default=128200, help="real vocabulary (the rest is padding)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--tp-sizes", default="1,2,4", help="the TP sizes to measure, comma-separated")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", default="vocab_parallel", help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -112,8 +113,8 @@ def main() -> int:
         worker(args)
         return 0
 
-    rows = []
-    for impl, tp, chunk in CONFIGS:
+    rows, tp_sizes = [], {int(t) for t in args.tp_sizes.split(",")}
+    for impl, tp, chunk in [c for c in CONFIGS if c[1] in tp_sizes]:
         cmd = common.worker_cmd("bench.vocab_parallel", "--worker", "--impl", impl, "--tp", str(tp),
                                 *(["--chunk", str(chunk)] if chunk else []),
                                 *common.flags(args, "T", "V", "vocab_size", "temperature", "iters"))

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bench_vocab_parallel_writes_json(tmp_path):
     out = tmp_path / "vp.json"
     cmd = [sys.executable, "-m", "bench.vocab_parallel",
-           "--T", "16", "--V", "256", "--vocab-size", "250", "--iters", "1", "--out", str(out)]
+           "--T", "16", "--V", "256", "--vocab-size", "250", "--iters", "1", "--tp-sizes", "4", "--out", str(out)]
     run_bench(cmd, tmp_path, timeout=300)
     data = json.loads(out.read_text())
     rows = {(r["impl"], r["tp"], r["chunk"]) for r in data["results"]}
