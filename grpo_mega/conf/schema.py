@@ -97,9 +97,6 @@ class TrainConfig:
             why = "rollout.multi_turn.enable=true: multi-turn trajectories are not generated in segments yet"
         elif self.algo.routing_replay != "none":
             why = f"algo.routing_replay={self.algo.routing_replay}: the routes of continued responses are not joined yet"
-        elif self.checkpoint.dir:
-            why = ("checkpoint.dir: resuming a fully asynchronous run (its groups in flight) is not built yet "
-                   "(issue 39, Build 5); run without checkpoint.dir, or with rollout.mode=sync")
         if why is not None:
             raise ValueError(f"rollout.mode=async with {why}")
 

@@ -21,11 +21,19 @@ are done (the batch only holds complete groups); a group may span versions.
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
 step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.
 Prompts are drawn on rank 0 only, by the workers, in start order; the batch's prompts reach the other ranks
-with its samples. Checkpoints are refused at config time (resume is not built: issue 39, Build 5).
+with its samples.
+
+Checkpoints carry the groups (`state()`): those complete and not yet taken, in completion order, and those in flight
+with the tokens, logprobs and versions each response had at that moment (a segment being generated then is
+generated again on resume: the same sampling seed, the resumed servers' weights). Each group keeps the task's
+state from before its prompt was drawn; `restore` sets the earliest one's, draws the prompts again up to the
+checkpoint's start count (checking the saved ones; those already trained or dropped are skipped), takes the
+complete groups first and continues the others from their token prefixes, so no prompt is lost or drawn twice.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import Counter
@@ -57,6 +65,8 @@ class Group:
     """Start order over the run (the seed's prompt index)."""
     example: object
     responses: list[Response]
+    task_before: object = None
+    """The task's state before this group's prompt was drawn (what a checkpoint holding it resumes from)."""
 
     @property
     def done(self) -> bool:
@@ -72,18 +82,21 @@ class AsyncRolloutScheduler:
 
     def __init__(self, engines: Engines, draw: Callable[[int], list], batch_size: int, sampling: SamplingArgs,
                  staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 16,
-                 share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None):
+                 share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None,
+                 get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None):
         if staleness < 1:
             raise ValueError(f"rollout.off_policy_steps={staleness}: the staleness bound must be >= 1")
         if len(engines.ranks) != 1 or engines.ranks[0] != 0:
             raise ValueError("rollout.mode=async needs one client on rank 0 (rollout.placement=dedicated)")
         self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
         self.k, self.last_step, self.partial, self.segment = staleness, last_step, partial, segment_tokens
-        self.share = share
+        self.share, self.get_state, self.set_state = share, get_state, set_state
         self.ahead = staleness
         self.version = 0  # the servers' weights (the last sync)
         self.cond = threading.Condition()
         self.done: list[Group] = []  # complete, in completion order, not yet taken
+        self.carried: list[Group] = []  # in flight at a checkpoint, continued by the first worker with room
+        self.last_groups: list[Group] = []  # the last step's (rewind puts them back)
         self.started = 0
         self.error: Optional[tuple[str, bool]] = None
         self.closing = False
@@ -107,10 +120,12 @@ class AsyncRolloutScheduler:
         return self.started < cap and not self.closing
 
     def _new_group(self) -> Group:
+        before = copy.deepcopy(self.get_state()) if self.get_state is not None else None
         example = self.draw(1)[0]
         index, self.started = self.started, self.started + 1
         base = self.sampling.seed * 1_000_003
-        return Group(index, example, [Response(sample_seed(base, index, j) % (2**31)) for j in range(self.sampling.n)])
+        return Group(index, example, [Response(sample_seed(base, index, j) % (2**31)) for j in range(self.sampling.n)],
+                     before)
 
     def _params(self, r: Response) -> dict:
         s, m = self.sampling, len(r.tokens)
@@ -127,6 +142,8 @@ class AsyncRolloutScheduler:
         try:
             while True:
                 with self.cond:
+                    while len(active) < slots and self.carried:
+                        active.append(self.carried.pop(0))
                     while len(active) < slots and self._may_start():
                         active.append(self._new_group())
                     if self.closing:
@@ -187,6 +204,7 @@ class AsyncRolloutScheduler:
                     break
                 self.cond.wait(timeout=1.0)
             groups, self.done = self.done[:self.batch_size], self.done[self.batch_size:]
+            self.last_groups = groups
             now = time.perf_counter()
             wall, busy, tokens, dropped = now - self.mark, sum(self.busy.values()), self.generated_tokens, self.dropped
             servers = len(self.engines.local.urls)
@@ -286,17 +304,75 @@ class AsyncRolloutScheduler:
         for t in self.workers:
             t.join(timeout=30)
 
-    # ---- checkpoints (refused at config time in this mode) ----------------------------------------
+    # ---- checkpoints ------------------------------------------------------------------------------
 
     def rewind(self) -> None:
-        pass
+        """Rank 0: the last step's groups back in front of the complete ones, so that a checkpoint now (of the step
+        before) trains them again on resume."""
+        with self.cond:
+            self.done, self.last_groups = self.last_groups + self.done, []
+
+    def _saved(self) -> tuple[list[Group], list[Group]]:
+        """Under cond: (complete groups in completion order, groups in flight in start order)."""
+        flying = [g for gs in self.in_flight.values() for g in gs if not g.done] + self.carried
+        return list(self.done), sorted(flying, key=lambda g: g.index)
 
     def task_state(self):
-        return None
+        """Rank 0: the task's state before the earliest group a checkpoint now holds was drawn (else the task's own)."""
+        if dist.get_rank() != 0:
+            return None
+        with self.cond:
+            done, flying = self._saved()
+            groups = done + flying
+            if groups:
+                return min(groups, key=lambda g: g.index).task_before
+            return self.get_state() if self.get_state is not None else None
 
     def state(self) -> Optional[dict]:
-        return None
+        """Rank 0: the groups complete and in flight (JSON), the start count, the groups dropped so far and the task's
+        state before the earliest of them; None elsewhere."""
+        if dist.get_rank() != 0:
+            return None
+        with self.cond:
+            done, flying = self._saved()
+            groups = done + flying
+            first = min(groups, key=lambda g: g.index) if groups else None
+            return dict(mode="async", started=self.started, dropped_groups=self.dropped_groups,
+                        first=first.index if first else self.started,
+                        task_before=first.task_before if first else (self.get_state() if self.get_state else None),
+                        groups=[dict(index=g.index, prompt=list(g.example.prompt_ids), done=g.done,
+                                     responses=[dict(seed=r.seed, tokens=list(r.tokens), logprobs=list(r.logprobs),
+                                                     versions=list(r.versions), finish=r.finish, segments=r.segments)
+                                                for r in g.responses])
+                                for g in groups])
 
     def restore(self, state: Optional[dict]) -> None:
-        if state is not None:
-            raise ValueError("a checkpoint's rollout state cannot resume rollout.mode=async (not built: issue 39, Build 5)")
+        """A checkpoint's state(): the task set to before its earliest group, the prompts drawn again up to its start
+        count, the complete groups first in line and the rest continued from their token prefixes by the workers."""
+        if state is None:
+            return
+        if state.get("mode") != "async":
+            raise ValueError("the checkpoint was written with rollout.mode=sync (its batch in flight is one step's); "
+                             "resume it with rollout.mode=sync, or start a new run for rollout.mode=async")
+        self.started, self.dropped_groups = int(state["started"]), int(state["dropped_groups"])
+        if dist.get_rank() != 0:
+            return
+        if self.set_state is not None:
+            self.set_state(copy.deepcopy(state["task_before"]))
+        saved = {g["index"]: g for g in state["groups"]}
+        groups = {}
+        for index in range(int(state["first"]), self.started):
+            example = self.draw(1)[0]
+            g = saved.get(index)
+            if g is None:  # trained or dropped before the checkpoint
+                continue
+            if list(example.prompt_ids) != g["prompt"]:
+                raise ValueError(f"the checkpoint's group {index} (in flight or not yet trained) was drawn from another "
+                                 "prompt than the task now gives: was the data (data.train_files, seed) changed? Resume "
+                                 "with the same data, or start a new run")
+            groups[index] = Group(index, example, [Response(r["seed"], list(r["tokens"]), list(r["logprobs"]),
+                                                            list(r["versions"]), r["finish"], int(r["segments"]))
+                                                   for r in g["responses"]])
+        order = [g["index"] for g in state["groups"]]
+        self.done = [groups[i] for i in order if groups[i].done]
+        self.carried = sorted((groups[i] for i in order if not groups[i].done), key=lambda g: g.index)

@@ -286,6 +286,9 @@ class RolloutScheduler:
         """After the task's state is restored (task_state()): draw the saved batch's prompts again and take its
         samples, so that the resumed run trains on exactly what the interrupted one would have. In turn
         (off_policy_steps=0) the saved samples are dropped: the prompts are drawn and generated afresh."""
+        if state is not None and state.get("mode") == "async":
+            raise ValueError("the checkpoint was written with rollout.mode=async (its groups in flight); resume it with "
+                             "rollout.mode=async, or start a new run")
         if state is None or not self.ahead:
             return
         before = copy.deepcopy(self.get_state()) if self.get_state is not None else None

@@ -3,12 +3,12 @@ weights synced after every stand-in update while responses are in flight: the st
 token handed out, groups are whole, every token's version and behaviour logprob are the ones that version's
 weights give (float64 recomputation with transformers), responses continued across versions exist, stale groups
 are dropped and counted; and a step's loss with the rollout correction equals a float64 recomputation against
-those per-token behaviour logprobs, the old-logprob pass as the proximal policy. Plus the demo task learning in
-async mode (k = 2, partial rollouts) and the refusals."""
+those per-token behaviour logprobs, the old-logprob pass as the proximal policy. A checkpoint's groups (complete and
+in flight) resume: the prompt stream and the responses' token prefixes carry on. Plus the demo task learning in
+async mode (k = 2, partial rollouts) and resuming from its checkpoint, and the refusals."""
 
 import copy
 import os
-import subprocess
 import time
 
 import pytest
@@ -214,6 +214,136 @@ def test_loss_uses_per_token_behaviour_logprobs(batches):
     assert (w[mask] - 1).abs().max() > 1e-2  # the correction acts: the tokens are not all the trainer's own
 
 
+class _Stream:
+    """A task's prompt stream with its state (get_state / set_state, JSON as a checkpoint holds it): the examples
+    carry their index in the stream."""
+
+    def __init__(self):
+        import random
+
+        self.rng, self.count = random.Random(0), 0
+
+    def draw(self, size):
+        out = []
+        for _ in range(size):
+            ex = _Example([self.rng.randrange(1, VOCAB) for _ in range(3)])
+            ex.index, self.count = self.count, self.count + 1
+            out.append(ex)
+        return out
+
+    def get_state(self):
+        version, internal, gauss = self.rng.getstate()
+        return [version, list(internal), gauss, self.count]
+
+    def set_state(self, state):
+        self.rng.setstate((state[0], tuple(state[1]), state[2]))
+        self.count = state[3]
+
+
+SAVE = 2  # the step the checkpoint is of
+
+
+def _steps(s, steps, sync_after=True):
+    """The loop's calls for `steps` (as _run): rank 0's (step, example indices, generation, metrics) per step."""
+    out = []
+    for step in steps:
+        got = s.result(step)
+        out.append((step, [e.index for e in got.examples], got.gen, s.metrics()))
+        _until_partial(s)
+        s.sync_weights(None, version=step)
+    return out
+
+
+def _until_partial(s, seconds=20):
+    """Training lasts until a response is half generated (the sync, or the checkpoint, lands then)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        partial, groups = s.in_flight_counts()
+        if partial or not groups:
+            return
+        time.sleep(0.002)
+
+
+def _run_resumed(url):
+    """Steps 1..SAVE, a checkpoint (the scheduler's state through JSON, as loop_state.json holds it) with responses
+    half generated, the process gone; a new scheduler on a new stream restored from it trains SAVE+1..STEPS; then the
+    last step is rewound and checkpointed again."""
+    import json
+
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    base = {n: p.detach().clone() for n, p in _engine().params.items()}
+
+    def scheduler(stream):
+        return AsyncRolloutScheduler(_Engines(url, base), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3),
+                                     K, STEPS, partial=True, segment_tokens=4, get_state=stream.get_state,
+                                     set_state=stream.set_state)
+
+    first = scheduler(_Stream())
+    first.sync_weights(None, version=0)
+    before = _steps(first, range(1, SAVE + 1))
+    deadline = time.monotonic() + 20  # two complete groups waiting (their order is kept) and a response half done
+    while len(first.done) < GROUPS and time.monotonic() < deadline:
+        time.sleep(0.002)
+    _until_partial(first)
+    saved = json.loads(json.dumps({"task": first.task_state(), "rollout": first.state()}))
+    first.close()
+
+    stream = _Stream()
+    stream.set_state(saved["task"])  # what the trainer's setup does before the scheduler exists
+    second = scheduler(stream)
+    second.restore(saved["rollout"])
+    second.sync_weights(None, version=SAVE)
+    after = _steps(second, range(SAVE + 1, STEPS))
+    got = second.result(STEPS)
+    second.rewind()
+    rewound = second.state()
+    second.close()
+    return before, saved, after, [e.index for e in got.examples], rewound
+
+
+def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server):
+    """A checkpoint holds the groups complete and in flight with each response's tokens, logprobs and versions so far:
+    the resumed run trains the complete ones first, continues the others from their token prefix (later tokens carry
+    the resumed versions), draws no prompt twice and skips none, and holds the staleness bound; a rewound step's
+    groups are back at the front of the next checkpoint."""
+    before, saved, after, last, rewound = run_ranks(_run_resumed, 1, server, timeout=300)[0]
+    state = saved["rollout"]
+    groups = {g["index"]: g for g in state["groups"]}
+    partial = [(g["index"], j) for g in state["groups"] for j, r in enumerate(g["responses"])
+               if r["finish"] is None and r["tokens"]]
+    assert partial, "no response was half generated at the checkpoint"
+    trained_before = [i for _, idx, _, _ in before for i in idx]
+    assert not set(trained_before) & set(groups)  # a checkpoint holds what is not trained yet
+    stream = _Stream().draw(state["started"] + 4 * GROUPS)
+    trained_after = [i for _, idx, _, _ in after for i in idx] + last
+    assert len(set(trained_before + trained_after)) == len(trained_before + trained_after)  # nothing trained twice
+    assert min(trained_after) >= state["first"]  # the stream went on from the checkpoint's earliest group
+    dropped = sum(m["async/dropped_stale_samples"] for _, _, _, m in after)
+    missing = [i for i in groups if i not in trained_after]
+    assert dropped >= N * len(missing)  # a saved group is trained, or dropped as too old and counted
+    done = [g["index"] for g in state["groups"] if g["done"] and g["index"] in trained_after]
+    assert len(done) >= 2 and trained_after[:len(done)] == done  # the complete groups first, in completion order
+    continued = 0
+    for step, idx, gen, _ in after:
+        for gi, index in enumerate(idx):
+            for j in range(N):
+                row, tokens = gi * N + j, gen.token_ids[gi * N + j]
+                versions = gen.extra["token_versions"][row]
+                assert step - 1 - K <= min(versions) <= max(versions) <= step - 1  # the bound
+                if index in groups:
+                    r = groups[index]["responses"][j]
+                    n = len(r["tokens"])
+                    assert (tokens[:n], gen.logprobs[row][:n], versions[:n]) == (r["tokens"], r["logprobs"], r["versions"])
+                    assert all(v >= SAVE for v in versions[n:])  # generated after the resume
+                    continued += r["finish"] is None and n > 0
+    assert continued >= 1
+    assert [g["index"] for g in rewound["groups"][:GROUPS]] == last  # the rewound step's groups come first
+    for index, g in groups.items():  # the same prompts as the stream drew before the kill
+        assert g["prompt"] == stream[index].prompt_ids
+
+
 def test_refusals():
     from grpo_mega.conf.rollout import RolloutConfig
     from grpo_mega.conf.schema import TrainConfig
@@ -225,24 +355,46 @@ def test_refusals():
     r = dict(mode="async", off_policy_steps=2, placement="dedicated", servers=["http://x:1"])
     with pytest.raises(ValueError, match="rollout.mode=async with algo.dynamic_sampling=refill"):
         TrainConfig(rollout=r, algo=dict(dynamic_sampling="refill"))
-    with pytest.raises(ValueError, match="rollout.mode=async with checkpoint.dir"):
-        TrainConfig(rollout=r, checkpoint=dict(dir="/tmp/x"))
+    TrainConfig(rollout=r, checkpoint=dict(dir="/tmp/x"))  # checkpoints resume (the test above)
+    from types import SimpleNamespace
+
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
+
+    engines, sampling = SimpleNamespace(ranks=[0]), SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3)
+    sync_state = dict(step=3, prompts=[[1, 2]], token_ids=[[3]], logprobs=[[-0.1]], finish_reasons=["stop"],
+                      weight_version=1)
+    with pytest.raises(ValueError, match="written with rollout.mode=sync .* resume it with rollout.mode=sync"):
+        AsyncRolloutScheduler(engines, None, GROUPS, sampling, 2).restore(sync_state)
+    with pytest.raises(ValueError, match="written with rollout.mode=async .* resume it with rollout.mode=async"):
+        RolloutScheduler(engines, None, GROUPS, sampling, 1).restore(dict(mode="async", started=4, groups=[]))
     TrainConfig(rollout=r, algo=dict(dynamic_sampling="filter"))  # filter works: it only masks groups
 
 
 def test_demo_task_learns_in_async_mode(server, tmp_path):
     """20 steps of the demo in async mode, k = 2, partial rollouts in segments of 2 tokens: the validation reward
     rises (the whole demo's 200 steps are too long for this tier; bench_results/async.json and the issue's report
-    compare the curves with the in-turn run), and the trained tokens come from more than one version."""
+    compare the curves with the in-turn run), and the trained tokens come from more than one version. Its checkpoint
+    of step 10 (groups complete and in flight) resumes for two more steps."""
     import json
+    import shutil
 
     from tests.fork_server import run_main
 
-    out = tmp_path / "run"
-    done = run_main([f"hydra.run.dir={out}", "run.steps=20", "eval.interval=20", "rollout.placement=dedicated",
-                     f"rollout.servers=[{server}]", "rollout.mode=async", "rollout.off_policy_steps=2",
-                     "rollout.segment_tokens=2"], timeout=900, cwd=REPO, scratch=tmp_path, env=ENV)
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    argv = ["eval.interval=20", "rollout.placement=dedicated", f"rollout.servers=[{server}]", "rollout.mode=async",
+            "rollout.off_policy_steps=2", "rollout.segment_tokens=2"]
+    done = run_main([f"hydra.run.dir={out}", "run.steps=20", *argv, f"checkpoint.dir={ckpt}", "checkpoint.interval=10"],
+                    timeout=900, cwd=REPO, scratch=tmp_path, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
+    loop_state = json.loads((ckpt / "step_00000010" / "loop_state.json").read_text())
+    saved, groups_per_step = loop_state["rollout"], loop_state["config"]["batch"]["train_batch_size"]
+    assert saved["mode"] == "async" and saved["groups"] and saved["started"] > 10 * groups_per_step
+    shutil.copytree(ckpt / "step_00000010", tmp_path / "ckpt10" / "step_00000010")
+    more = run_main([f"hydra.run.dir={tmp_path / 'resumed'}", "run.steps=12", *argv, f"checkpoint.dir={tmp_path / 'ckpt10'}"],
+                    timeout=300, cwd=REPO, scratch=tmp_path, env=ENV)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "metrics.jsonl")] == [11, 12]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     import re
 
