@@ -157,6 +157,7 @@ class ServerClient(RolloutEngine):
         self._audit_route: dict[str, str] = {}  # URL -> how its weights are read back (see weight_checksums)
         self.weight_version = 0
         self.moe_layers = moe_layers
+        self.interrupt = False  # update_weights ends the requests in flight (rollout.mode=async, partial rollouts)
         for url in self.urls:  # named before any training starts
             self._call(url, "/health", None, what="the start-up health check")
 
@@ -294,7 +295,7 @@ class ServerClient(RolloutEngine):
         rows = []
         for k, o in enumerate(out):
             try:
-                ids, lps, reason = validate.sglang_sample(o, self.spec)
+                ids, lps, reason = validate.sglang_sample(o, self.spec, aborted_ok=self.interrupt)
             except validate.BadOutput as e:
                 raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
             if len(ids) > int(params[k].get("max_new_tokens", len(ids))):
@@ -369,8 +370,21 @@ class ServerClient(RolloutEngine):
 
     def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
         """One weight-update session on every server (SGLang accepts /update_weights_from_distributed only
-        between /begin_weight_update and /end_weight_update); the KV caches are flushed after it."""
+        between /begin_weight_update and /end_weight_update); the KV caches are flushed after it. With `interrupt`
+        (rollout.mode=async with partial rollouts), SGLang's /pause_generation (mode abort) first ends the requests
+        in flight with their tokens so far (continued by the caller from that prefix under the new weights) and holds
+        new ones until /continue_generation: no request sees half-updated weights or a stale cache, and the flush
+        finds the server idle."""
         self._ensure_group()
+        if self.interrupt:
+            self._on_all("/pause_generation", {"mode": "abort"})
+        try:
+            self._update(version, buckets)
+        finally:
+            if self.interrupt:
+                self._on_all("/continue_generation", {})
+
+    def _update(self, version: int, buckets: Iterable[Bucket]) -> None:
         self._on_all("/begin_weight_update", {})
         sent = {}
         for bucket in buckets:

@@ -8,7 +8,8 @@ output_ids and meta_info's output_token_logprobs, finish_reason, weight_version)
 /begin_weight_update and /end_weight_update (SGLang requires them around the updates; here /generate waits
 between them, so that no request runs on half-loaded weights),
 /update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the bucket's bytes from
-rank 0 of the update group), /update_weight_version, /flush_cache. One extension of ours, POST
+rank 0 of the update group), /update_weight_version, /flush_cache, /pause_generation and /continue_generation
+(/generate waits between them). One extension of ours, POST
 /grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors
 back with /get_weights_by_name instead). Requests run one at a time; sampling, logprobs and loading are
 the embedded engine's.
@@ -135,6 +136,7 @@ class EngineServer:
         self.api_key, self.api_key_env, self.socket_timeout_s = api_key, api_key_env, socket_timeout_s
         self.lock = threading.Lock()
         self.updating = False  # between /begin_weight_update and /end_weight_update: /generate waits (no mixed weights)
+        self.paused = False  # between /pause_generation and /continue_generation: /generate waits
         self.cond = threading.Condition(self.lock)
         self.lengths = lengths  # --simulate-lengths (median, sigma): each response's length drawn, stop tokens ignored
         self.groups: dict[str, dist.ProcessGroup] = {}
@@ -219,6 +221,17 @@ class EngineServer:
         self.cond.notify_all()
         return {"success": True, "message": "ok"}
 
+    def pause_generation(self, req: dict) -> dict:
+        """SGLang's /pause_generation: /generate waits until /continue_generation. Requests run one at a time here,
+        so none is in flight to abort (mode abort ends SGLang's with their tokens so far)."""
+        self.paused = True
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, req: dict) -> dict:
+        self.paused = False
+        self.cond.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
     def _routed_experts_b64(self, routed) -> str:
         """SGLang 0.5.23's meta_info["routed_experts"]: base64 of int32 [positions, num_hidden_layers, top_k]
         (-1 at the dense layers) from the engine's [positions, M, k] of the MoE layers."""
@@ -290,6 +303,7 @@ def make_handler(server: EngineServer):
              "/update_weights_from_distributed": server.update_weights_from_distributed,
              "/update_weight_version": server.update_weight_version, "/flush_cache": lambda req: {"success": True},
              "/begin_weight_update": server.begin_weight_update, "/end_weight_update": server.end_weight_update,
+             "/pause_generation": server.pause_generation, "/continue_generation": server.continue_generation,
              "/grpo_mega/weight_checksums": server.weight_checksums}
 
     def model_info():
@@ -313,10 +327,11 @@ def make_handler(server: EngineServer):
         def _run(self, fn, *args) -> None:
             try:
                 with server.lock:
-                    if fn == server.generate and server.updating:  # never on half-loaded weights
-                        server.cond.wait_for(lambda: not server.updating, timeout=server.timeout_s)
-                        if server.updating:
-                            raise RuntimeError(f"a weight update began and did not end within {server.timeout_s:.0f} s")
+                    if fn == server.generate and (server.updating or server.paused):  # never on half-loaded weights
+                        server.cond.wait_for(lambda: not (server.updating or server.paused), timeout=server.timeout_s)
+                        if server.updating or server.paused:
+                            raise RuntimeError(f"a weight update (or a pause) began and did not end within "
+                                               f"{server.timeout_s:.0f} s")
                     out = fn(*args)
             except Exception as e:  # noqa: BLE001 - every failure is the client's to report
                 return self._reply(400, {"error": {"message": f"{type(e).__name__}: {e}"}})

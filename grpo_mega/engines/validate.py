@@ -118,10 +118,11 @@ def routed_experts(routes: torch.Tensor, positions: int, spec: OutputSpec, field
     return routes.to(torch.int16)
 
 
-def sglang_sample(out, spec: OutputSpec) -> tuple[list[int], list[float], str]:
+def sglang_sample(out, spec: OutputSpec, aborted_ok: bool = False) -> tuple[list[int], list[float], str]:
     """(token ids, logprobs, finish reason) of one output of SGLang's /generate (`return_logprob`, token ids in and
     out: what SGLang 0.5.23's server and its Engine return, and the stand-in server too), every field checked;
-    the token id each logprob entry names must be the output's token at that position."""
+    the token id each logprob entry names must be the output's token at that position. `aborted_ok`: an output
+    that /pause_generation (mode abort) ended is its tokens so far with reason "abort" (else an error)."""
     if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
         raise BadOutput(f"an output of {type(out).__name__} {str(out)[:80]!r}, not {{output_ids, meta_info}}")
     meta = out["meta_info"]
@@ -139,6 +140,8 @@ def sglang_sample(out, spec: OutputSpec) -> tuple[list[int], list[float], str]:
     lps = logprobs(values, len(ids), "meta_info.output_token_logprobs")
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
+    if aborted_ok and kind == "abort":  # interrupted by /pause_generation: the tokens so far, to be continued
+        return ids, lps, "abort"
     if kind not in FINISH_REASONS and isinstance(reason, dict) and reason.get("message"):
         kind = f"{kind}: {str(reason['message'])[:200]}"
     return ids, lps, finish_reason(kind, "meta_info.finish_reason.type")

@@ -91,6 +91,8 @@ class AsyncRolloutScheduler:
         self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
         self.k, self.last_step, self.partial, self.segment = staleness, last_step, partial, segment_tokens
         self.share, self.get_state, self.set_state = share, get_state, set_state
+        if partial and hasattr(engines.local, "interrupt"):  # a sync ends the segments in flight (SGLang's abort)
+            engines.local.interrupt = True
         self.ahead = staleness
         self.version = 0  # the servers' weights (the last sync)
         self.cond = threading.Condition()
@@ -162,8 +164,9 @@ class AsyncRolloutScheduler:
                         r.logprobs += lps
                         r.versions += [version] * len(ids)
                         r.segments += 1
+                        # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
                         if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
-                            r.finish = reason
+                            r.finish = "length" if reason == "abort" else reason
                     self.busy[url] += seconds
                     self.generated_tokens += sum(len(x[0]) for x in rows)
                     self.done += [g for g in active if g.done]

@@ -99,6 +99,8 @@ def test_an_sglang_output():
     assert sglang_sample(_output(), SPEC) == ([5, 9], [-0.5, -1.0], "stop")
     with pytest.raises(BadOutput, match=r"meta_info\.finish_reason\.type is 'abort: too long'"):
         sglang_sample(_output(reason="abort"), SPEC)
+    # ended by /pause_generation (rollout.mode=async's weight sync): its tokens so far, continued by the scheduler
+    assert sglang_sample(_output(reason="abort"), SPEC, aborted_ok=True) == ([5, 9], [-0.5, -1.0], "abort")
     with pytest.raises(BadOutput, match=r"output_token_logprobs\[1\] is for token 8, output_ids\[1\] = 9"):
         sglang_sample(_output(entry_ids=(5, 8)), SPEC)
     with pytest.raises(BadOutput, match=r"has 1 logprobs for 2 tokens"):

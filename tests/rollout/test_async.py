@@ -361,7 +361,7 @@ def test_refusals():
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
     from grpo_mega.rollout.scheduler import RolloutScheduler, SamplingArgs
 
-    engines, sampling = SimpleNamespace(ranks=[0]), SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3)
+    engines, sampling = SimpleNamespace(ranks=[0], local=None), SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3)
     sync_state = dict(step=3, prompts=[[1, 2]], token_ids=[[3]], logprobs=[[-0.1]], finish_reasons=["stop"],
                       weight_version=1)
     with pytest.raises(ValueError, match="written with rollout.mode=sync .* resume it with rollout.mode=sync"):
