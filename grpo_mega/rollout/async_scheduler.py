@@ -5,11 +5,12 @@ groups are complete and fresh enough (docs/design.md, "Versions and off-policy")
 Rank 0 runs one worker thread per server. A worker keeps up to train_batch_size / servers groups in flight on
 its server (continuous batching at segment granularity): each request carries every unfinished response of its
 groups, its prompt and its tokens so far (token in), for at most `rollout.segment_tokens` more tokens; a finished
-group leaves, a new group joins before the next request. Weights are synced between two requests (the stand-in
-server holds /generate between /begin_weight_update and /end_weight_update), never waiting for a response to
-finish: a response in flight continues under the new weights from its token prefix, and each of its tokens records
-the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is
-generated in one request and keeps its version (the sync waits for that request).
+group leaves, a new group joins before the next request. A weight sync never waits for a response to finish: the
+client interrupts the requests in flight (SGLang's /pause_generation, mode abort; the stand-in runs one request at a
+time and holds /generate until /continue_generation), and a response continues under the new weights from its token
+prefix; each of its tokens records the version that produced it and its behaviour logprob. With
+`rollout.partial_rollouts=false` a response is generated in one request and keeps its version: rank 0 sends no new
+request and waits for those in flight before the sync.
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
@@ -98,6 +99,8 @@ class AsyncRolloutScheduler:
         self.cond = threading.Condition()
         self.done: list[Group] = []  # complete, in completion order, not yet taken
         self.carried: list[Group] = []  # in flight at a checkpoint, continued by the first worker with room
+        self.requests = 0  # /generate requests on the servers now
+        self.holding = False  # no new request: a sync waits for those in flight (partial rollouts off)
         self.last_groups: list[Group] = []  # the last step's (rewind puts them back)
         self.started = 0
         self.error: Optional[tuple[str, bool]] = None
@@ -144,6 +147,8 @@ class AsyncRolloutScheduler:
         try:
             while True:
                 with self.cond:
+                    while self.holding and not self.closing:  # a sync drains the requests (partial rollouts off)
+                        self.cond.wait(timeout=1.0)
                     while len(active) < slots and self.carried:
                         active.append(self.carried.pop(0))
                     while len(active) < slots and self._may_start():
@@ -153,10 +158,16 @@ class AsyncRolloutScheduler:
                     if not active:
                         self.cond.wait(timeout=1.0)
                         continue
+                    self.requests += 1
                 todo = [(g, r) for g in active for r in g.responses if r.finish is None]
                 inputs = [list(g.example.prompt_ids) + r.tokens for g, r in todo]
                 t0 = time.perf_counter()
-                rows = client.generate_segment(url, inputs, [self._params(r) for _, r in todo])
+                try:
+                    rows = client.generate_segment(url, inputs, [self._params(r) for _, r in todo])
+                finally:
+                    with self.cond:
+                        self.requests -= 1
+                        self.cond.notify_all()
                 seconds = time.perf_counter() - t0
                 with self.cond:
                     for (g, r), (ids, lps, reason, version) in zip(todo, rows):
@@ -284,9 +295,22 @@ class AsyncRolloutScheduler:
                           [len(e.prompt_ids) for e in examples for _ in range(self.sampling.n)])
 
     def sync_weights(self, gpt, version: int, **kwargs):
-        """Collective: the trainer's weights into the servers as `version`, between two of their requests (no
-        generation waits to finish); the workers start after the first sync."""
-        stats = self.engines.sync(gpt, version=version, **kwargs)
+        """Collective: the trainer's weights into the servers as `version`; the workers start after the first sync.
+        With partial rollouts the requests in flight are interrupted (SGLang) or held between two segments (the
+        stand-in); without, rank 0 sends no new request and waits for those in flight (a response keeps the version
+        it started on; SGLang locks per bucket, so a new request could otherwise start mid-update or before the flush)."""
+        drain = dist.get_rank() == 0 and not self.partial
+        if drain:
+            with self.cond:
+                self.holding = True
+                self.cond.wait_for(lambda: self.requests == 0 or self.error is not None)
+        try:
+            stats = self.engines.sync(gpt, version=version, **kwargs)
+        finally:
+            if drain:
+                with self.cond:
+                    self.holding = False
+                    self.cond.notify_all()
         if dist.get_rank() == 0:
             with self.cond:
                 self.version = version

@@ -7,6 +7,7 @@ a float64 recomputation under each token's own version (and not under the next o
 
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _base(hf_dir):
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(hf_dir, url):
+def _run(hf_dir, url, partial):
     """The loop's calls to the scheduler; each sync sends version v's weights (_weights) through SGLang's update API."""
     from grpo_mega.engines.client import ServerClient
     from grpo_mega.engines.weight_sync import pack_buckets
@@ -43,23 +44,36 @@ def _run(hf_dir, url):
         ranks = [0]
 
         def __init__(self):
-            self.local = ServerClient([url], timeout_s=120)
+            self.local = ServerClient([url], timeout_s=120, group_name=f"async_partial_{partial}")  # a group a run
 
         def sync(self, gpt, version):
             self.local.update_weights(version, pack_buckets(iter(_weights(base, version).items()), 1 << 20))
 
     stream = _Stream()
     s = AsyncRolloutScheduler(Engines(), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K, STEPS,
-                              partial=True, segment_tokens=4, get_state=stream.get_state, set_state=stream.set_state)
+                              partial=partial, segment_tokens=4, get_state=stream.get_state, set_state=stream.set_state)
     s.sync_weights(None, version=0)
     try:
-        return _steps(s, range(1, STEPS + 1))
+        if partial:
+            return _steps(s, range(1, STEPS + 1))
+        out = []
+        for step in range(1, STEPS + 1):  # each sync lands while a whole-response request is on the server
+            got = s.result(step)
+            out.append((step, [e.index for e in got.examples], got.gen, s.metrics()))
+            deadline = time.monotonic() + 20
+            while s.requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            out[-1][3]["requests_at_sync"] = s.requests
+            s.sync_weights(None, version=step)
+        return out
     finally:
         s.close()
 
 
 @pytest.mark.timeout(600)
 def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
+    """Partial rollouts (segments interrupted by each update and continued), then, against the same server, partial
+    rollouts off: each response one request, drained before each update, so every response has one version."""
     from grpo_mega.engines.sglang_launch import launch_sglang
 
     hf_dir = str(tiny_hf(tmp_path / "llama", "llama", dtype=torch.float32))
@@ -67,7 +81,8 @@ def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
            "PYTHONPATH": os.pathsep.join(p for p in (FIXTURES, REPO, os.environ.get("PYTHONPATH")) if p)}
     ((proc, url),) = launch_sglang(hf_dir, count=1, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True)
     try:
-        (batches,) = run_ranks(_run, 1, hf_dir, url, timeout=400)
+        (batches,) = run_ranks(_run, 1, hf_dir, url, True, timeout=400)
+        (whole,) = run_ranks(_run, 1, hf_dir, url, False, timeout=400)
     finally:
         stop(proc)
 
@@ -102,5 +117,12 @@ def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
                 assert (got - other).abs().max() > 1e-2  # another version's weights would not pass
         assert metrics["async/continued_samples"] == sum(len(set(v)) > 1 for v in versions)
     assert continued >= 1 and checked >= 1
+    assert sum(m["requests_at_sync"] > 0 for _, _, _, m in whole) >= 2  # syncs met requests in flight
+    for step, idx, gen, _ in whole:  # partial rollouts off: one version per response, its logprobs that version's
+        for row, (tokens, lps, vs) in enumerate(zip(gen.token_ids, gen.logprobs, gen.extra["token_versions"])):
+            assert len(set(vs)) == 1 and step - 1 - K <= vs[0] <= step - 1, (step, vs)
+            if row < 2:
+                want = _ref_logprobs(model_at(vs[0]), prompts[idx[row // N]].prompt_ids, tokens)
+                assert torch.allclose(torch.tensor(lps, dtype=torch.float64), want, atol=LOGP_TOL, rtol=0)
     print(f"SGLang async: {continued} responses continued across an update; behaviour logprobs vs float64 "
           f"recomputation max {worst:.2e}")
