@@ -339,21 +339,23 @@ class AsyncRolloutScheduler:
         with self.cond:
             self.done, self.last_groups = self.last_groups + self.done, []
 
-    def _saved(self) -> tuple[list[Group], list[Group]]:
-        """Under cond: (complete groups in completion order, groups in flight in start order)."""
+    def _saved(self) -> tuple[list[Group], int, object]:
+        """Under cond: what a checkpoint now holds: the complete groups in completion order then those in flight in
+        start order, the earliest one's index and the task's state before it was drawn (with no group: the start count
+        and the task's own state)."""
         flying = [g for gs in self.in_flight.values() for g in gs if not g.done] + self.carried
-        return list(self.done), sorted(flying, key=lambda g: g.index)
+        groups = list(self.done) + sorted(flying, key=lambda g: g.index)
+        if groups:
+            first = min(groups, key=lambda g: g.index)
+            return groups, first.index, first.task_before
+        return groups, self.started, self.get_state() if self.get_state is not None else None
 
     def task_state(self):
         """Rank 0: the task's state before the earliest group a checkpoint now holds was drawn (else the task's own)."""
         if dist.get_rank() != 0:
             return None
         with self.cond:
-            done, flying = self._saved()
-            groups = done + flying
-            if groups:
-                return min(groups, key=lambda g: g.index).task_before
-            return self.get_state() if self.get_state is not None else None
+            return self._saved()[2]
 
     def state(self) -> Optional[dict]:
         """Rank 0: the groups complete and in flight (JSON), the start count, the groups dropped so far and the task's
@@ -361,12 +363,9 @@ class AsyncRolloutScheduler:
         if dist.get_rank() != 0:
             return None
         with self.cond:
-            done, flying = self._saved()
-            groups = done + flying
-            first = min(groups, key=lambda g: g.index) if groups else None
-            return dict(mode="async", started=self.started, dropped_groups=self.dropped_groups,
-                        first=first.index if first else self.started,
-                        task_before=first.task_before if first else (self.get_state() if self.get_state else None),
+            groups, first, task_before = self._saved()
+            return dict(mode="async", started=self.started, dropped_groups=self.dropped_groups, first=first,
+                        task_before=task_before,
                         groups=[dict(index=g.index, prompt=list(g.example.prompt_ids), done=g.done,
                                      responses=[dict(seed=r.seed, tokens=list(r.tokens), logprobs=list(r.logprobs),
                                                      versions=list(r.versions), finish=r.finish, segments=r.segments)
@@ -389,6 +388,7 @@ class AsyncRolloutScheduler:
         saved = {g["index"]: g for g in state["groups"]}
         groups = {}
         for index in range(int(state["first"]), self.started):
+            before = copy.deepcopy(self.get_state()) if self.get_state is not None else None  # for the next checkpoint
             example = self.draw(1)[0]
             g = saved.get(index)
             if g is None:  # trained or dropped before the checkpoint
@@ -399,7 +399,7 @@ class AsyncRolloutScheduler:
                                  "with the same data, or start a new run")
             groups[index] = Group(index, example, [Response(r["seed"], list(r["tokens"]), list(r["logprobs"]),
                                                             list(r["versions"]), r["finish"], int(r["segments"]))
-                                                   for r in g["responses"]])
+                                                   for r in g["responses"]], before)
         order = [g["index"] for g in state["groups"]]
         self.done = [groups[i] for i in order if groups[i].done]
         self.carried = sorted((groups[i] for i in order if not groups[i].done), key=lambda g: g.index)

@@ -294,13 +294,14 @@ def _run_resumed(url):
     stream.set_state(saved["task"])  # what the trainer's setup does before the scheduler exists
     second = scheduler(stream)
     second.restore(saved["rollout"])
+    again = json.loads(json.dumps({"task": second.task_state(), "rollout": second.state()}))  # a checkpoint right away
     second.sync_weights(None, version=SAVE)
     after = _steps(second, range(SAVE + 1, STEPS))
     got = second.result(STEPS)
     second.rewind()
     rewound = second.state()
     second.close()
-    return before, saved, after, [e.index for e in got.examples], rewound
+    return before, saved, again, after, [e.index for e in got.examples], rewound
 
 
 def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server):
@@ -308,8 +309,9 @@ def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server):
     the resumed run trains the complete ones first, continues the others from their token prefix (later tokens carry
     the resumed versions), draws no prompt twice and skips none, and holds the staleness bound; a rewound step's
     groups are back at the front of the next checkpoint."""
-    before, saved, after, last, rewound = run_ranks(_run_resumed, 1, server, timeout=300)[0]
+    before, saved, again, after, last, rewound = run_ranks(_run_resumed, 1, server, timeout=300)[0]
     state = saved["rollout"]
+    assert again == saved  # restored, then checkpointed again: the same state (a resumed run resumes again)
     groups = {g["index"]: g for g in state["groups"]}
     partial = [(g["index"], j) for g in state["groups"] for j, r in enumerate(g["responses"])
                if r["finish"] is None and r["tokens"]]
