@@ -10,7 +10,9 @@ first (each one torch thread). Runs alternate between the modes (`--repeats` rou
 Per mode: trained tokens per second (the update's tokens, prompt and response of the rows in the loss, summed over
 the steady steps, the first two and the validating last left out, over the sum of their step times), the
 trainer's idle fraction (generate_wait / step), and in async mode the async/* metrics (server idle fraction, lag
-histogram, dropped samples). Headline: `k2_over_one_step_ahead` (the target is >= 1.5).
+histogram, dropped samples). Headline: `k2_over_one_step_ahead` (the target is >= 1.5), beside
+`trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the most that ending the
+trainer's wait can give on this workload while the trainer's own work per step stays the same.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before) -
         speedup_over_one_step_ahead={m: tps[m] / tps["one_step_ahead"] for m in modes if "one_step_ahead" in tps},
         k2_over_one_step_ahead=(tps["async_k2"] / tps["one_step_ahead"]
                                 if {"async_k2", "one_step_ahead"} <= set(tps) else None),
+        # one step ahead's throughput if its trainer never waited (the same work per step): what removing the wait
+        # for generation can give at most on this workload, as long as the trainer's step is the one-step-ahead one's
+        trainer_bound_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])
+                                           if "one_step_ahead" in runs else None),
     )
 
 

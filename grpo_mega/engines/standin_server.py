@@ -8,11 +8,12 @@ output_ids and meta_info's output_token_logprobs, finish_reason, weight_version)
 /begin_weight_update and /end_weight_update (SGLang requires them around the updates; here /generate waits
 between them, so that no request runs on half-loaded weights),
 /update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the bucket's bytes from
-rank 0 of the update group), /update_weight_version, /flush_cache, /pause_generation and /continue_generation
-(/generate waits between them). One extension of ours, POST
+rank 0 of the update group), /update_weight_version, /flush_cache, /pause_generation (mode abort ends the request
+in flight after its current token, as SGLang's does) and /continue_generation (/generate waits between them). As SGLang's radix cache does, a request that continues a response cut by its
+budget starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One extension of ours, POST
 /grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors
-back with /get_weights_by_name instead). Requests run one at a time; sampling, logprobs and loading are
-the embedded engine's.
+back with /get_weights_by_name instead). Requests run one at a time (/pause_generation does not wait for one);
+sampling, logprobs and loading are the embedded engine's.
 
     python -m grpo_mega.engines.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
@@ -182,13 +183,14 @@ class EngineServer:
         for (temperature, top_p, max_new, stop), rows in groups.items():
             seeds = [int(params[i].get("sampling_seed", 0)) for i in rows]
             self.engine.record_routing = bool(req.get("return_routed_experts")) and bool(self.engine.routers)
-            if self.lengths is not None:  # the longest row's tokens for all, each cut at its own end
-                stop, max_new = (), max(min(caps[i], ends[i]) for i in rows)
-            gen = self.engine.generate([ids[i] for i in rows], 1, temperature, top_p, max_new, stop, 0, row_seeds=seeds)
+            budgets = None
+            if self.lengths is not None:  # each row ends at its drawn length or its cap
+                budgets = [min(caps[i], ends[i]) for i in rows]
+                stop, max_new = (), max(budgets)
+            gen = self.engine.generate([ids[i] for i in rows], 1, temperature, top_p, max_new, stop, 0, row_seeds=seeds,
+                                       row_max_new_tokens=budgets)
             for k, i in enumerate(rows):
-                if self.lengths is not None:
-                    cut = min(caps[i], ends[i])
-                    gen.token_ids[k], gen.logprobs[k] = gen.token_ids[k][:cut], gen.logprobs[k][:cut]
+                if self.lengths is not None and gen.finish_reasons[k] != "abort":
                     gen.finish_reasons[k] = "stop" if ends[i] <= caps[i] else "length"
                 meta = dict(finish_reason={"type": gen.finish_reasons[k]}, weight_version=str(gen.weight_version),
                             prompt_tokens=len(ids[i]), completion_tokens=len(gen.token_ids[k]))
@@ -222,13 +224,17 @@ class EngineServer:
         return {"success": True, "message": "ok"}
 
     def pause_generation(self, req: dict) -> dict:
-        """SGLang's /pause_generation: /generate waits until /continue_generation. Requests run one at a time here,
-        so none is in flight to abort (mode abort ends SGLang's with their tokens so far)."""
+        """SGLang's /pause_generation (answered without waiting for the request in flight): /generate waits until
+        /continue_generation; with mode "abort" (SGLang's default) the request in flight ends after its current
+        decode step, each unfinished response with its tokens so far and finish_reason "abort"."""
         self.paused = True
+        if req.get("mode", "abort") == "abort":
+            self.engine.aborting.set()
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, req: dict) -> dict:
         self.paused = False
+        self.engine.aborting.clear()
         self.cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -285,6 +291,11 @@ class EngineServer:
             self.engine.weight_version = int(req["weight_version"])
         return dict(success=True, message=f"loaded {len(metas)} tensors")
 
+    def flush_cache(self, req: dict) -> dict:
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.clear()
+        return {"success": True}
+
     def update_weight_version(self, req: dict) -> dict:
         version = req.get("new_version")
         if isinstance(version, bool) or not isinstance(version, (int, str)) or not str(version).isdigit():
@@ -301,7 +312,7 @@ class EngineServer:
 def make_handler(server: EngineServer):
     posts = {"/generate": server.generate, "/init_weights_update_group": server.init_weights_update_group,
              "/update_weights_from_distributed": server.update_weights_from_distributed,
-             "/update_weight_version": server.update_weight_version, "/flush_cache": lambda req: {"success": True},
+             "/update_weight_version": server.update_weight_version, "/flush_cache": server.flush_cache,
              "/begin_weight_update": server.begin_weight_update, "/end_weight_update": server.end_weight_update,
              "/pause_generation": server.pause_generation, "/continue_generation": server.continue_generation,
              "/grpo_mega/weight_checksums": server.weight_checksums}
@@ -326,6 +337,8 @@ def make_handler(server: EngineServer):
 
         def _run(self, fn, *args) -> None:
             try:
+                if fn == server.pause_generation:  # ends the request in flight: must not wait for it
+                    return self._reply(200, fn(*args))
                 with server.lock:
                     if fn == server.generate and (server.updating or server.paused):  # never on half-loaded weights
                         server.cond.wait_for(lambda: not (server.updating or server.paused), timeout=server.timeout_s)
@@ -434,6 +447,9 @@ def main(argv=None) -> int:
     ap.add_argument("--simulate-lengths", default=None, metavar="MEDIAN,SIGMA",
                     help="benchmarks: each response ends after a lognormal number of tokens (its median and sigma), "
                          "drawn from its seed; stop tokens are ignored")
+    ap.add_argument("--disable-radix-cache", action="store_true",
+                    help="as SGLang's: do not keep a response's keys and values for the request that continues it "
+                         "(rollout.mode=async's next segment); each request then prefills its whole input")
     ap.add_argument("--threads", type=int, default=THREADS, help="threads serving connections")
     ap.add_argument("--max-pending", type=int, default=MAX_PENDING,
                     help="connections waiting for a thread; more are closed at once")
@@ -454,6 +470,8 @@ def main(argv=None) -> int:
         if args.vocab_size:
             cfg.vocab_size = args.vocab_size
         engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
+    if not args.disable_radix_cache:
+        engine.enable_prefix_cache()
     lengths = None
     if args.simulate_lengths:
         try:

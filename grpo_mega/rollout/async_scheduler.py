@@ -6,9 +6,9 @@ Rank 0 runs one worker thread per server. A worker keeps up to train_batch_size 
 its server (continuous batching at segment granularity): each request carries every unfinished response of its
 groups, its prompt and its tokens so far (token in), for at most `rollout.segment_tokens` more tokens; a finished
 group leaves, a new group joins before the next request. A weight sync never waits for a response to finish: the
-client interrupts the requests in flight (SGLang's /pause_generation, mode abort; the stand-in runs one request at a
-time and holds /generate until /continue_generation), and a response continues under the new weights from its token
-prefix; each of its tokens records the version that produced it and its behaviour logprob. With
+client interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too),
+and a response continues under the new weights from its token prefix (between two syncs a server starts a segment
+from the keys and values of its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens records the version that produced it and its behaviour logprob. With
 `rollout.partial_rollouts=false` a response is generated in one request and keeps its version: rank 0 sends no new
 request and waits for those in flight before the sync.
 
@@ -296,9 +296,9 @@ class AsyncRolloutScheduler:
 
     def sync_weights(self, gpt, version: int, **kwargs):
         """Collective: the trainer's weights into the servers as `version`; the workers start after the first sync.
-        With partial rollouts the requests in flight are interrupted (SGLang) or held between two segments (the
-        stand-in); without, rank 0 sends no new request and waits for those in flight (a response keeps the version
-        it started on; SGLang locks per bucket, so a new request could otherwise start mid-update or before the flush)."""
+        With partial rollouts the requests in flight are interrupted (/pause_generation, mode abort); without, rank 0
+        sends no new request and waits for those in flight (a response keeps the version it started on; SGLang locks
+        per bucket, so a new request could otherwise start mid-update or before the flush)."""
         drain = dist.get_rank() == 0 and not self.partial
         if drain:
             with self.cond:

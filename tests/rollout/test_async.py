@@ -346,6 +346,46 @@ def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server):
         assert g["prompt"] == stream[index].prompt_ids
 
 
+def test_pause_with_abort_ends_the_request_in_flight(server):
+    """The stand-in's /pause_generation (mode abort, as SGLang's) answers while a long /generate runs and ends it
+    after its current token: the response so far with finish "abort", the first tokens of the same request left
+    alone; a /generate sent while paused waits for /continue_generation."""
+    import threading
+
+    from grpo_mega.engines.client import ServerClient
+
+    client = ServerClient([server], timeout_s=60)
+    body = dict(input_ids=[[3, 4, 5]], return_logprob=True,
+                sampling_params=[dict(max_new_tokens=4000, sampling_seed=11, temperature=1.0)])
+    got, t = {}, {}
+
+    def long_request():
+        got["out"] = client._call(server, "/generate", body)[0]
+        t["done"] = time.monotonic()
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    client._call(server, "/pause_generation", {"mode": "abort"})
+    answered = time.monotonic() - t0
+    runner.join(timeout=60)
+    waiting = threading.Thread(target=lambda: got.update(later=client._call(server, "/generate", {
+        **body, "sampling_params": [dict(max_new_tokens=3, sampling_seed=11, temperature=1.0)]})))
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()  # held while paused
+    client._call(server, "/continue_generation", {})
+    waiting.join(timeout=60)
+    out = got["out"]
+    ids = out["output_ids"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(ids) < 4000
+    assert answered < 2.0 and t["done"] - t0 < 5.0, (answered, t["done"] - t0)
+    again = client._call(server, "/generate", {**body, "sampling_params": [
+        dict(max_new_tokens=len(ids), sampling_seed=11, temperature=1.0)]})[0]
+    assert again["output_ids"] == ids and got["later"][0]["output_ids"] == ids[:3]
+
+
 def test_refusals():
     from grpo_mega.conf.rollout import RolloutConfig
     from grpo_mega.conf.schema import TrainConfig
