@@ -61,10 +61,10 @@ def _gpu(d):
             f"{r['engine_tokens_per_s']:.0f} tokens/s, weight sync {r['weight_sync_gb_per_s']:.0f} GB/s")
 
 
-def _kill(d):
+def _kill(d, to="the uninterrupted run"):
     hit = [m for m in d["moments"] if m["hit"]]
     worst = max((m["max_abs_diff"] for m in hit), default=float("nan"))
-    verdict = "every resume equal to the uninterrupted run" if d["ok"] else "A RESUME DIFFERED"
+    verdict = f"every resume equal to {to}" if d["ok"] else "A RESUME DIFFERED"
     return f"{len(hit)} of {len(d['moments'])} moments struck, {verdict} (max difference {worst:g})"
 
 
@@ -166,6 +166,8 @@ ROWS = [
                                                       for r in d["rows"])),
     Row("one GPU, TP1, bf16, random weights", "gpu_nvidia_h100_80gb_hbm3.json", "python -m bench.step --gpu", _gpu),
     Row("kill and resume at random moments", "kill_campaign.json", "python -m experiments.kill_campaign", _kill),
+    Row("kill and resume, fully async (k=2, partial rollouts)", "kill_campaign_async.json",
+        "python -m experiments.kill_campaign --async", lambda d: _kill(d, "the replay of the samples it trained on")),
     Row("iterative RL on a reward-hacking task", "rewards_iterative_rl.json", "python -m experiments.rm_experiment",
         _iterative_rl),
     Row("the demo with the engine's logprobs perturbed, IcePop", "correction_perturbed.json",

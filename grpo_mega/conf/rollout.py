@@ -150,13 +150,20 @@ class RolloutConfig:
     false: each response is generated in one request and keeps the version it started on (the weight update
     waits for the server's request in flight)."""
     segment_tokens: int = 16
-    """mode=async with partial_rollouts: the tokens a response gets per request (the longest a weight update waits)."""
+    """mode=async with partial_rollouts: the tokens a response gets per request (groups join and leave a server's
+    batch between two requests; a weight update interrupts a request in flight)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tool calls (off by default)."""
     dump_dir: str = ""
     """Write every trajectory (prompt and response ids, text, model mask, turns, tool calls, reward, advantage)
     as jsonl, one file per step (train_step_XXXXXXXX.jsonl) and per validation (val_step_XXXXXXXX.jsonl), by
     rank 0 (grpo_mega.rollout.dump); '': none."""
+    replay_dir: str = ""
+    """Train on the samples a run dumped (its dump_dir) instead of generating: step s takes train_step_s.jsonl's
+    responses, behaviour logprobs and weight versions, with the prompts the task draws again in that run's order
+    (grpo_mega.rollout.replay); the engines still take the weights and run validation. The rest of the config must
+    be the dumping run's. For checking that a resumed run trains as an uninterrupted one on the same samples
+    (experiments/kill_campaign.py --async); '': generate."""
 
     def __post_init__(self):
         if isinstance(self.multi_turn, dict):  # a checkpoint's saved config
@@ -193,6 +200,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} needs rollout.placement=dedicated "
                              f"(got {self.placement!r}): generation overlaps training only on servers of their own; "
                              "set rollout.placement=dedicated rollout.servers=[http://host:port]")
+        if self.replay_dir and self.multi_turn.enable:
+            raise ValueError("rollout.replay_dir replays single-turn samples: multi-turn dumps (tool turns, masks) "
+                             "are not replayed; drop rollout.replay_dir or rollout.multi_turn.enable")
         if self.server_timeout_s <= 0:
             raise ValueError(f"rollout.server_timeout_s={self.server_timeout_s} must be > 0")
         if not isinstance(self.server_retries, int) or self.server_retries < 0:

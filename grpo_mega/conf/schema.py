@@ -79,6 +79,10 @@ class TrainConfig:
                              "use algo.dynamic_sampling=filter, or reward.rm_train.interval=0")
         if self.rollout.mode == "async":
             self.check_async()
+        if self.rollout.replay_dir and (self.checkpoint.dir or self.algo.dynamic_sampling == "refill"):
+            raise ValueError("rollout.replay_dir with " + ("checkpoint.dir: a replay does not resume; drop checkpoint.dir"
+                                                           if self.checkpoint.dir else "algo.dynamic_sampling=refill: "
+                                                           "only the trained samples were dumped; use filter"))
         if self.lora.enabled:
             self.check_lora()
         bypass_clip = self.algo.policy_loss == "bypass_ppo_clip"

@@ -261,7 +261,8 @@ class AsyncRolloutScheduler:
             rs = [r for g in out["groups"] for r in g.responses]
             gen = Generation(token_ids=[r.tokens for r in rs], logprobs=[r.logprobs for r in rs],
                              finish_reasons=[r.finish for r in rs], weight_version=min(min(r.versions) for r in rs),
-                             extra={"token_versions": [r.versions for r in rs]})
+                             extra={"token_versions": [r.versions for r in rs],
+                                    "prompt_index": [g.index for g in out["groups"] for _ in g.responses]})
         if self.share is None:
             gen = comm.broadcast_object(gen, src=0)
         else:

@@ -6,8 +6,9 @@ A line: step, sample index, the prompt's index and data_source, `prompt_ids`, `r
 the model's token; 0: tool results and template glue; all 1s single-turn), `logprobs` (the engine's; 0.0 off the
 model's tokens), `finish_reason`, `prompt` and `response` text (decoded with special tokens), `turns` (role,
 text, tool name, error flag, token span in response_ids), `tool_calls` (the tool turns' names and error
-flags, in order), `tool_rewards`, the sample's counts (`multi_turn`), `reward` and, for training steps,
-`advantage`. `read_dump` gives the lines back; `RolloutBatch.from_samples` of their prompt_ids, response_ids
+flags, in order), `tool_rewards`, the sample's counts (`multi_turn`), `reward`, `weight_version` (the oldest of
+the sample's batch) and, for training steps, `advantage`; in rollout.mode=async also `token_versions` (each
+response token's) and `prompt_index` is the group's start order over the run (what rollout.replay_dir draws again). `read_dump` gives the lines back; `RolloutBatch.from_samples` of their prompt_ids, response_ids
 and model_mask is exactly the batch the trainer built (tests/rollout/test_dump.py)."""
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def records(step: int, examples: Sequence, gen, rewards: Sequence[float], advant
                "tool_calls": [{"name": t.get("name"), "error": t.get("error", False)} for t in turns if t["role"] == "tool"],
                "tool_rewards": (traj or {}).get("tool_rewards", {}),
                "multi_turn": {k: v[i] for k, v in per_sample.items() if i < len(v)},
-               "reward": _number(rewards[i])}
+               "reward": _number(rewards[i]), "weight_version": gen.weight_version}
+        if "token_versions" in gen.extra:  # rollout.mode=async: each token's version, the group's start order
+            rec["token_versions"] = list(gen.extra["token_versions"][i])
+            rec["prompt_index"] = gen.extra["prompt_index"][i]
         if advantages is not None:
             rec["advantage"] = _number(advantages[i])
         if tokenizer is not None:

@@ -140,7 +140,11 @@ class Run:
         r = cfg.rollout
         sampling = SamplingArgs(r.n, r.temperature, r.top_p, cfg.batch.max_response_length, task.stop_token_ids,
                                 cfg.run.seed, rows=r.multi_turn.enable)
-        if r.mode == "async":
+        if r.replay_dir:
+            from grpo_mega.rollout.replay import ReplayScheduler
+
+            self.rollouts = ReplayScheduler(self.engines, task.train_batch, r.replay_dir, r.n, share=self.routing.share)
+        elif r.mode == "async":
             from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
 
             self.rollouts = AsyncRolloutScheduler(self.engines, task.train_batch, cfg.batch.train_batch_size, sampling,

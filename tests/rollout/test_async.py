@@ -417,7 +417,8 @@ def test_demo_task_learns_in_async_mode(server, tmp_path):
     """20 steps of the demo in async mode, k = 2, partial rollouts in segments of 2 tokens: the validation reward
     rises (the whole demo's 200 steps are too long for this tier; bench_results/async.json and the issue's report
     compare the curves with the in-turn run), and the trained tokens come from more than one version. Its checkpoint
-    of step 10 (groups complete and in flight) resumes for two more steps."""
+    of step 10 (groups complete and in flight) resumes for two more steps, and trains as the uninterrupted run on
+    the same samples: a run replaying what both dumped (rollout.replay_dir) gives every step's metrics to 1e-6."""
     import json
     import shutil
 
@@ -426,18 +427,34 @@ def test_demo_task_learns_in_async_mode(server, tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     argv = ["eval.interval=20", "rollout.placement=dedicated", f"rollout.servers=[{server}]", "rollout.mode=async",
             "rollout.off_policy_steps=2", "rollout.segment_tokens=2"]
-    done = run_main([f"hydra.run.dir={out}", "run.steps=20", *argv, f"checkpoint.dir={ckpt}", "checkpoint.interval=10"],
-                    timeout=900, cwd=REPO, scratch=tmp_path, env=ENV)
+    done = run_main([f"hydra.run.dir={out}", "run.steps=20", *argv, f"checkpoint.dir={ckpt}", "checkpoint.interval=10",
+                     f"rollout.dump_dir={tmp_path / 'dump'}"], timeout=900, cwd=REPO, scratch=tmp_path, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     loop_state = json.loads((ckpt / "step_00000010" / "loop_state.json").read_text())
     saved, groups_per_step = loop_state["rollout"], loop_state["config"]["batch"]["train_batch_size"]
     assert saved["mode"] == "async" and saved["groups"] and saved["started"] > 10 * groups_per_step
     shutil.copytree(ckpt / "step_00000010", tmp_path / "ckpt10" / "step_00000010")
-    more = run_main([f"hydra.run.dir={tmp_path / 'resumed'}", "run.steps=12", *argv, f"checkpoint.dir={tmp_path / 'ckpt10'}"],
-                    timeout=300, cwd=REPO, scratch=tmp_path, env=ENV)
+    more = run_main([f"hydra.run.dir={tmp_path / 'resumed'}", "run.steps=12", *argv, f"checkpoint.dir={tmp_path / 'ckpt10'}",
+                     f"rollout.dump_dir={tmp_path / 'dump_resumed'}"], timeout=300, cwd=REPO, scratch=tmp_path, env=ENV)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "metrics.jsonl")] == [11, 12]
+    resumed = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [r["step"] for r in resumed] == [11, 12]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    trace = tmp_path / "trace"  # what steps 1-10 of the first run and 11-12 of the resumed one trained on
+    trace.mkdir()
+    for step in range(1, 13):
+        name = f"train_step_{step:08d}.jsonl"
+        shutil.copy((tmp_path / "dump" if step <= 10 else tmp_path / "dump_resumed") / name, trace / name)
+    replay = run_main([f"hydra.run.dir={tmp_path / 'replay'}", "run.steps=12", *argv, f"rollout.replay_dir={trace}"],
+                      timeout=300, cwd=REPO, scratch=tmp_path, env=ENV)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    replayed = [json.loads(line) for line in open(tmp_path / "replay" / "metrics.jsonl")]
+    assert [r["step"] for r in replayed] == list(range(1, 13))
+    for want, got in zip(rows[:10] + resumed, replayed):
+        for key in ("reward", "loss", "pg_loss", "grad_norm", "entropy", "is_weight_mean", "logprob_mismatch",
+                    "weight_version", "rows_in_loss"):
+            assert abs(float(got[key]) - float(want[key])) <= 1e-6, (want["step"], key, got[key], want[key])
+    assert abs(replayed[-1]["val_reward"] - resumed[-1]["val_reward"]) <= 1e-6
     import re
 
     m = re.search(r"validation reward \(greedy\): ([\d.]+) at step 0 -> ([\d.]+) after 20 steps", done.stdout)
