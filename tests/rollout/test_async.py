@@ -411,6 +411,45 @@ def test_refusals():
     with pytest.raises(ValueError, match="written with rollout.mode=async .* resume it with rollout.mode=async"):
         RolloutScheduler(engines, None, GROUPS, sampling, 1).restore(dict(mode="async", started=4, groups=[]))
     TrainConfig(rollout=r, algo=dict(dynamic_sampling="filter"))  # filter works: it only masks groups
+    with pytest.raises(ValueError, match="rollout.replay_dir with checkpoint.dir: a replay does not resume"):
+        TrainConfig(rollout={**r, "replay_dir": "/tmp/d"}, checkpoint=dict(dir="/tmp/x"))
+    with pytest.raises(ValueError, match="rollout.replay_dir with algo.dynamic_sampling=refill"):
+        TrainConfig(rollout={**r, "mode": "sync", "off_policy_steps": 1, "replay_dir": "/tmp/d"},
+                    algo=dict(dynamic_sampling="refill"))
+
+
+def test_replay_reads_a_dump_and_names_what_does_not_match(tmp_path):
+    """rollout.replay_dir's reader: an async dump's groups come back with the prompts the task draws again at their
+    start order (drawn ahead and kept for later steps), tokens, logprobs and versions as dumped; a prompt the task no
+    longer draws there, a missing step and a partial group are each named."""
+    import json
+
+    from grpo_mega.engines.interface import Generation
+    from grpo_mega.rollout.dump import write_dump
+    from grpo_mega.rollout.replay import ReplayScheduler
+
+    prompts = [[1, 2], [3, 4], [5, 6], [7, 8]]  # the task's stream
+    stream = iter(prompts)
+    gen = Generation(token_ids=[[9], [10, 11], [12], [13]], logprobs=[[-0.5], [-0.25, -1.0], [-2.0], [-0.125]],
+                     finish_reasons=["stop", "length", "stop", "stop"], weight_version=3,
+                     extra={"token_versions": [[3], [3, 4], [4], [4]], "prompt_index": [2, 2, 0, 0]})
+    write_dump(tmp_path / "train_step_00000001.jsonl", 1, [_Example(prompts[2]), _Example(prompts[0])], gen, [0.0] * 4)
+    replay = ReplayScheduler(None, lambda size: [_Example(next(stream)) for _ in range(size)], str(tmp_path), 2)
+    examples, got = replay._read(1)
+    assert [e.prompt_ids for e in examples] == [prompts[2], prompts[0]] and sorted(replay.drawn) == [1]
+    assert (got.token_ids, got.logprobs, got.finish_reasons) == (gen.token_ids, gen.logprobs, gen.finish_reasons)
+    assert got.weight_version == 3 and got.extra["token_versions"] == gen.extra["token_versions"]
+    with pytest.raises(ValueError, match="no train_step_00000002.jsonl; the dumping run stopped before step 2"):
+        replay._read(2)
+    lines = (tmp_path / "train_step_00000001.jsonl").read_text().splitlines()
+    bad = [json.loads(x) for x in lines]
+    bad[0]["prompt_index"] = bad[1]["prompt_index"] = 1  # the task draws [3, 4] there, not [5, 6]
+    (tmp_path / "train_step_00000002.jsonl").write_text("\n".join(json.dumps(x) for x in bad) + "\n")
+    with pytest.raises(ValueError, match="prompt 1 is not the one the task draws now"):
+        replay._read(2)
+    (tmp_path / "train_step_00000003.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    with pytest.raises(ValueError, match="3 samples, not whole groups of rollout.n=2"):
+        replay._read(3)
 
 
 def test_demo_task_learns_in_async_mode(server, tmp_path):
