@@ -212,7 +212,7 @@ SUPPLEMENTS = {
     "tool_task_tens.json": "tool_task on task=tens_tool",
     "data_10m.json": "bench.data on 10M jsonl and parquet rows",
     "lora_checkpoint.json": "LoRA checkpoint and export sizes and errors, from the LoRA tests",
-    "lora_demo_sweep.json": "LoRA on the CPU demo at three lr/alpha settings, by hand",
+    "lora_demo_sweep.json": "LoRA on the CPU demo at four rank/lr/alpha settings and one probe, by hand",
 }
 
 
