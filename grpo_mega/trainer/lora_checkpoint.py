@@ -22,20 +22,35 @@ def _lora(actor):
     return getattr(actor, "lora", None)
 
 
-def base_model_identity(model: str, hf_dir: Optional[str], seed: int) -> dict:
-    """What a LoRA checkpoint's adapters were trained on: an HF directory's resolved path and the sha256 of its
-    weight files' bytes (*.safetensors, else *.bin, in name order, each name hashed before its bytes); a
-    model_configs/ model (no weights on disk) is its name and run.seed, from which its weights are initialised."""
+def base_model_identity(model: str, hf_dir: Optional[str], seed: int, rank: int = 0, world: int = 1,
+                        gather=None) -> dict:
+    """What a LoRA checkpoint's adapters were trained on: an HF directory's resolved path and `weights_sha256`, the
+    sha256 over its weight files (*.safetensors, else *.bin) in name order, each file's name and the sha256 of its
+    bytes; a model_configs/ model (no weights on disk) is its name and run.seed, from which its weights are
+    initialised. The files are hashed by the ranks in turn (file i by rank i % world) and `gather`
+    (comm.all_gather_objects; collective) joins their digests: a 70B base is ~30 files of ~5 GB, seconds per rank
+    where one rank alone would hash 140 GB while the others wait in a collective."""
     if hf_dir is None:
         return {"path": model, "init_seed": seed}
     files = sorted(Path(hf_dir).glob("*.safetensors")) or sorted(Path(hf_dir).glob("*.bin"))
+    mine = {f.name: _file_sha256(f) for i, f in enumerate(files) if i % world == rank}
+    digests: dict[str, str] = {}
+    for part in (gather(mine) if gather is not None else [mine]):
+        digests.update(part)
+    if len(digests) != len(files):
+        raise RuntimeError(f"base model hash: {len(digests)} of {len(files)} files hashed (world={world} without gather?)")
     h = hashlib.sha256()
     for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return {"path": str(Path(hf_dir).resolve()), "sha256": h.hexdigest(), "files": len(files)}
+        h.update(f"{f.name}\0{digests[f.name]}\n".encode())
+    return {"path": str(Path(hf_dir).resolve()), "weights_sha256": h.hexdigest(), "files": len(files)}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def lora_state(actor, base_model: Optional[dict]) -> Optional[dict]:
@@ -50,14 +65,19 @@ def lora_state(actor, base_model: Optional[dict]) -> Optional[dict]:
 def _describe(base: Optional[dict]) -> str:
     if not base:
         return "an unrecorded base model"
-    if "sha256" in base:
-        return f"{base['path']} (sha256 of its weights {base['sha256'][:16]}...)"
+    digest = base.get("weights_sha256") or base.get("sha256")
+    if digest:
+        return f"{base['path']} (sha256 of its weights {digest[:16]}...)"
     return f"{base['path']} (random init, run.seed={base.get('init_seed')})"
 
 
 def _same_base(a: Optional[dict], b: Optional[dict]) -> bool:
-    if a and b and "sha256" in a and "sha256" in b:
-        return a["sha256"] == b["sha256"]  # the same bytes, wherever they were moved
+    for key in ("weights_sha256", "sha256"):
+        if a and b and key in a and key in b:
+            return a[key] == b[key]  # the same bytes, wherever they were moved
+    if a and b and {"weights_sha256", "sha256"} == {k for k in (*a, *b) if "sha256" in k}:
+        # a checkpoint of before weights_sha256 (one sha256 over all the bytes): the same directory and file count
+        return a["path"] == b["path"] and a.get("files") == b.get("files")
     return a == b
 
 

@@ -124,8 +124,9 @@ class Run:
             from grpo_mega.trainer import checkpoint, lora_checkpoint
 
             if cfg.lora.enabled:
-                self.base_model = comm.broadcast_object(lora_checkpoint.base_model_identity(cfg.model, hf_dir, cfg.run.seed)
-                                                        if torch.distributed.get_rank() == 0 else None)
+                self.base_model = lora_checkpoint.base_model_identity(
+                    cfg.model, hf_dir, cfg.run.seed, torch.distributed.get_rank(), torch.distributed.get_world_size(),
+                    gather=comm.all_gather_objects)
             self.store, state = checkpoint.open_for_run(cfg.checkpoint, self.actor, self.reference, cfg.to_dict(),
                                                         base_model=self.base_model)
             if state is not None:

@@ -167,18 +167,41 @@ def test_check_lora_refuses_what_cannot_continue(tmp_path):
     (hf / "model-00002-of-00002.safetensors").write_bytes(b"def" * 1000)
     (hf / "config.json").write_text("{}")
     base = base_model_identity("x", str(hf), 0)
-    assert base["files"] == 2 and len(base["sha256"]) == 64
+    assert base["files"] == 2 and len(base["weights_sha256"]) == 64
+    import hashlib
+
+    files = sorted(hf.glob("*.safetensors"))  # each file's name and sha256, in name order (hashlib's, not ours)
+    want = hashlib.sha256("".join(f"{f.name}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n" for f in files).encode())
+    assert base["weights_sha256"] == want.hexdigest()
+    # the files shared out over 2 ranks (file i on rank i % 2), their digests joined: the same identity
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts, met = [None, None], threading.Barrier(2, timeout=30)
+
+    def rank(r):
+        def gather(mine):  # all_gather_objects between two threads
+            parts[r] = mine
+            met.wait()
+            return list(parts)
+        return base_model_identity("x", str(hf), 0, r, 2, gather=gather)
+
+    with ThreadPoolExecutor(2) as pool:
+        ranks = list(pool.map(rank, (0, 1)))
+    assert [sorted(p) for p in parts] == [[files[0].name], [files[1].name]] and ranks == [base, base]
+    with pytest.raises(RuntimeError, match="1 of 2 files hashed"):
+        base_model_identity("x", str(hf), 0, 0, 2)
     moved = tmp_path / "moved"
     shutil.copytree(hf, moved)
-    assert base_model_identity("y", str(moved), 0)["sha256"] == base["sha256"]  # the bytes, not the path
+    assert base_model_identity("y", str(moved), 0)["weights_sha256"] == base["weights_sha256"]  # the bytes, not the path
     state = {"lora": lora_state(_actor(4), base)}
     check_lora(Path("ck"), state, _actor(4), base_model_identity("y", str(moved), 0))  # the same base, moved
 
     (moved / "model-00002-of-00002.safetensors").write_bytes(b"deg" * 1000)  # one byte changed
     other = base_model_identity("y", str(moved), 0)
     with pytest.raises(CheckpointError, match=rf"holds LoRA adapters trained on base model {hf.resolve()} \(sha256 of "
-                                              rf"its weights {base['sha256'][:16]}\.\.\.\), not on this run's "
-                                              rf"{moved.resolve()} \(sha256 of its weights {other['sha256'][:16]}"):
+                                              rf"its weights {base['weights_sha256'][:16]}\.\.\.\), not on this run's "
+                                              rf"{moved.resolve()} \(sha256 of its weights {other['weights_sha256'][:16]}"):
         check_lora(Path("ck"), state, _actor(4), other)
     with pytest.raises(CheckpointError, match=r"lora\.rank 4 \(this run: 8\)"):
         check_lora(Path("ck"), state, _actor(8), base)
@@ -188,6 +211,11 @@ def test_check_lora_refuses_what_cannot_continue(tmp_path):
     with pytest.raises(CheckpointError, match=r"is a full checkpoint .* this run trains LoRA adapters \(lora\.rank=4\)"):
         check_lora(Path("ck"), {}, _actor(4), base)
     check_lora(Path("ck"), {}, _actor(None), None)  # full on full: nothing to check here
+    # a checkpoint of before weights_sha256 (one sha256 over the bytes) resumes on the same directory, not another
+    old = {"lora": lora_state(_actor(4), {"path": base["path"], "sha256": "0" * 64, "files": 2})}
+    check_lora(Path("ck"), old, _actor(4), base)
+    with pytest.raises(CheckpointError, match="holds LoRA adapters trained on base model"):
+        check_lora(Path("ck"), old, _actor(4), other)
 
 
 def test_lora_resume_at_pp2_is_exact(tmp_path):
