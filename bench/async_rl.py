@@ -5,7 +5,10 @@ each response ends after a lognormal number of tokens drawn from its seed, the l
 batch.max_response_length = 8x the median) pinned to the last core of this process's affinity, the trainer to the
 first (each one torch thread). Runs alternate between the modes (`--repeats` rounds): the machine is shared.
 
-    python -m bench.async_rl [--steps 12] [--median 8] [--sigma 0.9] [--repeats 1] [--out bench_results/async.json]
+    python -m bench.async_rl [--steps 12] [--median 8] [--sigma 0.9] [--decode-ms 0] [--repeats 1] [--out bench_results/async.json]
+
+`--decode-ms MS` makes each of the server's decode steps MS ms longer (a larger model's step): the generation-bound
+regime of reasoning RL, which the tiny model on a CPU core is not (bench_results/async_decode3ms.json: 3 ms).
 
 Per mode: trained tokens per second (the update's tokens, prompt and response of the rows in the loss, summed over
 the steady steps, the first two and the validating last left out, over the sum of their step times), the
@@ -62,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--median", type=float, default=8.0, help="the median response length (tokens)")
     ap.add_argument("--sigma", type=float, default=0.9, help="the lognormal's sigma")
+    ap.add_argument("--decode-ms", type=float, default=0.0,
+                    help="the stand-in's --simulate-decode-ms: each decode step this much longer (generation-bound)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all modes, alternating")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     ap.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
@@ -78,7 +83,8 @@ def main(argv=None) -> int:
     length = int(round(8 * args.median))
     trainer_core, server_core = common.trainer_and_server_cores()
     load_before = os.getloadavg()
-    server, url = common.standin_server(server_core, "--simulate-lengths", f"{args.median},{args.sigma}")
+    server, url = common.standin_server(server_core, "--simulate-lengths", f"{args.median},{args.sigma}",
+                                        "--simulate-decode-ms", str(args.decode_ms))
     rows: dict[str, list] = {m: [] for m in modes}
     order = []
     try:
@@ -108,7 +114,7 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before) -
         machine=common.machine(trainer_core=trainer_core, server_core=server_core, loadavg_before=load_before,
                                loadavg_after=os.getloadavg(),
                                busy=max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1)),
-        config=dict(steps=args.steps, repeats=args.repeats, median=args.median, sigma=args.sigma,
+        config=dict(steps=args.steps, repeats=args.repeats, median=args.median, sigma=args.sigma, decode_ms=args.decode_ms,
                     max_response_length=length, overrides=args.set, run_order=order),
         modes=runs,
         speedup_over_one_step_ahead={m: tps[m] / tps["one_step_ahead"] for m in modes if "one_step_ahead" in tps},

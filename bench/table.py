@@ -145,6 +145,14 @@ ROWS = [
                   f"{_x(d['speedup_over_one_step_ahead']['in_turn'])}); trainer idle "
                   f"{d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
                   f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}"),
+    Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step, segments of 4)",
+        "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 ...",
+        lambda d: f"trained tokens/s {_x(d['k2_over_one_step_ahead'])} (target 1.5x "
+                  f"{'met' if d['k2_over_one_step_ahead'] >= 1.5 else 'not met'}; k1 "
+                  f"{_x(d['speedup_over_one_step_ahead']['async_k1'])}, k4 "
+                  f"{_x(d['speedup_over_one_step_ahead']['async_k4'])}, in turn "
+                  f"{_x(d['speedup_over_one_step_ahead']['in_turn'])}); in turn's generation share "
+                  f"{d['modes']['in_turn']['trainer_idle_fraction']:.2f}"),
     Row("rule rewards, 2 workers vs 1", "rewards.json", "python -m bench.rewards",
         lambda d: f"{_x(d['pool']['speedup_2_vs_1'])} ({d['pool']['samples']} math-verify samples); batched reward "
                   f"model {_x(d['reward_model']['speedup'])}"),

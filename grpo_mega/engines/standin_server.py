@@ -19,7 +19,8 @@ sampling, logprobs and loading are the embedded engine's.
 
 For benchmarks, `--simulate-lengths MEDIAN,SIGMA` ends each response after a lognormal number of tokens drawn
 from its seed (sampling_params.custom_params.sample_seed, else sampling_seed), less custom_params.generated (the
-tokens a continued response already has); stop tokens are then ignored.
+tokens a continued response already has); stop tokens are then ignored. `--simulate-decode-ms MS` makes every
+decode step MS milliseconds longer (a larger model's memory-bound step, whatever the batch).
 
 Hardened as a server on a shared network: with an API key in the environment (`--api-key-env`, default
 GRPO_MEGA_SERVER_API_KEY) every route but GET /health needs `Authorization: Bearer KEY` (401, nothing read or
@@ -309,6 +310,19 @@ class EngineServer:
         return {n: sums[n] for n in names if n in sums} if names else sums
 
 
+def slow_decode(engine: EmbeddedEngine, seconds: float) -> None:
+    """--simulate-decode-ms: every decode step of `engine` takes `seconds` more."""
+    import time
+
+    steps = engine._decode_step
+
+    def slowed(mode):
+        step = steps(mode)
+        return lambda *args: (time.sleep(seconds), step(*args))[1]
+
+    engine._decode_step = slowed
+
+
 def make_handler(server: EngineServer):
     posts = {"/generate": server.generate, "/init_weights_update_group": server.init_weights_update_group,
              "/update_weights_from_distributed": server.update_weights_from_distributed,
@@ -447,6 +461,10 @@ def main(argv=None) -> int:
     ap.add_argument("--simulate-lengths", default=None, metavar="MEDIAN,SIGMA",
                     help="benchmarks: each response ends after a lognormal number of tokens (its median and sigma), "
                          "drawn from its seed; stop tokens are ignored")
+    ap.add_argument("--simulate-decode-ms", type=float, default=0.0, metavar="MS",
+                    help="benchmarks: each decode step of the engine takes MS milliseconds more (a larger model's "
+                         "step on this server, whatever the batch: a memory-bound decode), so that generation, not "
+                         "training, dominates a step")
     ap.add_argument("--disable-radix-cache", action="store_true",
                     help="as SGLang's: do not keep a response's keys and values for the request that continues it "
                          "(rollout.mode=async's next segment); each request then prefills its whole input")
@@ -472,6 +490,8 @@ def main(argv=None) -> int:
         engine = EmbeddedEngine.from_model_config(cfg, seed=args.seed)
     if not args.disable_radix_cache:
         engine.enable_prefix_cache()
+    if args.simulate_decode_ms > 0:
+        slow_decode(engine, args.simulate_decode_ms / 1000)
     lengths = None
     if args.simulate_lengths:
         try:

@@ -75,14 +75,15 @@ def test_bench_async_writes_json(tmp_path):
     """One step ahead and async k=2 against one server with simulated lognormal lengths: both measured, the async
     metrics recorded (the ratio itself is not asserted: a shared machine)."""
     out = tmp_path / "async.json"
-    cmd = [sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--modes",
+    cmd = [sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--decode-ms", "1", "--modes",
            "one_step_ahead,async_k2", "--out", str(out)]
     run_bench(cmd, tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
     data = json.loads(out.read_text())
     k2 = data["modes"]["async_k2"]
     assert data["k2_over_one_step_ahead"] > 0 and 0 <= k2["trainer_idle_fraction"] <= 1
     assert 0 <= k2["server_idle_fraction"] <= 1 and sum(k2["token_lag"].values()) == pytest.approx(1.0)
-    assert data["config"]["max_response_length"] == 16
+    assert data["config"]["max_response_length"] == 16 and data["config"]["decode_ms"] == 1
+    assert data["trainer_bound_over_one_step_ahead"] >= 1
 
 
 def test_bench_routing_writes_json(tmp_path):
