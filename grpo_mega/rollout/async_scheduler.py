@@ -2,22 +2,23 @@
 continuously from the prompt stream while the trainer trains, and the trainer takes a batch as soon as enough
 groups are complete and fresh enough (docs/design.md, "Versions and off-policy").
 
-Rank 0 runs one worker thread per server. A worker keeps up to train_batch_size / servers groups in flight on
-its server (continuous batching at segment granularity): each request carries every unfinished response of its
-groups, its prompt and its tokens so far (token in), for at most `rollout.segment_tokens` more tokens; a finished
-group leaves, a new group joins before the next request. A weight sync never waits for a response to finish: the
-client interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too),
-and a response continues under the new weights from its token prefix (between two syncs a server starts a segment
-from the keys and values of its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens records the version that produced it and its behaviour logprob. With
-`rollout.partial_rollouts=false` a response is generated in one request and keeps its version: rank 0 sends no new
-request and waits for those in flight before the sync.
+Rank 0 runs one worker thread per server. A worker keeps up to train_batch_size / servers groups in flight on its
+server (continuous batching at segment granularity): each request carries every unfinished response of its groups,
+its prompt and its tokens so far (token in), for at most `rollout.segment_tokens` more tokens; a finished group
+leaves, a new group joins before the next request. A weight sync never waits for a response to finish: the client
+interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too), and a
+response continues under the new weights from its token prefix (between two syncs a server starts a segment from the
+keys and values of its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens
+records the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is
+generated in one request and keeps its version: rank 0 sends no new request and waits for those in flight before the
+sync.
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
-dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were
-started in all, v the servers' version (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only
-the long tail of a group that waits past that is dropped. A group's advantages are computed after all its samples
-are done (the batch only holds complete groups); a group may span versions.
+dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped
+so far were started in all, v the servers' version (AReaL's rule): a group started on version v can still be trained
+at step v+k+1, so only the long tail of a group that waits past that is dropped. A group's advantages are computed
+after all its samples are done (the batch only holds complete groups); a group may span versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
 step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.

@@ -2,14 +2,15 @@
 validation generated, as one JSON line, written by rank 0 (which holds every sample), one file per step:
 `train_step_XXXXXXXX.jsonl` and `val_step_XXXXXXXX.jsonl`.
 
-A line: step, sample index, the prompt's index and data_source, `prompt_ids`, `response_ids`, `model_mask` (1:
-the model's token; 0: tool results and template glue; all 1s single-turn), `logprobs` (the engine's; 0.0 off the
-model's tokens), `finish_reason`, `prompt` and `response` text (decoded with special tokens), `turns` (role,
-text, tool name, error flag, token span in response_ids), `tool_calls` (the tool turns' names and error
-flags, in order), `tool_rewards`, the sample's counts (`multi_turn`), `reward`, `weight_version` (the oldest of
-the sample's batch) and, for training steps, `advantage`; in rollout.mode=async also `token_versions` (each
-response token's) and `prompt_index` is the group's start order over the run (what rollout.replay_dir draws again). `read_dump` gives the lines back; `RolloutBatch.from_samples` of their prompt_ids, response_ids
-and model_mask is exactly the batch the trainer built (tests/rollout/test_dump.py)."""
+A line: step, sample index, the prompt's index and data_source, `prompt_ids`, `response_ids`, `model_mask` (1: the
+model's token; 0: tool results and template glue; all 1s single-turn), `logprobs` (the engine's; 0.0 off the model's
+tokens), `finish_reason`, `prompt` and `response` text (decoded with special tokens), `turns` (role, text, tool
+name, error flag, token span in response_ids), `tool_calls` (the tool turns' names and error flags, in order),
+`tool_rewards`, the sample's counts (`multi_turn`), `reward`, `weight_version` (the oldest of the sample's batch)
+and, for training steps, `advantage`; in rollout.mode=async also `token_versions` (each response token's) and
+`prompt_index` is the group's start order over the run (what rollout.replay_dir draws again). `read_dump` gives the
+lines back; `RolloutBatch.from_samples` of their prompt_ids, response_ids and model_mask is exactly the batch the
+trainer built (tests/rollout/test_dump.py)."""
 
 from __future__ import annotations
 

@@ -105,10 +105,10 @@ class ReplayScheduler:
                            "no extra rounds to replay")
 
     def submit_next(self, step: int) -> None:
-        pass
+        """Nothing is generated: the next step's samples are read when asked for."""
 
     def wait(self) -> None:
-        pass
+        """No generation in flight to wait for."""
 
     def take_timing(self) -> tuple[float, float]:
         return 0.0, 0.0
@@ -117,7 +117,7 @@ class ReplayScheduler:
         return {}
 
     def rewind(self) -> None:
-        pass
+        """A replay does not checkpoint (refused at config time): no step to put back."""
 
     def task_state(self):
         return None
@@ -130,4 +130,4 @@ class ReplayScheduler:
             raise ValueError("rollout.replay_dir: a replay does not resume from a checkpoint; start it anew")
 
     def close(self) -> None:
-        pass
+        """No workers or servers of its own to end (the engines are the run's)."""
