@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from grpo_mega.conf.lora import MOE_TARGETS
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.conf.parallel import ParallelConfig
 
@@ -179,7 +180,8 @@ def grad_buffer_numel(model: ModelConfig, parallel: ParallelConfig, dp: int,
 
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
-"""grpo_mega.conf.lora.LORA_TARGETS, in the order megatron's layer holds the linears (a test holds them equal)."""
+"""The targets the planner counts: grpo_mega.conf.lora.LORA_TARGETS less its MOE_TARGETS (expert and router
+adapters are refused here), in the order megatron's layer holds the linears (a test holds them so)."""
 
 
 def lora_layer_sizes(model: ModelConfig, tp: int, rank: int, targets, moe: bool = False) -> list[int]:
@@ -467,6 +469,12 @@ class PlanInput:
         if self.lora_rank is not None:
             if self.lora_rank <= 0:
                 raise ValueError(f"lora_rank={self.lora_rank} (lora.rank, --lora-rank) must be > 0, or None: no LoRA")
+            moe = [t for t in self.lora_targets if t in MOE_TARGETS]
+            if moe:
+                raise ValueError(f"lora_targets {moe} (lora.target_modules, --lora-targets): expert and router "
+                                 "adapters are not planned yet (their memory is not counted); plan without them "
+                                 f"({','.join(t for t in self.lora_targets if t not in moe) or 'qkv,proj'}) and add "
+                                 "their few parameters by hand")
             unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
             if unknown or not self.lora_targets:
                 raise ValueError(f"lora_targets={list(self.lora_targets)} (lora.target_modules, --lora-targets): "

@@ -18,7 +18,9 @@ class LoraConfig:
     """Scale alpha: the adapter adds (alpha / rank) B A x."""
     target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
     """Adapted linears of each layer: 'qkv' (attention input, fused q/k/v), 'proj' (attention output), 'fc1'
-    (dense MLP gate/up, fused), 'fc2' (dense MLP down)."""
+    (dense MLP gate/up, fused), 'fc2' (dense MLP down); on an MoE layer 'expert_fc1' / 'expert_fc2' (every expert's
+    gate/up and down, an adapter per expert; the experts unsharded by tensor parallelism: parallel.tp=1, any ep) and
+    'router' (the router's gate). Each name must match some layer of the model."""
     init: str = "kaiming"
     """A's initialisation ('kaiming': PEFT's kaiming-uniform, a=sqrt(5); 'gaussian': normal with std 1/rank); B = 0,
     so step 0 is the base model. Dropout is 0."""
@@ -44,5 +46,7 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "expert_fc1", "expert_fc2", "router")
 """lora.target_modules' names."""
+MOE_TARGETS = ("expert_fc1", "expert_fc2", "router")
+"""The targets that only an MoE layer has."""

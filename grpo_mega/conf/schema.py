@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.conf.parallel import ParallelConfig
-from grpo_mega.conf.lora import LoraConfig
+from grpo_mega.conf.lora import MOE_TARGETS, LoraConfig
 from grpo_mega.conf.optim import OptimConfig, PrecisionConfig
 from grpo_mega.conf.algo import AlgoConfig
 from grpo_mega.conf.batch import BatchConfig
@@ -110,6 +110,10 @@ class TrainConfig:
             raise ValueError(f"parallel.tp={self.parallel.tp} with an MoE model needs parallel.sequence_parallel=true "
                              "(megatron-core's MoE layer refuses tensor parallelism without it in training)")
         self.check_routing_replay(model)
+        moe_targets = [t for t in self.lora.target_modules if t in MOE_TARGETS]
+        if self.lora.enabled and moe_targets and not model.is_moe:
+            raise ValueError(f"lora.target_modules {moe_targets} need an MoE model; model {model.name} is dense (no "
+                             "num_experts): leave them out of lora.target_modules")
         dp = self.parallel.check(model, world_size)
         self.batch.check_layout(self.parallel, dp, self.rollout.n)
         if world_size % self.rollout.num_engines:
@@ -134,6 +138,12 @@ class TrainConfig:
             raise ValueError(f"lora.rank={r} with precision.fp8={self.precision.fp8!r}: LoRA runs on megatron-core's "
                              "local layers (chosen even where Transformer Engine is installed), FP8 only on Transformer "
                              "Engine's; set precision.fp8=null or lora.rank=null")
+        experts = [t for t in self.lora.target_modules if t.startswith("expert_")]
+        if experts and self.parallel.tp > 1:
+            raise ValueError(f"lora.target_modules {experts} with parallel.tp={self.parallel.tp}: the experts are split by "
+                             "tensor parallelism like the dense layers (expert TP = parallel.tp) and expert adapters "
+                             "need them whole; set parallel.tp=1 and split the experts with parallel.ep, or leave "
+                             f"{'/'.join(experts)} out of lora.target_modules")
 
     def check_routing_replay(self, model: ModelConfig) -> None:
         """algo.routing_replay=rollout or measure against the model and the engines: a ValueError naming what

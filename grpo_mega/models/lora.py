@@ -16,8 +16,12 @@ Sharding (docs/design.md points here):
   replicated. The partial A x is all-reduced over TP (reduce-scattered over the sequence under sequence
   parallelism, like the base output); under sequence parallelism B's gradient is a partial sum over this rank's
   tokens, tagged `sequence_parallel` so that megatron's finalize_model_grads all-reduces it over TP.
-A's full tensor is drawn on the CPU from `lora.seed` and the layer's global index, whatever the layout, each rank
-keeping its shard; B starts at 0 (step 0 is the base model).
+- an MoE layer's experts (SequentialMLP's local_experts.<j>: expert_fc1 column-, expert_fc2 row-parallel over
+  expert TP, which must be 1, so nothing is sharded) and its router (the gate's logits get s B A x; A and B
+  replicated): each adapter takes its base weight's `allreduce` (False for an expert under EP: reduced over expert
+  DP) and, for the router, `sequence_parallel` tags.
+A's full tensor is drawn on the CPU from `lora.seed`, the layer's global index and, for an expert, its global index,
+whatever the layout, each rank keeping its shard; B starts at 0 (step 0 is the base model).
 
 The adapters are left out of the module's state_dict (base checkpoints, weight sync and HF conversion see the base
 model alone); `adapter_state` reads them. Asked for with `ADAPTERS_METADATA`, they are in its sharded_state_dict
@@ -30,32 +34,41 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import torch
 import torch.nn.functional as F
 
 from grpo_mega.conf.lora import LORA_TARGETS, LoraConfig
 
-# lora.target_modules name -> the module path's ending in megatron-core's GPT layer (dense MLP only: an MoE
-# layer's experts sit under mlp.experts and are not matched)
+# lora.target_modules name -> the module path's ending in megatron-core's GPT layer (the dense MLP's fc1/fc2; an
+# MoE layer's router; its experts, SequentialMLP's local_experts.<j>, are matched by _EXPERT)
 _SUFFIX = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
-           "fc2": "mlp.linear_fc2"}
+           "fc2": "mlp.linear_fc2", "router": "mlp.router"}
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])$")
+_SEED_SLOTS = 4
+"""A's seed: one slot per (layer, dense target) as before expert and router adapters existed (their seeds sit
+above every dense one), so a dense model's adapters start where they always did."""
+
+
+def _target_of(path: str) -> str | None:
+    m = _EXPERT.search(path)
+    if m:
+        return f"expert_fc{m.group(2)}"
+    return next((t for t, suffix in _SUFFIX.items() if path.endswith(suffix)), None)
 
 
 def targets(gpt: torch.nn.Module, lora: LoraConfig) -> list[tuple[str, str, torch.nn.Module]]:
-    """(module path, target name, module) of every linear of `gpt` that `lora.target_modules` names."""
-    out = []
-    for name, module in gpt.named_modules():
-        for t in lora.target_modules:
-            if name.endswith(_SUFFIX[t]):
-                out.append((name, t, module))
-    return out
+    """(module path, target name, module) of every module of `gpt` that `lora.target_modules` names."""
+    return [(name, t, module) for name, module in gpt.named_modules()
+            if (t := _target_of(name)) is not None and t in lora.target_modules]
 
 
 def apply_lora(gpt: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """Freeze every base parameter of `gpt` (this rank's stage) and add the adapters; returns the adapted paths.
     Must run before DDP and the optimizer are built (they take the parameters that require grad)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import Router
 
     gpt.requires_grad_(False)
     found = targets(gpt, lora)
@@ -67,10 +80,17 @@ def apply_lora(gpt: torch.nn.Module, lora: LoraConfig) -> list[str]:
     for name, target, module in found:
         parts = name.split(".")
         layer = int(gpt.decoder.layers[int(parts[parts.index("layers") + 1])].layer_number)  # global, 1-based
-        if isinstance(module, ColumnParallelLinear):
-            _add(module, name, target, lora, layer, column=True)
+        expert = _global_expert(gpt, name) if target.startswith("expert_") else None
+        if expert is not None and _tp(module)[0] > 1:
+            raise ValueError(f"lora.target_modules {target}: the experts are split by tensor parallelism (expert TP "
+                             f"{_tp(module)[0]} = parallel.tp); expert adapters need parallel.tp=1 (split the experts "
+                             "with parallel.ep), or leave expert_fc1/expert_fc2 out of lora.target_modules")
+        if isinstance(module, Router):
+            _add(module, name, target, lora, layer, split=None)
+        elif isinstance(module, ColumnParallelLinear):
+            _add(module, name, target, lora, layer, split="B", expert=expert)
         elif isinstance(module, RowParallelLinear):
-            _add(module, name, target, lora, layer, column=False)
+            _add(module, name, target, lora, layer, split="A", expert=expert)
         else:
             raise ValueError(f"lora: {name} is a {type(module).__name__}, not megatron-core's Column/RowParallelLinear "
                              "(Transformer Engine's fused layers are not adapted): build the model with "
@@ -78,19 +98,40 @@ def apply_lora(gpt: torch.nn.Module, lora: LoraConfig) -> list[str]:
     return [n for n, _, _ in found]
 
 
-def _add(module, name: str, target: str, lora: LoraConfig, layer_number: int, column: bool) -> None:
+def _global_expert(gpt: torch.nn.Module, path: str) -> int:
+    """The global index of the expert whose linear is at `path`: EP rank r's local expert j is r * (E / ep) + j."""
+    experts = gpt.get_submodule(path[: path.index(".local_experts.")])
+    local = int(_EXPERT.search(path).group(1))
+    ep_rank = experts.ep_group.rank() if torch.distributed.is_initialized() else 0
+    return ep_rank * experts.num_local_experts + local
+
+
+def _seed(lora: LoraConfig, layer: int, target: str, expert: int | None) -> int:
+    base = lora.seed * 1_000_003
+    if target in ("qkv", "proj", "fc1", "fc2"):
+        return base + layer * _SEED_SLOTS + LORA_TARGETS.index(target)
+    if target == "router":
+        return base + 700_001 + layer
+    return base + 900_001 + (layer * 4096 + expert) * 2 + int(target == "expert_fc2")
+
+
+def _add(module, name: str, target: str, lora: LoraConfig, layer_number: int, split: str | None,
+         expert: int | None = None) -> None:
+    """Put A [r, in] and B [out, r] on `module`; `split` names the one sharded over TP like the base weight ('B': a
+    column-parallel base's rows, 'A': a row-parallel base's columns, None: the router, replicated)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     weight = module.weight
-    tp = torch.distributed.get_world_size(module.tp_group) if torch.distributed.is_initialized() else 1
-    rank = torch.distributed.get_rank(module.tp_group) if tp > 1 else 0
-    d_in, d_out = module.input_size, module.output_size
+    tp, rank = _tp(module)
+    if split is None:
+        d_out, d_in = weight.shape
+    else:
+        d_in, d_out = module.input_size, module.output_size
     if lora.rank > min(d_in, d_out):
         raise ValueError(f"lora.rank={lora.rank} is larger than {name}'s smaller dimension {min(d_in, d_out)} "
                          f"({d_out} x {d_in}); choose lora.rank <= {min(d_in, d_out)}")
-    # one seed per (global layer, target): the same A on every pipeline and TP layout
-    g = torch.Generator().manual_seed(lora.seed * 1_000_003 + layer_number * len(LORA_TARGETS)
-                                      + LORA_TARGETS.index(target))
+    # one seed per (global layer, target, global expert): the same A on every pipeline, TP and EP layout
+    g = torch.Generator().manual_seed(_seed(lora, layer_number, target, expert))
     a = torch.empty(lora.rank, d_in, dtype=torch.float32)
     if lora.init == "kaiming":  # PEFT's: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in))
         bound = 1.0 / math.sqrt(d_in)
@@ -98,24 +139,42 @@ def _add(module, name: str, target: str, lora: LoraConfig, layer_number: int, co
     else:
         a.normal_(0.0, 1.0 / lora.rank, generator=g)
     dtype, device = weight.dtype, weight.device
-    if column:
-        b = torch.zeros(d_out // tp, lora.rank)
-    else:
+    b = torch.zeros(d_out // tp if split == "B" else d_out, lora.rank)
+    if split == "A":
         a = a[:, rank * (d_in // tp):(rank + 1) * (d_in // tp)]
-        b = torch.zeros(d_out, lora.rank)
     module.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
     module.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype))
-    if column:
+    if split == "B":
         set_tensor_model_parallel_attributes(module.lora_B, True, 0, 1)
-    else:
+    elif split == "A":
         set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
         setattr(module.lora_B, "sequence_parallel", module.sequence_parallel)
-    module._lora_scale, module._lora_on, module._lora_column, module._lora_target = lora.scale, True, column, target
-    module._lora_base_forward = module.forward
-    module.forward = _column_forward(module) if column else _row_forward(module)
+    else:  # the router: each TP rank routes its own tokens under sequence parallelism, as its weight says
+        for p in (module.lora_A, module.lora_B):
+            setattr(p, "sequence_parallel", getattr(weight, "sequence_parallel", False))
+    for p in (module.lora_A, module.lora_B):  # an expert's: reduced over expert DP, as megatron's DDP reads it
+        setattr(p, "allreduce", getattr(weight, "allreduce", True))
+    module._lora_scale, module._lora_on, module._lora_split, module._lora_target = lora.scale, True, split, target
+    if split is None:
+        module._lora_base_gating = module.gating
+        module.gating = _router_gating(module)
+    else:
+        module._lora_base_forward = module.forward
+        module.forward = _column_forward(module) if split == "B" else _row_forward(module)
     module.sharded_state_dict = _sharded_state_dict(module)
     module._register_state_dict_hook(_drop_adapters)
     module.register_load_state_dict_post_hook(_ignore_missing_adapters)
+
+
+def _router_gating(m):
+    def gating(input_):
+        logits = m._lora_base_gating(input_)  # [tokens, E], in the router's dtype (fp32 with moe_router_dtype)
+        if not m._lora_on:
+            return logits
+        x = input_.to(logits.dtype)
+        return logits + m._lora_scale * F.linear(F.linear(x, m.lora_A.to(logits.dtype)), m.lora_B.to(logits.dtype))
+
+    return gating
 
 
 def _column_forward(m):
@@ -169,11 +228,13 @@ def _sharded_state_dict(m):
     base = m.sharded_state_dict
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
-        out = base(prefix, sharded_offsets, metadata)
+        # (a module on MegatronModule's default, the router, reads every parameter: its adapters are dropped here)
+        out = {k: v for k, v in base(prefix, sharded_offsets, metadata).items() if not k.endswith(ADAPTER_KEYS)}
         if not (metadata or {}).get(ADAPTERS_METADATA):
             return out
         adapters = make_sharded_tensors_for_checkpoint(
-            {"lora_A": m.lora_A, "lora_B": m.lora_B}, prefix, {"lora_B": 0} if m._lora_column else {"lora_A": 1},
+            {"lora_A": m.lora_A, "lora_B": m.lora_B}, prefix,
+            {f"lora_{m._lora_split}": 0 if m._lora_split == "B" else 1} if m._lora_split else {},
             sharded_offsets, tp_group=m.tp_group, dp_cp_group=(metadata or {})["dp_cp_group"])
         if _gated(m):
             adapters[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
@@ -221,7 +282,7 @@ def adapter_params(gpt: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 def _gated(module) -> bool:
     """A fused gate/up linear (fc1 of a gated MLP): each TP shard holds [gate/tp; up/tp] rows."""
-    return module._lora_target == "fc1" and bool(getattr(module.config, "gated_linear_unit", False))
+    return module._lora_target in ("fc1", "expert_fc1") and bool(getattr(module.config, "gated_linear_unit", False))
 
 
 def _tp(module) -> tuple[int, int]:
@@ -233,12 +294,12 @@ def _tp(module) -> tuple[int, int]:
 def _shard(module, key: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an adapter's full (TP1-layout) tensor."""
     tp, rank = _tp(module)
-    if module._lora_column and key == "lora_B":
+    if module._lora_split == "B" and key == "lora_B":
         if _gated(module):
             gate, up = full.chunk(2, dim=0)
             return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
         return full.chunk(tp, dim=0)[rank]
-    if not module._lora_column and key == "lora_A":
+    if module._lora_split == "A" and key == "lora_A":
         return full.chunk(tp, dim=1)[rank]
     return full
 
@@ -246,7 +307,7 @@ def _shard(module, key: str, full: torch.Tensor) -> torch.Tensor:
 def _unshard(module, key: str, local: torch.Tensor) -> torch.Tensor:
     """The full (TP1-layout) tensor from every TP rank's shard `local` (collective over TP when sharded)."""
     tp, _ = _tp(module)
-    sharded = (module._lora_column and key == "lora_B") or (not module._lora_column and key == "lora_A")
+    sharded = key == f"lora_{module._lora_split}"
     if tp == 1 or not sharded:
         return local
     parts = [torch.empty_like(local) for _ in range(tp)]

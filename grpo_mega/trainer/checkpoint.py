@@ -5,7 +5,8 @@ resolved config), sealed by the CheckpointStore so that only complete checkpoint
 Layout of `step_XXXXXXXX/`: `model/` (the distributed checkpoint, with grpo_mega.json so that
 grpo-mega-convert-to-hf can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
 `checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang; under LoRA the
-merged weights W + (alpha / r) B A, and `peft/` the adapters as a PEFT LoRA directory, `export_peft`),
+merged weights W + (alpha / r) B A, and `peft/` the adapters as a PEFT LoRA directory, `export_peft`, unless
+expert or router adapters are among them),
 `rollout_routes.safetensors` when an in-flight batch carries routed experts (algo.routing_replay=rollout or measure;
 `save_routes`), and the store's manifest.json over all of them.
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from grpo_mega.parallel import comm
 from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore, hash_share, merge_digests
-from grpo_mega.trainer.lora_checkpoint import _lora, check_lora, export_peft, lora_state
+from grpo_mega.trainer.lora_checkpoint import _lora, check_lora, export_peft, lora_state, peft_exportable
 
 # The DistributedOptimizer's default checkpoint format needs TE/Apex on CPU ("ShardedTensor.flattened_range
 # is not supported"); fully_reshardable also lets a checkpoint load at another TP/PP/DP.
@@ -74,6 +75,29 @@ def _sharded(actor, reference, loading: bool) -> dict:
     if reference is not None:
         out["reference"] = reference.built.gpt.sharded_state_dict(prefix="reference.")
     return out
+
+
+def fit_optimizer_chain(state: dict, optimizer) -> dict:
+    """A loaded optimizer state fitted to `optimizer`'s chain. Under EP > 1 megatron chains an optimizer for the
+    dense parameters and one for the experts' (`is_expert_parallel` param groups), and a checkpoint's common part
+    (the param groups: step, lr, betas) is saved per optimizer of the saving run's chain; an MoE run resumed at
+    another expert-parallel size (ep=2 <-> ep=1) reads the other structure and megatron raises KeyError
+    'optimizer'. The parameter states themselves are loaded per parameter whatever the layout
+    (fully_reshardable): only the param groups move, the experts' taking the dense groups' values."""
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    saved = sorted(k for k in state if isinstance(k, int) and "optimizer" in state[k])
+    if len(chain) == 1 and saved:  # saved as a chain, loaded into one optimizer: the dense groups
+        common = [state.pop(k) for k in saved]
+        state["optimizer"] = {"param_groups": [g for c in common for g in c["optimizer"]["param_groups"]
+                                               if not g.get("is_expert_parallel")]}
+        state["param_state_sharding_type"] = common[0]["param_state_sharding_type"]
+    elif len(chain) > 1 and "optimizer" in state:  # saved as one optimizer, loaded into a chain
+        groups, kind = state.pop("optimizer")["param_groups"], state.pop("param_state_sharding_type")
+        for i, opt in enumerate(chain):
+            expert = any(g.get("is_expert_parallel") for g in opt.optimizer.param_groups)
+            state[i] = {**state.get(i, {}), "param_state_sharding_type": kind,
+                        "optimizer": {"param_groups": [{**g, "is_expert_parallel": expert} for g in groups]}}
+    return state
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -251,7 +275,7 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
                        **extra)
         if export.get("hf"):
             export_hf(tmp / "hf", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
-            if _lora(actor) is not None:
+            if _lora(actor) is not None and peft_exportable(_lora(actor)):  # else hf/ alone: merged experts
                 export_peft(tmp / "peft", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in _rng_state().items()}, str(tmp / "rng" / f"rank_{dist.get_rank():05d}.safetensors"))
@@ -377,7 +401,7 @@ def load(path: Path, actor, reference, base_model: Optional[dict] = None) -> dic
                 actor.built.gpt.get_parameter(key).copy_(t)
     else:
         actor.built.gpt.load_state_dict(loaded["actor"])
-    actor.optimizer.load_state_dict(loaded["optimizer"])
+    actor.optimizer.load_state_dict(fit_optimizer_chain(loaded["optimizer"], actor.optimizer))
     # The param groups come back with the saving run's max_lr/min_lr, which the scheduler reads per group:
     # this run's optim.lr/min_lr must win (the loop reports the change), as for the scheduler itself.
     for group in actor.optimizer.param_groups:

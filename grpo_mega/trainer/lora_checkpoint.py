@@ -1,7 +1,7 @@
 """What a LoRA checkpoint adds to a training checkpoint (grpo_mega/trainer/checkpoint.py): the identity of the base
 model the adapters were trained on (`base_model_identity`, kept in loop_state.json under "lora" with the adapters'
 shape settings, `lora_state`), the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
-adapters as a PEFT LoRA directory (`export_peft`) beside the merged HF export."""
+adapters as a PEFT LoRA directory (`export_peft`; attention and dense MLP adapters) beside the merged HF export."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from grpo_mega.conf.lora import MOE_TARGETS
 from grpo_mega.parallel import comm
 from grpo_mega.trainer.checkpoint_store import CheckpointError
 
@@ -127,6 +128,11 @@ def peft_tensors(gpt, model_cfg) -> dict[str, torch.Tensor]:
     return out
 
 
+def peft_exportable(lora) -> bool:
+    """Whether `export_peft` can write these adapters: attention and dense MLP ones only."""
+    return not any(t in MOE_TARGETS for t in lora.target_modules)
+
+
 def export_peft(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optional[str] = None) -> None:
     """Collective: the actor's adapters as a PEFT LoRA directory at `out_dir` (rank 0 writes adapter_config.json
     and adapter_model.safetensors; PEFT's scaling lora_alpha / r is ours). Each pipeline stage's first TP rank of
@@ -135,6 +141,11 @@ def export_peft(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Opt
     from safetensors.torch import save_file
 
     lora = _lora(actor)
+    if not peft_exportable(lora):
+        raise ValueError(f"lora.target_modules {[t for t in lora.target_modules if t in MOE_TARGETS]}: a PEFT directory "
+                         "of expert or router adapters is not written (transformers holds the experts as fused 3-D "
+                         "tensors, which PEFT adapts through target_parameters, a layout not built here); export the "
+                         "merged model (hf/, W + (alpha / r) B A) instead")
     tensors = peft_tensors(actor.built.gpt, model_cfg)
     first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     gathered = comm.gather_objects({k: v.to("cpu", dtype) for k, v in tensors.items()} if first else {})

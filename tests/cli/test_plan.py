@@ -580,9 +580,13 @@ def test_lora_activations_equal_what_autograd_saves():
 
 
 def test_lora_targets_are_the_configs_and_the_table_says_lora(plan_tool):
-    from grpo_mega.conf.lora import LORA_TARGETS
+    from grpo_mega.conf.lora import LORA_TARGETS, MOE_TARGETS
 
-    assert planning.LORA_TARGETS == LORA_TARGETS
+    assert planning.LORA_TARGETS == tuple(t for t in LORA_TARGETS if t not in MOE_TARGETS)
+    with pytest.raises(ValueError, match=r"lora_targets \['expert_fc1', 'router'\] .*: expert and router adapters are "
+                                         r"not planned yet .*plan without them \(qkv\)"):
+        planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8, reference="none",
+                           layer_spec="local", lora_targets=("qkv", "expert_fc1", "router"))
     inp = planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(tp=2), world_size=2, lora_rank=8,
                              lora_targets=("qkv", "proj"), reference="none", layer_spec="local")
     table = plan_tool.table(planning.plan(inp))

@@ -21,13 +21,15 @@ from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 
 LORA = LoraConfig(rank=4, alpha=8.0)
+# the MoE model: every target, experts and routers included
+LORA_MOE = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "proj", "fc1", "fc2", "expert_fc1", "expert_fc2", "router"])
 LOGIT_TOL = 1e-5
 TOKENS = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-def _export(src: str, out: str, tp: int):
-    """A LoRA actor on HF model `src` at TP`tp` with seeded random adapters: its merged and PEFT exports into
-    `out`/hf and `out`/peft, and (TP1) its logits on TOKENS."""
+def _export(src: str, out: str, tp: int, ep: int = 1):
+    """A LoRA actor on HF model `src` at TP`tp` (EP`ep`) with seeded random adapters: its merged and PEFT exports
+    into `out`/hf and `out`/peft (an MoE model: hf/ alone, PEFT refused), and (TP1, EP1) its logits on TOKENS."""
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.models.lora import adapter_state, load_adapter_state
     from grpo_mega.trainer.checkpoint import export_hf
@@ -35,22 +37,33 @@ def _export(src: str, out: str, tp: int):
     from tests.trainer import layouts as L
 
     with cpu_compat.cpu_device_mode():
-        init_distributed(tp=tp, pp=1)
+        init_distributed(tp=tp, pp=1, ep=ep)
         from megatron.core import parallel_state as ps
 
         _, _, cfg = read_hf_config(src)
-        base = L.tiny_actor(train=1, mini=1, micro=1)
-        actor = type(base)(cfg, ParallelConfig(tp=tp), PrecisionConfig(params_dtype="fp32"), base.optim, base.algo,
-                           base.batch, lora=LORA)
+        lora = LORA_MOE if cfg.is_moe else LORA
+        base = L.tiny_actor(train=ep, mini=ep, micro=1)
+        actor = type(base)(cfg, ParallelConfig(tp=tp, ep=ep), PrecisionConfig(params_dtype="fp32"), base.optim,
+                           base.algo, base.batch, lora=lora)
         gpt = actor.built.gpt
         load_hf_into_gpt(gpt, src, cfg, ps.get_tensor_model_parallel_rank(), tp)
-        g = torch.Generator().manual_seed(7)
-        load_adapter_state(gpt, {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in sorted(adapter_state(gpt).items())})
+        if cfg.is_moe:  # drawn from each adapter's global name: the same adapters at every EP layout
+            from tests.trainer.test_lora import _adapters_random
+
+            load_adapter_state(gpt, _adapters_random(gpt))
+        else:
+            g = torch.Generator().manual_seed(7)
+            load_adapter_state(gpt, {k: torch.randn(v.shape, generator=g) * 0.1
+                                     for k, v in sorted(adapter_state(gpt).items())})
         actor.optimizer.reload_model_params()
         export_hf(Path(out) / "hf", actor, cfg, torch.float32, src)
-        export_peft(Path(out) / "peft", actor, cfg, torch.float32, src)
+        if cfg.is_moe:
+            with pytest.raises(ValueError, match=r"a PEFT directory of expert or router adapters is not written"):
+                export_peft(Path(out) / "peft", actor, cfg, torch.float32, src)
+        else:
+            export_peft(Path(out) / "peft", actor, cfg, torch.float32, src)
         logits = None
-        if tp == 1:
+        if tp == 1 and ep == 1:
             gpt.eval()
             b, s = TOKENS.shape
             with torch.no_grad():
@@ -132,3 +145,32 @@ def test_export_at_tp2_is_tp1s(exported):
         assert a.keys() == b.keys()
         err = max(float((a[k] - b[k]).abs().max()) for k in a)
         assert err <= 1e-6, (rel, err)  # the adapters bit for bit; W + s B A summed per shard at TP2
+
+
+@pytest.fixture(scope="module")
+def exported_moe(tmp_path_factory):
+    from tests.models.hf_fixtures import tiny_hf
+
+    d = tmp_path_factory.mktemp("lora_export_moe")
+    src = tiny_hf(d / "base", "qwen3_moe", dtype=torch.float32)
+    (logits,) = run_ranks(_export, 1, str(src), str(d / "ep1"), 1, timeout=300)
+    return d, src, logits
+
+
+def test_moe_merged_export_gives_the_trainers_logits(exported_moe):
+    """Qwen3-MoE with adapters on every expert's fc1/fc2 and every router (beside attention and the dense layer's
+    MLP): the merged export (each expert's W + s B A before its EP gather, the router's too) is the trainer's model
+    in transformers, to 1e-5 max-abs; at EP2 (each rank 4 of the 8 experts' adapters) it is the same file to 1e-6.
+    The base alone is far from it (the adapters carry the match)."""
+    from transformers import AutoModelForCausalLM
+
+    d, src, logits = exported_moe
+    merged = AutoModelForCausalLM.from_pretrained(d / "ep1" / "hf", dtype=torch.float32, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    err, moved = (float((_hf_logits(m) - logits).abs().max()) for m in (merged, base))
+    print(f"LoRA (experts, routers) merged export vs trainer: max-abs logit error {err:.2e} (the base alone: {moved:.2e})")
+    assert err <= LOGIT_TOL and moved > 1e-2, (err, moved)
+    run_ranks(_export, 2, str(src), str(d / "ep2"), 1, 2, timeout=300)
+    a, b = load_file(d / "ep1" / "hf" / "model.safetensors"), load_file(d / "ep2" / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
