@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from grpo_mega.conf.lora import MOE_TARGETS
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.conf.parallel import ParallelConfig
 
@@ -179,38 +178,64 @@ def grad_buffer_numel(model: ModelConfig, parallel: ParallelConfig, dp: int,
     return out
 
 
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
-"""The targets the planner counts: grpo_mega.conf.lora.LORA_TARGETS less its MOE_TARGETS (expert and router
-adapters are refused here), in the order megatron's layer holds the linears (a test holds them so)."""
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "expert_fc1", "expert_fc2", "router")
+"""grpo_mega.conf.lora.LORA_TARGETS (a test holds them equal)."""
 
 
 def lora_layer_sizes(model: ModelConfig, tp: int, rank: int, targets, moe: bool = False) -> list[int]:
     """Numels of one layer's LoRA adapters on one TP rank, A then B per targeted linear, as
     grpo_mega/models/lora.py shards them: a column-parallel base (qkv [q + 2k, h], fc1 [2f, h]) gets A [r, h]
     replicated and B [out / tp, r]; a row-parallel one (proj [h, q], fc2 [h, f]) A [r, in / tp] and B [h, r]
-    replicated. An MoE layer's MLP (router and experts) is not adapted: only its qkv and proj."""
+    replicated. An MoE layer has no fc1/fc2; its router's adapter (router [E, h]) is A [r, h] and B [E, r], both
+    replicated; its experts' adapters are `lora_expert_layer_sizes`'."""
     h, f = model.hidden_size, model.ffn_hidden_size
     q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
-    dims = {"qkv": (h, q + 2 * kv, True), "proj": (q, h, False), "fc1": (h, 2 * f, True), "fc2": (f, h, False)}
+    dims = {"qkv": (h, q + 2 * kv, True), "proj": (q, h, False), "fc1": (h, 2 * f, True), "fc2": (f, h, False),
+            "router": (h, model.num_experts or 0, None)}
     out = []
-    for t in LORA_TARGETS:
-        if t not in targets or (moe and t in ("fc1", "fc2")):
+    for t in ("qkv", "proj", "fc1", "fc2", "router"):
+        if t not in targets or (moe and t in ("fc1", "fc2")) or (not moe and t == "router"):
             continue
         d_in, d_out, column = dims[t]
-        if rank > min(d_in, d_out):
-            raise ValueError(f"lora.rank={rank} is larger than {t}'s smaller dimension {min(d_in, d_out)} "
-                             f"({d_out} x {d_in}); choose lora.rank <= {min(d_in, d_out)}")
-        out += [rank * d_in, d_out // tp * rank] if column else [rank * (d_in // tp), d_out * rank]
+        _check_rank(rank, t, d_in, d_out)
+        if column is None:
+            out += [rank * d_in, d_out * rank]
+        else:
+            out += [rank * d_in, d_out // tp * rank] if column else [rank * (d_in // tp), d_out * rank]
     return out
 
 
-def lora_stage_sizes(model: ModelConfig, parallel: ParallelConfig, rank: int, targets) -> list[list[int]]:
-    """Per pipeline stage: the numels of this TP rank's adapters (`lora_layer_sizes` over the stage's layers),
-    the only parameters megatron's DDP and optimizer see under LoRA (the base is frozen)."""
+def lora_expert_layer_sizes(model: ModelConfig, rank: int, targets, ep: int) -> list[int]:
+    """Numels of one MoE layer's expert adapters on one EP rank: for each of its num_experts / ep experts, A then B
+    of expert_fc1 (A [r, h], B [2 f_moe, r]) and expert_fc2 (A [r, f_moe], B [h, r]); the experts are whole on a
+    rank (expert adapters need expert TP 1)."""
+    h, f = model.hidden_size, model.moe_ffn_hidden_size
+    one = []
+    for t, (d_in, d_out) in (("expert_fc1", (h, 2 * f)), ("expert_fc2", (f, h))):
+        if t in targets:
+            _check_rank(rank, t, d_in, d_out)
+            one += [rank * d_in, d_out * rank]
+    return one * (model.num_experts // ep)
+
+
+def _check_rank(rank: int, target: str, d_in: int, d_out: int) -> None:
+    if rank > min(d_in, d_out):
+        raise ValueError(f"lora.rank={rank} is larger than {target}'s smaller dimension {min(d_in, d_out)} "
+                         f"({d_out} x {d_in}); choose lora.rank <= {min(d_in, d_out)}")
+
+
+def lora_stage_sizes(model: ModelConfig, parallel: ParallelConfig, rank: int, targets,
+                     experts: bool = False) -> list[list[int]]:
+    """Per pipeline stage: the numels of this rank's adapters (`lora_layer_sizes` over the stage's layers; with
+    `experts`, `lora_expert_layer_sizes` over its MoE layers instead), the only parameters megatron's DDP and
+    optimizer see under LoRA (the base is frozen)."""
     moe_layers, start, out = model.moe_layers(), 0, []
     for n in parallel.layers_per_stage(model.num_layers):
         layers = moe_layers[start:start + n]
-        out.append([s for m in layers for s in lora_layer_sizes(model, parallel.tp, rank, targets, m)])
+        if experts:
+            out.append([s for m in layers if m for s in lora_expert_layer_sizes(model, rank, targets, parallel.ep)])
+        else:
+            out.append([s for m in layers for s in lora_layer_sizes(model, parallel.tp, rank, targets, m)])
         start += n
     return out
 
@@ -313,7 +338,7 @@ def local_layer_activation_bytes(model: ModelConfig, seq: int, micro_batch: int,
 
 
 def lora_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                          rank: int, targets, moe: bool = False) -> float:
+                          rank: int, targets, moe: bool = False, ep: int = 1) -> float:
     """What LoRA changes in one layer's activations per micro-batch on one TP rank, against
     `local_layer_activation_bytes` (the local spec, which LoRA runs on; grpo_mega/models/lora.py's forwards, bf16;
     negative where the frozen base keeps less). Per token:
@@ -326,18 +351,26 @@ def lora_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: in
       row-parallel target (proj, fc2): A's input is the one the base's count has; B's input, A x all-reduced
         (reduce-scattered under sequence parallelism): 2r / sp
     Measured to the byte through autograd's saved tensors (tests/cli/test_plan.py). Still counted as kept, so an
-    over-estimate: an untargeted frozen linear's input, frozen q/k norms' tensors, an MoE layer's router input."""
+    over-estimate: an untargeted frozen linear's input, frozen q/k norms' tensors, an MoE layer's router input.
+    On an MoE layer, estimated (not measured): the router adapter keeps B's input, 2r / sp (A's input is the
+    router's own); per routed copy of a token on this EP rank (top-k / ep of them, balanced), expert_fc1's adapter
+    keeps its input and A x, 2h + 2r, expert_fc2's the activation and A x, 2 f_moe + 2r."""
     tokens = seq * micro_batch
     sp = tp if sequence_parallel else 1
     h = model.hidden_size
     per_token = -8 * h / sp
+    copies = (model.moe_router_topk or 0) / ep
     for t in targets:
-        if moe and t in ("fc1", "fc2"):
-            continue
-        if t in ("qkv", "fc1"):
+        if t == "qkv" or (t == "fc1" and not moe):
             per_token += 2 * h - 2 * h / sp + 2 * rank
-        else:
+        elif t == "proj" or (t == "fc2" and not moe):
             per_token += 2 * rank / sp
+        elif moe and t == "router":
+            per_token += 2 * rank / sp
+        elif moe and t == "expert_fc1":
+            per_token += copies * (2 * h + 2 * rank)
+        elif moe and t == "expert_fc2":
+            per_token += copies * (2 * model.moe_ffn_hidden_size + 2 * rank)
     return tokens * per_token
 
 
@@ -469,12 +502,6 @@ class PlanInput:
         if self.lora_rank is not None:
             if self.lora_rank <= 0:
                 raise ValueError(f"lora_rank={self.lora_rank} (lora.rank, --lora-rank) must be > 0, or None: no LoRA")
-            moe = [t for t in self.lora_targets if t in MOE_TARGETS]
-            if moe:
-                raise ValueError(f"lora_targets {moe} (lora.target_modules, --lora-targets): expert and router "
-                                 "adapters are not planned yet (their memory is not counted); plan without them "
-                                 f"({','.join(t for t in self.lora_targets if t not in moe) or 'qkv,proj'}) and add "
-                                 "their few parameters by hand")
             unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
             if unknown or not self.lora_targets:
                 raise ValueError(f"lora_targets={list(self.lora_targets)} (lora.target_modules, --lora-targets): "
@@ -531,9 +558,12 @@ class StagePlan:
     """Of param_numel, this rank's expert parameters (sharded over expert DP by the DistributedOptimizer)."""
     adapter_numel: int = 0
     """Under LoRA: this rank's adapter parameters (not in param_numel, the base's); 0 without LoRA."""
+    adapter_expert_numel: int = 0
+    """Under LoRA with EP > 1: the expert adapters among adapter_numel (sharded by the optimizer over expert DP)."""
     adapter_buffer_numel: int = 0
-    """Under LoRA: elements of DDP's buffer of the adapters, padding included (its weights in params_dtype, its
-    gradients in fp32): the only buffer DDP makes, the base being frozen."""
+    """Under LoRA: elements of DDP's buffers of the adapters, padding included (their weights in params_dtype,
+    their gradients in fp32): the only buffers DDP makes, the base being frozen (the expert adapters' apart under
+    EP > 1)."""
     frozen_bytes: int = 0
     """Under LoRA: the frozen base's weights (param_numel in params_dtype), held outside DDP's buffers."""
     ref_forward_gib: float = 0.0
@@ -576,7 +606,7 @@ class Plan:
             headroom_gib=inp.usable_gib - self.total_gib, fits=self.fits, reason=self.reason,
             stages=[dict(stage=s.stage, layers=s.layers, param_numel=s.param_numel, expert_numel=s.expert_numel,
                          param_bytes=s.param_numel * _weight_bytes(inp), adapter_numel=s.adapter_numel,
-                         adapter_buffer_numel=s.adapter_buffer_numel, frozen_bytes=s.frozen_bytes,
+                         adapter_expert_numel=s.adapter_expert_numel, adapter_buffer_numel=s.adapter_buffer_numel, frozen_bytes=s.frozen_bytes,
                          in_flight=s.in_flight, gib=dict(s.gib),
                          ref_forward_gib=s.ref_forward_gib, total_gib=s.total_gib) for s in self.stages],
         )
@@ -606,24 +636,30 @@ def plan(inp: PlanInput) -> Plan:
     if lora:  # each adapter's own saved inputs, on top of the layer's
         lora_args = (*args, inp.lora_rank, inp.lora_targets)
         per_layer += lora_activation_bytes(*lora_args) if parallel.recompute != "full" else 0
-        per_moe_layer += lora_activation_bytes(*lora_args, moe=True) if parallel.recompute != "full" else 0
+        per_moe_layer += lora_activation_bytes(*lora_args, moe=True, ep=parallel.ep) if parallel.recompute != "full" else 0
         adapters = lora_stage_sizes(model, parallel, inp.lora_rank, inp.lora_targets)
+        expert_adapters = lora_stage_sizes(model, parallel, inp.lora_rank, inp.lora_targets, experts=True)
     moe_layers, start = model.moe_layers(), 0
     stages = []
     buffers = grad_buffer_numel(model, parallel, dp, inp.distributed_optimizer)
     wbytes = 2 if bf16 else 4
     for sp_, (dense_buf, expert_buf) in zip(stage_params(model, parallel), buffers):
         n, ne = sp_.total, sp_.expert
-        adapter_numel = adapter_buf = frozen = 0
+        adapter_numel = adapter_expert = adapter_buf = frozen = 0
         if lora:
-            # the frozen base: its own parameters, outside DDP; DDP's one buffer (and the optimizer) holds only
-            # the adapters, none of them experts (padded as a dense buffer over DP)
-            sizes = adapters[sp_.stage]
-            adapter_numel = sum(sizes)
-            adapter_buf = _buffer_numel(sizes, dp, inp.distributed_optimizer)
+            # the frozen base: its own parameters, outside DDP; DDP's buffers (and the optimizer) hold only the
+            # adapters: the experts' in an expert buffer over expert DP under EP > 1 (megatron's allreduce=False
+            # parameters, which lora.py gives them), in the dense one at EP1
+            sizes, experts = adapters[sp_.stage], expert_adapters[sp_.stage]
+            adapter_numel, adapter_expert = sum(sizes) + sum(experts), sum(experts) if parallel.ep > 1 else 0
+            if parallel.ep > 1:
+                adapter_buf = (_buffer_numel(sizes, dp, inp.distributed_optimizer)
+                               + _buffer_numel(experts, inp.expert_dp, inp.distributed_optimizer))
+            else:
+                adapter_buf = _buffer_numel(sizes + experts, dp, inp.distributed_optimizer)
             frozen = n * wbytes
             weights = frozen + adapter_buf * wbytes
-            trained, trained_expert, grad_buf = adapter_numel, 0, adapter_buf
+            trained, trained_expert, grad_buf = adapter_numel, adapter_expert, adapter_buf
         else:
             # with the DistributedOptimizer the weights live in DDP's padded parameter buffer, as the gradients do
             weights = (dense_buf + expert_buf if inp.distributed_optimizer else n) * wbytes
@@ -653,7 +689,7 @@ def plan(inp: PlanInput) -> Plan:
             if n_moe:
                 rebuilt = max(rebuilt, layer_activation_bytes(*args, "selective", inp.flash_attention, inp.fp8,
                                                               inp.layer_spec, mlp=False) + moe_kept
-                              + (lora_activation_bytes(*lora_args, moe=True) if lora else 0))
+                              + (lora_activation_bytes(*lora_args, moe=True, ep=parallel.ep) if lora else 0))
             acts += rebuilt
         last = sp_.stage == pp - 1
         loss_kw = dict(fused=inp.fused_output, full_kl=inp.full_kl, act_bytes=2 if bf16 else 4)
@@ -679,7 +715,7 @@ def plan(inp: PlanInput) -> Plan:
             ref_forward = states + (ref_weights + fwd) / GIB
         stages.append(StagePlan(stage=sp_.stage, layers=sp_.layers, param_numel=n, in_flight=in_flight, gib=gib,
                                 ref_forward_gib=ref_forward, expert_numel=ne, adapter_numel=adapter_numel,
-                                adapter_buffer_numel=adapter_buf, frozen_bytes=frozen))
+                                adapter_expert_numel=adapter_expert, adapter_buffer_numel=adapter_buf, frozen_bytes=frozen))
     worst = max(range(len(stages)), key=lambda i: stages[i].total_gib)
     result = Plan(input=inp, stages=stages, worst=worst, fits=stages[worst].total_gib <= inp.usable_gib)
     if not result.fits:
@@ -818,7 +854,10 @@ def compare_with_meta(model: ModelConfig, parallel: ParallelConfig, world_size: 
     """Per stage: the planner's parameter numel and bf16 bytes next to the meta-device build's; with `lora` (a
     LoraConfig) also this rank's adapter numel, both ways (rel_diff is then the larger of the two differences)."""
     meta = meta_stage_params(model, parallel, world_size, lora)
-    adapters = lora_stage_sizes(model, parallel, lora.rank, lora.target_modules) if lora is not None else None
+    adapters = None
+    if lora is not None:
+        adapters = [a + e for a, e in zip(lora_stage_sizes(model, parallel, lora.rank, lora.target_modules),
+                                          lora_stage_sizes(model, parallel, lora.rank, lora.target_modules, True))]
     rows = []
     for s in stage_params(model, parallel):
         m = meta[s.stage]

@@ -462,18 +462,21 @@ def test_moe_model_state_bytes_equal_megatrons_allocations(tp, pp, world):
 @pytest.mark.parametrize("model_name,tp,ep,world,rank", [(None, 2, 1, 4, 3), ("tiny-qwen3-moe", 1, 2, 2, 8)],
                          ids=["dense-TP2xDP2", "moe-EP2"])
 def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, world, rank):
-    """Under LoRA (on qkv, proj, fc1, fc2) the planner's model states against what megatron-core allocates
+    """Under LoRA the planner's model states against what megatron-core allocates
     after a real update, to the byte: the frozen base's weights (their own storages, no grad buffer), the adapters
-    (this rank's count; as lora.py shards them over TP), DDP's one buffer of them (bf16 weights, fp32 gradients,
+    (this rank's count; as lora.py shards them over TP), DDP's buffers of them (bf16 weights, fp32 gradients,
     padding included: at rank 3 fc2's A [3, 704 / 2] is no multiple of 64 elements), and the fp32 main weights
     and Adam moments summed over each stage's ranks (the planner gives the mean; megatron's shards of the padded buffer
-    differ by a few elements from rank to rank). The mid qwen2 model at TP2xDP2 (qkv bias frozen), tiny-qwen3-moe at EP2
-    (its MoE layers' experts and router frozen, unadapted; its dense layer 2 has fc1 and fc2 adapters). No reference
-    model is planned."""
+    differ by a few elements from rank to rank). The mid qwen2 model at TP2xDP2 (qkv, proj, fc1, fc2; qkv bias
+    frozen), tiny-qwen3-moe at EP2 with every target (its dense layer 2's fc1 and fc2, each MoE layer's router and
+    this rank's 4 experts' fc1 and fc2: the expert adapters in megatron's expert buffer over expert DP, sharded by
+    the optimizer over dp / ep = 1 rank). No reference model is planned."""
     from grpo_mega.conf.lora import LoraConfig
     from grpo_mega.parallel.forked import run_ranks
 
-    lora = LoraConfig(rank=rank, alpha=16.0)
+    from grpo_mega.conf.lora import LORA_TARGETS
+
+    lora = LoraConfig(rank=rank, alpha=16.0, **({"target_modules": list(LORA_TARGETS)} if model_name else {}))
     ranks = run_ranks(_allocated_state_bytes, world, tp, 1, model_name, ep, lora, timeout=300)
     assert all(r["grad_norm"] > 0 for r in ranks)
     model = load_model_config(model_name) if model_name else _mid_model()
@@ -484,7 +487,9 @@ def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, 
     (st,) = plan.stages
     G = planning.GIB
     assert st.gib["reference"] == 0 and 0 < st.adapter_numel < st.param_numel
-    assert (st.adapter_buffer_numel > st.adapter_numel) == (model_name is None)  # the dense case is padded
+    assert st.adapter_buffer_numel > st.adapter_numel  # padded (the MoE case: its expert buffer over 1 rank)
+    expert = st.adapter_expert_numel
+    assert (expert > 0) == (model_name is not None)
     adapter_weights = 2 * st.adapter_buffer_numel
     main_mean = st.gib["parameters"] * G - st.frozen_bytes - adapter_weights
     for r in ranks:
@@ -492,9 +497,11 @@ def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, 
         assert r["trained_numel"] == st.adapter_numel, (r["trained_numel"], st.adapter_numel)
         assert r["trained"] == adapter_weights, (r["trained"], adapter_weights)
         assert r["gradients"] == st.gib["gradients"] * G == 4 * st.adapter_buffer_numel, (r["gradients"], st.gib)
-    assert sum(r["main"] for r in ranks) == pytest.approx(main_mean * world, abs=1e-6) == 4 * st.adapter_numel * tp
+    # summed over the ranks: the dense adapters once per TP rank, each EP rank's own experts' once
+    once = (st.adapter_numel - expert) * tp + expert * ep
+    assert sum(r["main"] for r in ranks) == pytest.approx(main_mean * world, abs=1e-6) == 4 * once
     assert sum(r["adam"] for r in ranks) == pytest.approx(st.gib["optimizer"] * G * world, abs=1e-6)
-    assert sum(r["adam"] for r in ranks) == 8 * st.adapter_numel * tp
+    assert sum(r["adam"] for r in ranks) == 8 * once
     print(f"LoRA rank {rank}, {model.name} TP{tp}xEP{ep} on {world} ranks: frozen {st.frozen_bytes} B, adapters "
           f"{st.adapter_numel} ({adapter_weights} B in the padded buffer), gradients {4 * st.adapter_buffer_numel} B, "
           f"main {[r['main'] for r in ranks]}, Adam {[r['adam'] for r in ranks]}")
@@ -580,13 +587,9 @@ def test_lora_activations_equal_what_autograd_saves():
 
 
 def test_lora_targets_are_the_configs_and_the_table_says_lora(plan_tool):
-    from grpo_mega.conf.lora import LORA_TARGETS, MOE_TARGETS
+    from grpo_mega.conf.lora import LORA_TARGETS
 
-    assert planning.LORA_TARGETS == tuple(t for t in LORA_TARGETS if t not in MOE_TARGETS)
-    with pytest.raises(ValueError, match=r"lora_targets \['expert_fc1', 'router'\] .*: expert and router adapters are "
-                                         r"not planned yet .*plan without them \(qkv\)"):
-        planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(), world_size=1, lora_rank=8, reference="none",
-                           layer_spec="local", lora_targets=("qkv", "expert_fc1", "router"))
+    assert planning.LORA_TARGETS == LORA_TARGETS
     inp = planning.PlanInput(model=_mid_model(), parallel=ParallelConfig(tp=2), world_size=2, lora_rank=8,
                              lora_targets=("qkv", "proj"), reference="none", layer_spec="local")
     table = plan_tool.table(planning.plan(inp))
