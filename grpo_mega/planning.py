@@ -205,16 +205,16 @@ def lora_layer_sizes(model: ModelConfig, tp: int, rank: int, targets, moe: bool 
     return out
 
 
-def lora_expert_layer_sizes(model: ModelConfig, rank: int, targets, ep: int) -> list[int]:
-    """Numels of one MoE layer's expert adapters on one EP rank: for each of its num_experts / ep experts, A then B
-    of expert_fc1 (A [r, h], B [2 f_moe, r]) and expert_fc2 (A [r, f_moe], B [h, r]); the experts are whole on a
-    rank (expert adapters need expert TP 1)."""
+def lora_expert_layer_sizes(model: ModelConfig, rank: int, targets, ep: int, tp: int = 1) -> list[int]:
+    """Numels of one MoE layer's expert adapters on one rank: for each of its num_experts / ep experts, A then B
+    of expert_fc1 (A [r, h] replicated, B [2 f_moe / tp, r]) and expert_fc2 (A [r, f_moe / tp], B [h, r]
+    replicated), sharded over expert TP (= tp) as the dense fc1/fc2 adapters are over TP."""
     h, f = model.hidden_size, model.moe_ffn_hidden_size
     one = []
-    for t, (d_in, d_out) in (("expert_fc1", (h, 2 * f)), ("expert_fc2", (f, h))):
+    for t, (d_in, d_out, column) in (("expert_fc1", (h, 2 * f, True)), ("expert_fc2", (f, h, False))):
         if t in targets:
             _check_rank(rank, t, d_in, d_out)
-            one += [rank * d_in, d_out * rank]
+            one += [rank * d_in, d_out // tp * rank] if column else [rank * (d_in // tp), d_out * rank]
     return one * (model.num_experts // ep)
 
 
@@ -233,7 +233,8 @@ def lora_stage_sizes(model: ModelConfig, parallel: ParallelConfig, rank: int, ta
     for n in parallel.layers_per_stage(model.num_layers):
         layers = moe_layers[start:start + n]
         if experts:
-            out.append([s for m in layers if m for s in lora_expert_layer_sizes(model, rank, targets, parallel.ep)])
+            out.append([s for m in layers if m
+                        for s in lora_expert_layer_sizes(model, rank, targets, parallel.ep, parallel.tp)])
         else:
             out.append([s for m in layers for s in lora_layer_sizes(model, parallel.tp, rank, targets, m)])
         start += n
@@ -353,8 +354,9 @@ def lora_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: in
     Measured to the byte through autograd's saved tensors (tests/cli/test_plan.py). Still counted as kept, so an
     over-estimate: an untargeted frozen linear's input, frozen q/k norms' tensors, an MoE layer's router input.
     On an MoE layer, estimated (not measured): the router adapter keeps B's input, 2r / sp (A's input is the
-    router's own); per routed copy of a token on this EP rank (top-k / ep of them, balanced), expert_fc1's adapter
-    keeps its input and A x, 2h + 2r, expert_fc2's the activation and A x, 2 f_moe + 2r."""
+    router's own); per routed copy of a token on this EP rank (top-k / ep of them, balanced; every expert-TP rank
+    sees all of them), expert_fc1's adapter keeps its input and A x, 2h + 2r, expert_fc2's the activation's shard
+    and A x, 2 f_moe / tp + 2r."""
     tokens = seq * micro_batch
     sp = tp if sequence_parallel else 1
     h = model.hidden_size
@@ -370,7 +372,7 @@ def lora_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, tp: in
         elif moe and t == "expert_fc1":
             per_token += copies * (2 * h + 2 * rank)
         elif moe and t == "expert_fc2":
-            per_token += copies * (2 * model.moe_ffn_hidden_size + 2 * rank)
+            per_token += copies * (2 * model.moe_ffn_hidden_size / tp + 2 * rank)
     return tokens * per_token
 
 

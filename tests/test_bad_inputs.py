@@ -218,10 +218,6 @@ CONFIG_CASES = {
     "lora_unknown_target": (["lora.rank=4", "lora.target_modules=[qkv,gate]"],
                             r"lora\.target_modules=\['qkv', 'gate'\]: unknown \['gate'\]; choose from qkv, proj, fc1, fc2, "
                             r"expert_fc1, expert_fc2, router"),
-    "lora_expert_targets_with_tp": (["model=tiny-qwen3-moe", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                     "lora.rank=4", "lora.target_modules=[qkv,expert_fc1]"],
-                                    r"lora\.target_modules \['expert_fc1'\] with parallel\.tp=2: the experts are split by "
-                                    r"tensor parallelism"),
     "lora_moe_target_on_a_dense_model": (["lora.rank=4", "lora.target_modules=[qkv,router]"],
                                          r"lora\.target_modules \['router'\] need an MoE model; model tiny is dense"),
     "lora_rank_larger_than_a_layer": (["lora.rank=100000"],

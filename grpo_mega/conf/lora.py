@@ -19,7 +19,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
     """Adapted linears of each layer: 'qkv' (attention input, fused q/k/v), 'proj' (attention output), 'fc1'
     (dense MLP gate/up, fused), 'fc2' (dense MLP down); on an MoE layer 'expert_fc1' / 'expert_fc2' (every expert's
-    gate/up and down, an adapter per expert; the experts unsharded by tensor parallelism: parallel.tp=1, any ep) and
+    gate/up and down, an adapter per expert, sharded over expert TP like the dense MLP's) and
     'router' (the router's gate). Each name must match some layer of the model."""
     init: str = "kaiming"
     """A's initialisation ('kaiming': PEFT's kaiming-uniform, a=sqrt(5); 'gaussian': normal with std 1/rank); B = 0,

@@ -138,12 +138,6 @@ class TrainConfig:
             raise ValueError(f"lora.rank={r} with precision.fp8={self.precision.fp8!r}: LoRA runs on megatron-core's "
                              "local layers (chosen even where Transformer Engine is installed), FP8 only on Transformer "
                              "Engine's; set precision.fp8=null or lora.rank=null")
-        experts = [t for t in self.lora.target_modules if t.startswith("expert_")]
-        if experts and self.parallel.tp > 1:
-            raise ValueError(f"lora.target_modules {experts} with parallel.tp={self.parallel.tp}: the experts are split by "
-                             "tensor parallelism like the dense layers (expert TP = parallel.tp) and expert adapters "
-                             "need them whole; set parallel.tp=1 and split the experts with parallel.ep, or leave "
-                             f"{'/'.join(experts)} out of lora.target_modules")
 
     def check_routing_replay(self, model: ModelConfig) -> None:
         """algo.routing_replay=rollout or measure against the model and the engines: a ValueError naming what

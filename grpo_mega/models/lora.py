@@ -17,9 +17,9 @@ Sharding (docs/design.md points here):
   parallelism, like the base output); under sequence parallelism B's gradient is a partial sum over this rank's
   tokens, tagged `sequence_parallel` so that megatron's finalize_model_grads all-reduces it over TP.
 - an MoE layer's experts (SequentialMLP's local_experts.<j>: expert_fc1 column-, expert_fc2 row-parallel over
-  expert TP, which must be 1, so nothing is sharded) and its router (the gate's logits get s B A x; A and B
-  replicated): each adapter takes its base weight's `allreduce` (False for an expert under EP: reduced over expert
-  DP) and, for the router, `sequence_parallel` tags.
+  expert TP, sharded as above; the token dispatcher communicates, see `_expert_forward`) and its router (the
+  gate's logits get s B A x; A and B replicated): each adapter takes its base weight's `allreduce` (False for an
+  expert under EP: reduced over expert DP) and, for the router, `sequence_parallel` tags.
 A's full tensor is drawn on the CPU from `lora.seed`, the layer's global index and, for an expert, its global index,
 whatever the layout, each rank keeping its shard; B starts at 0 (step 0 is the base model).
 
@@ -81,10 +81,6 @@ def apply_lora(gpt: torch.nn.Module, lora: LoraConfig) -> list[str]:
         parts = name.split(".")
         layer = int(gpt.decoder.layers[int(parts[parts.index("layers") + 1])].layer_number)  # global, 1-based
         expert = _global_expert(gpt, name) if target.startswith("expert_") else None
-        if expert is not None and _tp(module)[0] > 1:
-            raise ValueError(f"lora.target_modules {target}: the experts are split by tensor parallelism (expert TP "
-                             f"{_tp(module)[0]} = parallel.tp); expert adapters need parallel.tp=1 (split the experts "
-                             "with parallel.ep), or leave expert_fc1/expert_fc2 out of lora.target_modules")
         if isinstance(module, Router):
             _add(module, name, target, lora, layer, split=None)
         elif isinstance(module, ColumnParallelLinear):
@@ -148,7 +144,8 @@ def _add(module, name: str, target: str, lora: LoraConfig, layer_number: int, sp
         set_tensor_model_parallel_attributes(module.lora_B, True, 0, 1)
     elif split == "A":
         set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
-        setattr(module.lora_B, "sequence_parallel", module.sequence_parallel)
+        # an expert's B is reduced over expert TP inside its forward (_expert_forward), not by megatron's SP rule
+        setattr(module.lora_B, "sequence_parallel", module.sequence_parallel and expert is None)
     else:  # the router: each TP rank routes its own tokens under sequence parallelism, as its weight says
         for p in (module.lora_A, module.lora_B):
             setattr(p, "sequence_parallel", getattr(weight, "sequence_parallel", False))
@@ -160,7 +157,10 @@ def _add(module, name: str, target: str, lora: LoraConfig, layer_number: int, sp
         module.gating = _router_gating(module)
     else:
         module._lora_base_forward = module.forward
-        module.forward = _column_forward(module) if split == "B" else _row_forward(module)
+        if expert is not None:
+            module.forward = _expert_forward(module)
+        else:
+            module.forward = _column_forward(module) if split == "B" else _row_forward(module)
     module.sharded_state_dict = _sharded_state_dict(module)
     module._register_state_dict_hook(_drop_adapters)
     module.register_load_state_dict_post_hook(_ignore_missing_adapters)
@@ -175,6 +175,30 @@ def _router_gating(m):
         return logits + m._lora_scale * F.linear(F.linear(x, m.lora_A.to(logits.dtype)), m.lora_B.to(logits.dtype))
 
     return gating
+
+
+def _expert_forward(m):
+    """An expert's linear: megatron's token dispatcher owns the communication (explicit_expert_comm), gathering the
+    tokens over expert TP before the experts and summing the partial outputs (row) and the partial input gradients
+    (column) after. The adapter follows the base: column (fc1): out_shard += s B_shard (A x), whose input gradient
+    A^T dh is partial per shard like the base's, while A's own gradient needs every shard's dh: A passes through
+    megatron's copy-to-TP region (identity forward, all-reduce of its gradient over expert TP). Row (fc2):
+    out_partial += s B (A_shard x_shard), summed by the dispatcher; B's gradient, partial per shard, is all-reduced
+    over expert TP the same way. At expert TP 1 both regions are the identity."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    def forward(input_, *args, **kwargs):
+        out, bias = m._lora_base_forward(input_, *args, **kwargs)
+        if not m._lora_on:
+            return out, bias
+        a, b = m.lora_A, m.lora_B
+        if m._lora_split == "B":
+            a = copy_to_tensor_model_parallel_region(a, group=m.tp_group)
+        else:
+            b = copy_to_tensor_model_parallel_region(b, group=m.tp_group)
+        return out + m._lora_scale * F.linear(F.linear(input_, a), b), bias
+
+    return forward
 
 
 def _column_forward(m):

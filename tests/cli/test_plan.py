@@ -459,8 +459,9 @@ def test_moe_model_state_bytes_equal_megatrons_allocations(tp, pp, world):
               f"Adam {[r['adam'] for r in mine]} (planned mean {adam / len(mine):.0f})")
 
 
-@pytest.mark.parametrize("model_name,tp,ep,world,rank", [(None, 2, 1, 4, 3), ("tiny-qwen3-moe", 1, 2, 2, 8)],
-                         ids=["dense-TP2xDP2", "moe-EP2"])
+@pytest.mark.parametrize("model_name,tp,ep,world,rank", [(None, 2, 1, 4, 3), ("tiny-qwen3-moe", 1, 2, 2, 8),
+                                                         ("tiny-qwen3-moe", 2, 1, 2, 8)],
+                         ids=["dense-TP2xDP2", "moe-EP2", "moe-TP2-SP"])
 def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, world, rank):
     """Under LoRA the planner's model states against what megatron-core allocates
     after a real update, to the byte: the frozen base's weights (their own storages, no grad buffer), the adapters
@@ -470,7 +471,8 @@ def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, 
     differ by a few elements from rank to rank). The mid qwen2 model at TP2xDP2 (qkv, proj, fc1, fc2; qkv bias
     frozen), tiny-qwen3-moe at EP2 with every target (its dense layer 2's fc1 and fc2, each MoE layer's router and
     this rank's 4 experts' fc1 and fc2: the expert adapters in megatron's expert buffer over expert DP, sharded by
-    the optimizer over dp / ep = 1 rank). No reference model is planned."""
+    the optimizer over dp / ep = 1 rank), and at TP2+SP (all 8 experts and their adapters split over expert TP, in
+    the one dense buffer). No reference model is planned."""
     from grpo_mega.conf.lora import LoraConfig
     from grpo_mega.parallel.forked import run_ranks
 
@@ -489,7 +491,7 @@ def test_lora_model_state_bytes_equal_megatrons_allocations(model_name, tp, ep, 
     assert st.gib["reference"] == 0 and 0 < st.adapter_numel < st.param_numel
     assert st.adapter_buffer_numel > st.adapter_numel  # padded (the MoE case: its expert buffer over 1 rank)
     expert = st.adapter_expert_numel
-    assert (expert > 0) == (model_name is not None)
+    assert (expert > 0) == (ep > 1)
     adapter_weights = 2 * st.adapter_buffer_numel
     main_mean = st.gib["parameters"] * G - st.frozen_bytes - adapter_weights
     for r in ranks:

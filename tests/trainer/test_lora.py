@@ -120,7 +120,8 @@ LAYOUTS = {"TP2": (2, 1, False, dict(packing=False), "tiny", 1, 2),
            "TP2-SP-packed": (2, 1, True, {}, "tiny", 1, 2),
            "PP2": (1, 2, False, dict(packing=False), "tiny", 1, 2),
            "DP2": (1, 1, False, {}, "tiny", 1, 2),
-           "EP2-MoE": (1, 1, False, {}, "tiny-qwen3-moe", 2, 2)}
+           "EP2-MoE": (1, 1, False, {}, "tiny-qwen3-moe", 2, 2),
+           "TP2-SP-MoE": (2, 1, True, {}, "tiny-qwen3-moe", 1, 2)}
 
 
 @pytest.fixture(scope="module")

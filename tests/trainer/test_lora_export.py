@@ -43,7 +43,8 @@ def _export(src: str, out: str, tp: int, ep: int = 1):
         _, _, cfg = read_hf_config(src)
         lora = LORA_MOE if cfg.is_moe else LORA
         base = L.tiny_actor(train=ep, mini=ep, micro=1)
-        actor = type(base)(cfg, ParallelConfig(tp=tp, ep=ep), PrecisionConfig(params_dtype="fp32"), base.optim,
+        parallel = ParallelConfig(tp=tp, ep=ep, sequence_parallel=cfg.is_moe and tp > 1)
+        actor = type(base)(cfg, parallel, PrecisionConfig(params_dtype="fp32"), base.optim,
                            base.algo, base.batch, lora=lora)
         gpt = actor.built.gpt
         load_hf_into_gpt(gpt, src, cfg, ps.get_tensor_model_parallel_rank(), tp)
@@ -160,8 +161,9 @@ def exported_moe(tmp_path_factory):
 def test_moe_merged_export_gives_the_trainers_logits(exported_moe):
     """Qwen3-MoE with adapters on every expert's fc1/fc2 and every router (beside attention and the dense layer's
     MLP): the merged export (each expert's W + s B A before its EP gather, the router's too) is the trainer's model
-    in transformers, to 1e-5 max-abs; at EP2 (each rank 4 of the 8 experts' adapters) it is the same file to 1e-6.
-    The base alone is far from it (the adapters carry the match)."""
+    in transformers, to 1e-5 max-abs; at EP2 (each rank 4 of the 8 experts' adapters) and at TP2+SP (every expert
+    and its adapters split over expert TP, merged shard by shard and gathered) it is the same file to 1e-6. The base
+    alone is far from it (the adapters carry the match)."""
     from transformers import AutoModelForCausalLM
 
     d, src, logits = exported_moe
@@ -170,7 +172,9 @@ def test_moe_merged_export_gives_the_trainers_logits(exported_moe):
     err, moved = (float((_hf_logits(m) - logits).abs().max()) for m in (merged, base))
     print(f"LoRA (experts, routers) merged export vs trainer: max-abs logit error {err:.2e} (the base alone: {moved:.2e})")
     assert err <= LOGIT_TOL and moved > 1e-2, (err, moved)
-    run_ranks(_export, 2, str(src), str(d / "ep2"), 1, 2, timeout=300)
-    a, b = load_file(d / "ep1" / "hf" / "model.safetensors"), load_file(d / "ep2" / "hf" / "model.safetensors")
-    assert a.keys() == b.keys()
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    a = load_file(d / "ep1" / "hf" / "model.safetensors")
+    for name, tp, ep in (("ep2", 1, 2), ("tp2", 2, 1)):
+        run_ranks(_export, 2, str(src), str(d / name), tp, ep, timeout=300)
+        b = load_file(d / name / "hf" / "model.safetensors")
+        assert a.keys() == b.keys()
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6, name
