@@ -1,6 +1,7 @@
 """LoRA checkpoints (grpo_mega/trainer/checkpoint.py under lora.rank): they hold the adapters and their optimizer
 state, not the frozen base (which comes from the model path), and a run resumed from one (checkpoint.resume=auto)
-gives the same per-step metrics as the run that never stopped, bit for bit at TP1, TP2 and PP2, and at TP1 from
+gives the same per-step metrics as the run that never stopped, bit for bit at TP1, TP2, PP2 and (an MoE model with
+expert and router adapters) EP2, and at TP1 from
 a TP2 checkpoint to 1e-6 on the first resumed step. A checkpoint of another
 base model, other adapters, or a full checkpoint under LoRA (and the reverse) is refused in one line.
 
@@ -238,3 +239,29 @@ def test_lora_resume_at_pp2_is_exact(tmp_path):
     worst = _max_diff(full, resumed, [3, 4])
     print(f"LoRA resume PP2 -> PP2: largest per-step metric difference {worst:.3g}")
     assert worst == 0.0
+
+
+def test_lora_resume_of_an_moe_model_with_expert_adapters_is_exact(tmp_path):
+    """tiny-qwen3-moe at EP2 with adapters on every target (experts and routers included): the checkpoint holds
+    the adapters (each expert's under its global index) and their optimizer state, and `hf/` only (a PEFT
+    directory of expert adapters is not written); resumed from step 2, steps 3-4 equal the uninterrupted run's
+    bit for bit."""
+    moe = ("model=tiny-qwen3-moe", "lora.target_modules=[qkv,proj,fc1,fc2,expert_fc1,expert_fc2,router]",
+           "checkpoint.export_hf=true")
+
+    def run(name: str, steps: int, ckpt: Path) -> dict:
+        argv = [f"hydra.run.dir={tmp_path / name}", "parallel.ep=2", f"run.steps={steps}", "eval.interval=2",
+                f"checkpoint.dir={ckpt}", "checkpoint.interval=2", *LORA, *moe]
+        proc = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {r["step"]: r for r in (json.loads(line) for line in open(tmp_path / name / "metrics.jsonl"))}
+
+    full = run("full", 4, tmp_path / "ckpt_full")
+    saved = tmp_path / "ckpt_full" / "step_00000002"
+    assert (saved / "hf" / "config.json").is_file() and not (saved / "peft").exists()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(saved, ckpt / "step_00000002")
+    resumed = run("resumed", 4, ckpt)
+    assert sorted(resumed) == [3, 4] and full[3]["kl"] > 0
+    assert _max_diff(full, resumed, [3, 4]) == 0.0
