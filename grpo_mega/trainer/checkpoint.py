@@ -6,7 +6,7 @@ Layout of `step_XXXXXXXX/`: `model/` (the distributed checkpoint, with grpo_mega
 grpo-mega-convert-to-hf can export it later), `rng/rank_*.safetensors`, `loop_state.json`, `hf/` when
 `checkpoint.export_hf=true` (the actor as an HF directory, loadable by transformers and SGLang; under LoRA the
 merged weights W + (alpha / r) B A, and `peft/` the adapters as a PEFT LoRA directory, `export_peft`, unless
-expert or router adapters are among them),
+an MoE model's dense MLP layers carry adapters: `peft_refusal`),
 `rollout_routes.safetensors` when an in-flight batch carries routed experts (algo.routing_replay=rollout or measure;
 `save_routes`), and the store's manifest.json over all of them.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from grpo_mega.parallel import comm
 from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore, hash_share, merge_digests
-from grpo_mega.trainer.lora_checkpoint import _lora, check_lora, export_peft, lora_state, peft_exportable
+from grpo_mega.trainer.lora_checkpoint import _lora, check_lora, export_peft, lora_state, peft_refusal
 
 # The DistributedOptimizer's default checkpoint format needs TE/Apex on CPU ("ShardedTensor.flattened_range
 # is not supported"); fully_reshardable also lets a checkpoint load at another TP/PP/DP.
@@ -60,6 +61,10 @@ def _patch_distrib_optimizer_load() -> None:
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     DistributedOptimizer._grpo_mega_patched = True
+
+
+_SAID_NO_PEFT: list[str] = []
+"""Why a checkpoint has no peft/, once said (this process)."""
 
 
 def _sharded(actor, reference, loading: bool) -> dict:
@@ -275,8 +280,13 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
                        **extra)
         if export.get("hf"):
             export_hf(tmp / "hf", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
-            if _lora(actor) is not None and peft_exportable(_lora(actor)):  # else hf/ alone: merged experts
-                export_peft(tmp / "peft", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
+            if _lora(actor) is not None:
+                why = peft_refusal(_lora(actor), export["model_cfg"])
+                if why is None:
+                    export_peft(tmp / "peft", actor, export["model_cfg"], export["dtype"], export.get("hf_dir"))
+                elif dist.get_rank() == 0 and not _SAID_NO_PEFT:  # hf/ alone; said once per run
+                    _SAID_NO_PEFT.append(why)
+                    print(f"checkpoint: no peft/ directory: {why}", file=sys.stderr, flush=True)
     (tmp / "rng").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in _rng_state().items()}, str(tmp / "rng" / f"rank_{dist.get_rank():05d}.safetensors"))
     if dist.get_rank() == 0:

@@ -1,7 +1,7 @@
 """What a LoRA checkpoint adds to a training checkpoint (grpo_mega/trainer/checkpoint.py): the identity of the base
 model the adapters were trained on (`base_model_identity`, kept in loop_state.json under "lora" with the adapters'
 shape settings, `lora_state`), the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
-adapters as a PEFT LoRA directory (`export_peft`; attention and dense MLP adapters) beside the merged HF export."""
+adapters as a PEFT LoRA directory (`export_peft`, `peft_refusal`) beside the merged HF export."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.conf.lora import MOE_TARGETS
 from grpo_mega.parallel import comm
 from grpo_mega.trainer.checkpoint_store import CheckpointError
 
@@ -110,17 +109,23 @@ def check_lora(path: Path, state: dict, actor, base_model: Optional[dict]) -> No
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def peft_tensors(gpt, model_cfg) -> dict[str, torch.Tensor]:
+def peft_tensors(gpt, model_cfg, experts: bool = True, dense: bool = True) -> dict[str, torch.Tensor]:
     """Collective over TP: this pipeline stage's adapters as full tensors under PEFT's names
-    (base_model.model.<HF module>.lora_A.weight [r, in] / .lora_B.weight [out, r]). A fused adapter is split per HF
-    projection as the bridge splits its base weight: qkv's B rows into q/k/v (per query group), fc1's into gate/up,
+    (base_model.model.<HF module>.lora_A.weight [r, in] / .lora_B.weight [out, r]; `experts` / `dense`: those of
+    this rank's experts, under their global index, / the others). A fused adapter is split per HF projection as the
+    bridge splits its base weight: qkv's B rows into q/k/v (per query group), fc1's into gate/up (an expert's too,
+    under transformers' on-disk per-expert names, which PEFT fuses on loading as transformers fuses the weights),
     each projection keeping the shared A, so that (alpha / r) B_q A is exactly the q rows of (alpha / r) B A."""
     from grpo_mega.models import bridge
     from grpo_mega.models.lora import adapted, adapter_state
 
     state, offset, out = adapter_state(gpt), bridge.layer_offset(gpt), {}
+    expert_offset = bridge.expert_offset(gpt, model_cfg)
     for path, m in adapted(gpt):
-        name = bridge.global_name(f"{path}.weight", offset)
+        if (m._lora_target.startswith("expert_") and not experts) or (not m._lora_target.startswith("expert_")
+                                                                       and not dense):
+            continue
+        name = bridge.global_name(f"{path}.weight", offset, expert_offset)
         a, b = state[f"{path}.lora_A"], state[f"{path}.lora_B"]
         for hf_name, part in bridge.to_hf(name, b, model_cfg):
             stem = "base_model.model." + hf_name.removesuffix(".weight")
@@ -128,35 +133,46 @@ def peft_tensors(gpt, model_cfg) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_exportable(lora) -> bool:
-    """Whether `export_peft` can write these adapters: attention and dense MLP ones only."""
-    return not any(t in MOE_TARGETS for t in lora.target_modules)
+def peft_refusal(lora, model_cfg) -> Optional[str]:
+    """Why `export_peft` cannot write these adapters in a form PEFT loads back as trained, or None. PEFT (0.21) maps
+    gate_proj/up_proj/down_proj targets on a transformers-5 MoE model to its fused experts, so the dense MLP layers
+    of an MoE model (mlp_only_layers) cannot carry adapters there."""
+    dense_mlp = [t for t in lora.target_modules if t in ("fc1", "fc2")]
+    if model_cfg.is_moe and dense_mlp and any(not m for m in model_cfg.moe_layers()):
+        return (f"lora.target_modules {dense_mlp} on the dense MLP layers of MoE model {model_cfg.name}: PEFT reads "
+                "gate_proj/up_proj/down_proj targets of an MoE model as its experts', so a PEFT directory would load "
+                "them wrongly; the merged export (hf/, W + (alpha / r) B A) carries them")
+    return None
 
 
 def export_peft(out_dir: Path, actor, model_cfg, dtype: torch.dtype, hf_dir: Optional[str] = None) -> None:
     """Collective: the actor's adapters as a PEFT LoRA directory at `out_dir` (rank 0 writes adapter_config.json
     and adapter_model.safetensors; PEFT's scaling lora_alpha / r is ours). Each pipeline stage's first TP rank of
-    the first DP replica sends its stage's adapters to rank 0."""
+    the first DP replica sends its stage's adapters to rank 0, and under EP each expert-parallel rank's first
+    expert-DP replica its experts'. A router's adapter is PEFT's on the parameter (target_parameters
+    mlp.gate.weight: the router is no nn.Linear in transformers)."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
     lora = _lora(actor)
-    if not peft_exportable(lora):
-        raise ValueError(f"lora.target_modules {[t for t in lora.target_modules if t in MOE_TARGETS]}: a PEFT directory "
-                         "of expert or router adapters is not written (transformers holds the experts as fused 3-D "
-                         "tensors, which PEFT adapts through target_parameters, a layout not built here); export the "
-                         "merged model (hf/, W + (alpha / r) B A) instead")
-    tensors = peft_tensors(actor.built.gpt, model_cfg)
-    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    gathered = comm.gather_objects({k: v.to("cpu", dtype) for k, v in tensors.items()} if first else {})
+    why = peft_refusal(lora, model_cfg)
+    if why is not None:
+        raise ValueError(why)
+    tp0 = ps.get_tensor_model_parallel_rank() == 0
+    dense = tp0 and ps.get_data_parallel_rank() == 0
+    experts = tp0 and (ps.get_expert_data_parallel_rank() == 0 if model_cfg.is_moe else dense)
+    tensors = peft_tensors(actor.built.gpt, model_cfg, experts=experts, dense=dense)  # every rank: collective over TP
+    gathered = comm.gather_objects({k: v.to("cpu", dtype) for k, v in tensors.items()})
     if dist.get_rank() != 0:
         return
     merged = {k: v for part in gathered for k, v in part.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(merged, str(out_dir / PEFT_FILES[1]), metadata={"format": "pt"})
-    targets = sorted({k.split(".")[-3] for k in merged})
+    modules = {k.split(".")[-3] for k in merged}
+    parameters = sorted({"mlp.gate.weight"} if "router" in lora.target_modules else set())
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hf_dir, "r": lora.rank,
-              "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": targets, "bias": "none",
+              "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": sorted(modules - {"gate"}),
+              "target_parameters": parameters or None, "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
               "inference_mode": True}
     (out_dir / PEFT_FILES[0]).write_text(json.dumps(config, indent=2))

@@ -21,15 +21,17 @@ from grpo_mega.parallel.forked import run_ranks
 from grpo_mega.parallel.state import destroy_distributed, init_distributed
 
 LORA = LoraConfig(rank=4, alpha=8.0)
-# the MoE model: every target, experts and routers included
+# the MoE model: every target, experts and routers included (fc1/fc2: its dense layer 2; an all-MoE model has none)
 LORA_MOE = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "proj", "fc1", "fc2", "expert_fc1", "expert_fc2", "router"])
+LORA_ALL_MOE = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "proj", "expert_fc1", "expert_fc2", "router"])
 LOGIT_TOL = 1e-5
 TOKENS = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 def _export(src: str, out: str, tp: int, ep: int = 1):
     """A LoRA actor on HF model `src` at TP`tp` (EP`ep`) with seeded random adapters: its merged and PEFT exports
-    into `out`/hf and `out`/peft (an MoE model: hf/ alone, PEFT refused), and (TP1, EP1) its logits on TOKENS."""
+    into `out`/hf and `out`/peft (an MoE model with dense MLP layers: hf/ alone, PEFT refused), and (TP1, EP1) its
+    logits on TOKENS."""
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.models.lora import adapter_state, load_adapter_state
     from grpo_mega.trainer.checkpoint import export_hf
@@ -41,7 +43,7 @@ def _export(src: str, out: str, tp: int, ep: int = 1):
         from megatron.core import parallel_state as ps
 
         _, _, cfg = read_hf_config(src)
-        lora = LORA_MOE if cfg.is_moe else LORA
+        lora = (LORA_MOE if not all(cfg.moe_layers()) else LORA_ALL_MOE) if cfg.is_moe else LORA
         base = L.tiny_actor(train=ep, mini=ep, micro=1)
         parallel = ParallelConfig(tp=tp, ep=ep, sequence_parallel=cfg.is_moe and tp > 1)
         actor = type(base)(cfg, parallel, PrecisionConfig(params_dtype="fp32"), base.optim,
@@ -58,8 +60,9 @@ def _export(src: str, out: str, tp: int, ep: int = 1):
                                      for k, v in sorted(adapter_state(gpt).items())})
         actor.optimizer.reload_model_params()
         export_hf(Path(out) / "hf", actor, cfg, torch.float32, src)
-        if cfg.is_moe:
-            with pytest.raises(ValueError, match=r"a PEFT directory of expert or router adapters is not written"):
+        if cfg.is_moe and lora is LORA_MOE:
+            with pytest.raises(ValueError, match=r"lora.target_modules \['fc1', 'fc2'\] on the dense MLP layers of MoE "
+                                                 r"model .*: PEFT reads gate_proj/up_proj/down_proj targets of an MoE"):
                 export_peft(Path(out) / "peft", actor, cfg, torch.float32, src)
         else:
             export_peft(Path(out) / "peft", actor, cfg, torch.float32, src)
@@ -178,3 +181,43 @@ def test_moe_merged_export_gives_the_trainers_logits(exported_moe):
         b = load_file(d / name / "hf" / "model.safetensors")
         assert a.keys() == b.keys()
         assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6, name
+
+
+@pytest.fixture(scope="module")
+def exported_all_moe(tmp_path_factory):
+    from tests.models.hf_fixtures import tiny_hf
+
+    d = tmp_path_factory.mktemp("lora_export_all_moe")
+    src = tiny_hf(d / "base", "qwen3_moe", dtype=torch.float32, mlp_only_layers=())
+    (logits,) = run_ranks(_export, 1, str(src), str(d / "ep1"), 1, timeout=300)
+    return d, src, logits
+
+
+def test_moe_peft_export_loads_with_peft(exported_all_moe):
+    """An all-MoE Qwen3 (as Qwen3-30B-A3B: no dense MLP layer) with adapters on attention, every expert and every
+    router: `peft/` holds each expert's gate/up/down adapters under transformers' per-expert on-disk names and the
+    router's as PEFT's adapter on the parameter mlp.gate.weight; the peft library loads it onto the HF base
+    (fusing the experts' adapters as transformers fuses their weights) and gives the trainer's logits to 1e-5,
+    and the EP2 export writes the same tensors."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    d, src, logits = exported_all_moe
+    peft = d / "ep1" / "peft"
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"]) and config["target_parameters"] == ["mlp.gate.weight"]
+    tensors = load_file(peft / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.3.mlp.experts.7.down_proj.lora_B.weight" in tensors
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    moved = float((_hf_logits(model) - logits).abs().max())
+    lora_model = PeftModel.from_pretrained(model, str(peft))
+    lora_model.eval()
+    err = float((_hf_logits(lora_model) - logits).abs().max())
+    print(f"LoRA (experts, routers) PEFT export loaded by peft vs trainer: max-abs logit error {err:.2e} (the base "
+          f"alone: {moved:.2e})")
+    assert err <= LOGIT_TOL and moved > 1e-2, (err, moved)
+    run_ranks(_export, 2, str(src), str(d / "ep2"), 1, 2, timeout=300)
+    other = load_file(d / "ep2" / "peft" / "adapter_model.safetensors")
+    assert other.keys() == tensors.keys()
+    assert max(float((other[k] - tensors[k]).abs().max()) for k in tensors) == 0.0

@@ -243,9 +243,9 @@ def test_lora_resume_at_pp2_is_exact(tmp_path):
 
 def test_lora_resume_of_an_moe_model_with_expert_adapters_is_exact(tmp_path):
     """tiny-qwen3-moe at EP2 with adapters on every target (experts and routers included): the checkpoint holds
-    the adapters (each expert's under its global index) and their optimizer state, and `hf/` only (a PEFT
-    directory of expert adapters is not written); resumed from step 2, steps 3-4 equal the uninterrupted run's
-    bit for bit."""
+    the adapters (each expert's under its global index) and their optimizer state, and `hf/` only (its dense
+    layer 2's fc1/fc2 adapters have no PEFT form on an MoE model: lora_checkpoint.peft_refusal); resumed from step
+    2, steps 3-4 equal the uninterrupted run's bit for bit."""
     moe = ("model=tiny-qwen3-moe", "lora.target_modules=[qkv,proj,fc1,fc2,expert_fc1,expert_fc2,router]",
            "checkpoint.export_hf=true")
 
