@@ -26,12 +26,13 @@ SCRIPTS = {  # launch script -> (model, training GPUs, tp, pp)
     "qwen3-8b.sh": ("qwen3-8b", 8, 4, 1),
     "qwen3-32b.sh": ("qwen3-32b", 32, 8, 2),
     "qwen3-30b-a3b.sh": ("qwen3-30b-a3b", 32, 4, 1),
+    "qwen3-30b-a3b-lora.sh": ("qwen3-30b-a3b", 8, 2, 1),
     "qwen3-235b-a22b.sh": ("qwen3-235b-a22b", 128, 4, 2),
 }
-EP = {"qwen3-30b-a3b.sh": 8, "qwen3-235b-a22b.sh": 16}  # expert parallelism of the MoE scripts (1 elsewhere)
+EP = {"qwen3-30b-a3b.sh": 8, "qwen3-30b-a3b-lora.sh": 4, "qwen3-235b-a22b.sh": 16}  # expert parallelism of the MoE scripts (1 elsewhere)
 ROLLOUT_NODES = {"qwen3-235b-a22b.sh": 4}  # dedicated SGLang server nodes (0 elsewhere: colocated)
-LORA_SCRIPTS = {"llama-3.1-70b-lora.sh": 16}  # lora.rank of the LoRA scripts (null elsewhere); planned with --verify
-ENGINES = {"llama-3.1-70b-lora.sh": (8, 1)}  # (engine tp, engines) where not one engine per node (tp 8) or per GPU
+LORA_SCRIPTS = {"llama-3.1-70b-lora.sh": 16, "qwen3-30b-a3b-lora.sh": 16}  # lora.rank of the LoRA scripts (null elsewhere); planned with --verify
+ENGINES = {"llama-3.1-70b-lora.sh": (8, 1), "qwen3-30b-a3b-lora.sh": (8, 1)}  # (engine tp, engines) where not one engine per node (tp 8) or per GPU
 # The scripts read these from the environment; the tests plan their defaults.
 _SCRIPT_VARS = {"NODES", "MODEL", "DATA", "VAL_DATA", "STEPS", "TP", "PP", "EP", "RECOMPUTE", "PROMPTS", "N",
                 "MINI_BATCH", "MICRO_BATCH", "PROMPT_LEN", "RESPONSE_LEN", "LR", "KL_COEF", "CKPT_INTERVAL", "JOB_NAME",
