@@ -169,9 +169,9 @@ def test_lora_update_matches_single_process(name, single):
     print(f"LoRA {name}: worst relative error {worst} over {len(seen)} adapters, {len(idle)} of them idle experts")
 
 
-def _init_and_kl(tp: int, w0_dir: str, pp: int = 1):
+def _init_and_kl(tp: int, w0_dir: str, pp: int = 1, variant: str = "tiny"):
     """(LoRA logprobs at init == base logprobs, bitwise; |ref logprobs (adapters off) - base reference's|;
-    |full-KL update metrics with either reference|), at `tp`."""
+    |full-KL update metrics with either reference|), at `tp`, of model `variant` with LORAS[variant]."""
     from grpo_mega.models.lora import load_adapter_state
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
@@ -183,9 +183,10 @@ def _init_and_kl(tp: int, w0_dir: str, pp: int = 1):
         parallel = ParallelConfig(tp=tp, pp=pp)
         algo_kw = dict(kl_coef=0.1, kl_estimator="full")
         kw = L.configs("token-mean", 2, "sgd", None, algo_kw)
-        base = Actor(L.model_cfg(), parallel, **kw)
+        model = L.model_cfg(variant=variant)
+        base = Actor(model, parallel, **kw)
         L._load(base, w0_dir)
-        lora = Actor(L.model_cfg(), parallel, **kw, lora=LORA)
+        lora = Actor(model, parallel, **kw, lora=LORAS[variant])
         L._load(lora, w0_dir)
         batch = L.rollout()
         from grpo_mega.models.lora import adapters_disabled
@@ -197,7 +198,7 @@ def _init_and_kl(tp: int, w0_dir: str, pp: int = 1):
         load_adapter_state(lora.built.gpt, _adapters_random(lora.built.gpt))
         lora.optimizer.reload_model_params()
         off = AdapterOffReference(lora)
-        separate = Reference(L.model_cfg(), parallel, kw["precision"], kw["batch"])
+        separate = Reference(model, parallel, kw["precision"], kw["batch"])
         _load_gpt(separate.built.gpt, w0_dir)
         ref_err = float((off.logprobs(batch, L.TEMPERATURE) - separate.logprobs(batch, L.TEMPERATURE)).abs().max())
         moved = float((lora.logprobs(batch, L.TEMPERATURE) - off.logprobs(batch, L.TEMPERATURE)).abs().max())
@@ -212,10 +213,13 @@ def _init_and_kl(tp: int, w0_dir: str, pp: int = 1):
         return same_at_init, base_err, ref_err, moved, metrics
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_lora_init_is_base_and_reference_is_adapters_off(tp, pp, w0):
-    """PP2: the lockstep full-KL path, where the actor and its adapters-off reference are one module."""
-    for same_at_init, base_err, ref_err, moved, metrics in run_ranks(_init_and_kl, tp * pp, tp, w0, pp, timeout=300):
+@pytest.mark.parametrize("tp,pp,variant", [(1, 1, "tiny"), (2, 1, "tiny"), (1, 2, "tiny"), (1, 1, "tiny-qwen3-moe")])
+def test_lora_init_is_base_and_reference_is_adapters_off(tp, pp, variant, w0, single):
+    """PP2: the lockstep full-KL path, where the actor and its adapters-off reference are one module. The MoE
+    model with every target: its expert and router adapters are off in the reference too."""
+    w0_dir = w0 if variant == "tiny" else single(variant, True)[1]
+    for same_at_init, base_err, ref_err, moved, metrics in run_ranks(_init_and_kl, tp * pp, tp, w0_dir, pp, variant,
+                                                                     timeout=300):
         assert same_at_init, "B = 0: the LoRA model's logprobs are its base model's, bit for bit"
         # against a separately built, unfrozen base: bit for bit at TP1; at TP2 megatron's frozen-weight linear
         # (linear_with_frozen_weight, taken for the frozen column-parallel qkv) rounds the last bit differently:
