@@ -47,7 +47,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile
 # make test-avx2 - the quick tier with ATen, oneDNN and MKL held to AVX2 (what an AMD EPYC or an older Xeon
 #              dispatches to): CI runs it after make test, so a number that holds only on AVX-512 fails
 
-.PHONY: demo test test-quick test-avx2 test-main test-sglang setup smollm2 slurm-packages bench-trl clean
+.PHONY: demo demo-lora test test-quick test-avx2 test-main test-sglang setup smollm2 slurm-packages bench-trl clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +110,11 @@ bench-trl: $(VENV)/.installed smollm2 $(TRL_VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m grpo_mega.train
+
+# the demo with LoRA rank-8 adapters alone trained; the frozen random model's logits are bounded, so it samples at
+# temperature 0.25 (experiments/lora_demo.py says why and measures it: bench_results/lora_demo.json)
+demo-lora: $(VENV)/.installed
+	$(PY) -m grpo_mega.train lora.rank=8 optim.lr=0.002 rollout.temperature=0.25
 
 test: test-main test-sglang
 

@@ -221,6 +221,7 @@ SUPPLEMENTS = {
     "data_10m.json": "bench.data on 10M jsonl and parquet rows",
     "lora_checkpoint.json": "LoRA checkpoint and export sizes and errors, from the LoRA tests",
     "lora_demo_sweep.json": "LoRA on the CPU demo at four rank/lr/alpha settings and one probe, by hand",
+    "lora_demo.json": "experiments.lora_demo: make demo-lora over seeds (the README's table is full: 199 lines)",
 }
 
 
