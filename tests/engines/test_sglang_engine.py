@@ -58,7 +58,7 @@ def _kill_and_generate(engine, before: set) -> dict:
     return {}
 
 
-def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1, kill=False):
+def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1, kill=False, lora=None):
     from grpo_mega.models.hf_io import load_hf_into_gpt, read_hf_config
     from grpo_mega.engines.interface import Bucket, TensorMeta
     from grpo_mega.engines.sglang_engine import SGLangEngine
@@ -71,8 +71,13 @@ def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1, kill=False):
         _, _, cfg = read_hf_config(hf_dir)
         actor = Actor(cfg, ParallelConfig(tp=tp, pp=pp, ep=ep), PrecisionConfig(params_dtype="fp32"), OptimConfig(lr=1e-2),
                       AlgoConfig(kl_coef=0.0), BatchConfig(train_batch_size=2, ppo_mini_batch_size=2,
-                                                          micro_batch_size=2, max_response_length=10))
+                                                          micro_batch_size=2, max_response_length=10), lora=lora)
         load_hf_into_gpt(actor.built.gpt, hf_dir, cfg, layout.tp_rank, tp)
+        if lora is not None:  # nonzero adapters (B = 0 at init would send the base): SGLang gets W + s B A
+            from grpo_mega.models.lora import load_adapter_state
+            from tests.trainer.test_lora import _adapters_random
+
+            load_adapter_state(actor.built.gpt, _adapters_random(actor.built.gpt))
         actor.optimizer.reload_model_params()
         batch = L.rollout(seed=1, vocab=cfg.vocab_size)
         batch.old_logp = actor.logprobs(batch, 1.0)
@@ -127,17 +132,24 @@ def _sync_sglang(hf_dir, tp, pp, audit=True, ep=1, kill=False):
     return out
 
 
-@pytest.mark.parametrize("family,tp,pp,ep", [("llama", 2, 2, 1), ("qwen3", 2, 1, 1), ("qwen3_moe", 1, 1, 2)])
-def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp, ep):
+@pytest.mark.parametrize("family,tp,pp,ep,lora", [("llama", 2, 2, 1, None), ("qwen3", 2, 1, 1, None),
+                                                  ("qwen3_moe", 1, 1, 2, None), ("qwen3_moe", 1, 1, 2, "lora")],
+                         ids=["llama-TP2xPP2", "qwen3-TP2", "qwen3_moe-EP2", "qwen3_moe-EP2-lora"])
+def test_sglang_holds_the_trainers_weights_after_a_step(tmp_path, family, tp, pp, ep, lora):
     """Llama at TP2xPP2, audited tensor by tensor; Qwen3 (q/k norms, head_dim 32 != hidden / heads) at TP2 and
     Qwen3-MoE (8 experts, top-2, every layer sparse: SGLang 0.5.23 ignores mlp_only_layers; its CPU MoE path)
     at EP2, each expert gathered from the EP rank that holds it. SGLang 0.5.23 cannot read Qwen3's or
     Qwen3-MoE's weights back (no get_weights_by_name, as rollout.audit_weights's refusal says): there the
     logprobs to 1e-5 are the check. At the end the Llama engine's processes are SIGKILLed: asking it for more is
-    an EngineError within a minute, not a hang, and nothing of it is left."""
+    an EngineError within a minute, not a hang, and nothing of it is left. With `lora`: Qwen3-MoE at EP2 under LoRA
+    (random adapters on attention, every expert and every router, one update): SGLang gets the merged weights
+    W + s B A and samples the trainer's adapted policy."""
+    from grpo_mega.conf import LoraConfig
+
     audit = family == "llama"
     hf_dir = str(tiny_hf(tmp_path / family, family, dtype=torch.float32, mlp_only_layers=()))
-    res = run_ranks(_sync_sglang, tp * pp * ep, hf_dir, tp, pp, audit, ep, audit, timeout=600)
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "proj", "expert_fc1", "expert_fc2", "router"]) if lora else None
+    res = run_ranks(_sync_sglang, tp * pp * ep, hf_dir, tp, pp, audit, ep, audit, lora, timeout=600)
     r0 = res[0]
     print(f"sync {r0['stats'].bytes} bytes in {r0['stats'].buckets} buckets, {r0['stats'].seconds:.2f} s")
     assert r0["stats"].audited == audit and r0["stats"].buckets > 3
