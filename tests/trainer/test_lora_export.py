@@ -81,14 +81,19 @@ def _hf_logits(model) -> torch.Tensor:
         return model(TOKENS).logits
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def _export_one_process(tmp_path_factory, name: str, family: str, out: str, **hf_kw):
+    """A random HF `family` model as the base and its one-process export into <dir>/`out`: (dir, base, logits)."""
     from tests.models.hf_fixtures import tiny_hf
 
-    d = tmp_path_factory.mktemp("lora_export")
-    src = tiny_hf(d / "base", "qwen2", dtype=torch.float32)
-    (logits,) = run_ranks(_export, 1, str(src), str(d / "tp1"), 1, timeout=300)
+    d = tmp_path_factory.mktemp(name)
+    src = tiny_hf(d / "base", family, dtype=torch.float32, **hf_kw)
+    (logits,) = run_ranks(_export, 1, str(src), str(d / out), 1, timeout=300)
     return d, src, logits
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export_one_process(tmp_path_factory, "lora_export", "qwen2", "tp1")
 
 
 def test_merged_export_gives_the_trainers_logits(exported):
@@ -153,12 +158,7 @@ def test_export_at_tp2_is_tp1s(exported):
 
 @pytest.fixture(scope="module")
 def exported_moe(tmp_path_factory):
-    from tests.models.hf_fixtures import tiny_hf
-
-    d = tmp_path_factory.mktemp("lora_export_moe")
-    src = tiny_hf(d / "base", "qwen3_moe", dtype=torch.float32)
-    (logits,) = run_ranks(_export, 1, str(src), str(d / "ep1"), 1, timeout=300)
-    return d, src, logits
+    return _export_one_process(tmp_path_factory, "lora_export_moe", "qwen3_moe", "ep1")
 
 
 def test_moe_merged_export_gives_the_trainers_logits(exported_moe):
@@ -185,12 +185,7 @@ def test_moe_merged_export_gives_the_trainers_logits(exported_moe):
 
 @pytest.fixture(scope="module")
 def exported_all_moe(tmp_path_factory):
-    from tests.models.hf_fixtures import tiny_hf
-
-    d = tmp_path_factory.mktemp("lora_export_all_moe")
-    src = tiny_hf(d / "base", "qwen3_moe", dtype=torch.float32, mlp_only_layers=())
-    (logits,) = run_ranks(_export, 1, str(src), str(d / "ep1"), 1, timeout=300)
-    return d, src, logits
+    return _export_one_process(tmp_path_factory, "lora_export_all_moe", "qwen3_moe", "ep1", mlp_only_layers=())
 
 
 def test_moe_peft_export_loads_with_peft(exported_all_moe):
