@@ -84,6 +84,7 @@ class PooledHTTPServer(HTTPServer):
     200 half-sent requests made 202 threads)."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 made a burst of connects wait 1 s SYN retries)
 
     def __init__(self, address, handler, threads: int = THREADS, max_pending: int = MAX_PENDING):
         super().__init__(address, handler)
