@@ -104,9 +104,10 @@ class AlgoConfig:
     max_gen_rounds: int = 10
     """dynamic_sampling=refill: at most this many generation rounds per step (>= 1; 1: filter)."""
     recompute_old_logprobs: bool = False
-    """Always run the old-logprob pass. By default it is skipped when the update is exactly on-policy (ppo_epochs
-    1, one mini-batch, no off-policy steps, no kl_in_reward): the update's own logprobs, detached, are the old
-    ones (the loss and gradient are the same; one forward pass over the batch is saved)."""
+    """Always run the old-logprob pass. By default it is skipped when the batch gets one optimizer step (ppo_epochs
+    1, one mini-batch, no kl_in_reward, no rollout_is_batch_norm), off-policy steps and async included: the update's
+    own logprobs, detached, are the old (proximal) ones (the loss and gradient are the same; one forward pass over
+    the batch is saved)."""
     engine_is_cap: Optional[float] = None
     """Importance correction for rollout/trainer drift: weight each token's loss by
     min(p_trainer_old / p_engine, cap) (truncated importance sampling); null: off. The same as

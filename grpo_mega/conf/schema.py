@@ -174,11 +174,13 @@ class TrainConfig:
         return asdict(self)
 
     @property
-    def on_policy(self) -> bool:
-        """The update is exactly on-policy: the old-logprob pass is skipped (algo.recompute_old_logprobs)."""
+    def skips_old_logprob_pass(self) -> bool:
+        """One optimizer step per batch (one epoch, one mini-batch), and nothing reads the old logprobs before the
+        update: the update's own forward runs on the weights the pass would (the proximal policy, whatever version
+        generated the samples), so its logprobs, detached, are the old ones (algo.recompute_old_logprobs)."""
         a = self.algo
-        return (a.ppo_epochs == 1 and self.batch.mini_batches_per_step == 1 and not self.rollout.off_policy_steps
-                and not a.kl_in_reward and not a.recompute_old_logprobs and not a.rollout_is_batch_norm)
+        return (a.ppo_epochs == 1 and self.batch.mini_batches_per_step == 1 and not a.kl_in_reward
+                and not a.recompute_old_logprobs and not a.rollout_is_batch_norm)
 
     def shaping(self):
         """The settings of the per-step shaping (grpo_mega.algo.shaping), as plain values."""

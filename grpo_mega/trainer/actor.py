@@ -78,8 +78,8 @@ class Actor:
 
     def routing_agreement(self) -> dict:
         """Collective: {"moe/routing_agreement": share} over the actor's forwards since the last call or the last
-        `logprobs` (the loop asks after the pass on the weights the engine sampled with: the old-logprob pass, or
-        the exactly on-policy update), with the engine's routes: of the (token, MoE layer) pairs the engine
+        `logprobs` (the loop asks after the step's first pass: the old-logprob pass, or the update when it is the
+        batch's one optimizer step), with the engine's routes: of the (token, MoE layer) pairs the engine
         routed, the share where the trainer's own top-k of its router logits is the engine's set
         (grpo_mega.models.routing_replay; counted whether or not the routes are replayed, algo.routing_replay=
         rollout or measure: under replay a layer's inputs are those the replayed layers before it made). {} for a
@@ -111,15 +111,15 @@ class Actor:
         metric sums. logits, ref_logits: [b, s, V/tp] (the reference's only with the full KL in the loss,
         without grad); with batch.fused_output the output layer's inputs [b, s, h] (`with_fused_output`)."""
         logp, entropy, full_kl = token_stats(logits, mb, self.model_cfg, self.batch, temperature, ref_logits)
-        on_policy = "old_logp" not in mb
-        if on_policy:  # the exactly on-policy step: the old logprobs are this forward's, detached (ratio 1)
+        own_old = "old_logp" not in mb
+        if own_old:  # one update per batch: the old (proximal) logprobs are this forward's, detached (ratio 1)
             mb["old_logp"] = logp.detach()
         loss, stats = self.policy_loss(
             self.objective, logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mb["mask"],
             normaliser=normaliser, entropy=entropy, ref_logp=mb.get("ref_logp"), full_kl=full_kl,
             engine_logp=mb.get("engine_logp"),
         )
-        if on_policy:  # they become rollout.old_logp (engine/trainer mismatch metrics)
+        if own_old:  # they become rollout.old_logp (engine/trainer mismatch metrics)
             stats.update(logp=logp.detach() * mb["mask"], rows=mb["rows"])
         return loss * scale, stats
 
@@ -129,10 +129,11 @@ class Actor:
         `algo.kl_estimator=full` the `reference` itself (it runs in lockstep with the actor; ref_logp is
         not used). Returns one metrics dict per mini-batch, identical on every rank.
 
-        Without rollout.old_logp the update is the exactly on-policy step (one epoch, one mini-batch: the
-        weights have not moved since the samples' logprobs would have been computed): each token's old logprob
-        is the update forward's own, detached, and rollout.old_logp is filled from them afterwards: the loss,
-        gradient and metrics are those of the path with a separate old-logprob pass, without its forward."""
+        Without rollout.old_logp the update is the batch's one optimizer step (one epoch, one mini-batch: the
+        weights are still those the old-logprob pass would run on, the proximal policy, whichever version sampled
+        the tokens): each token's old logprob is the update forward's own, detached, and rollout.old_logp is filled
+        from them afterwards: the loss, gradient and metrics are those of the path with a separate old-logprob
+        pass, without its forward. The rollout correction still weighs each token by old / engine logprob."""
         if rollout.advantages is None:
             raise ValueError("update() needs rollout.advantages")
         if self.objective.rollout_is_batch_norm:  # the weights' normaliser over the whole batch, this update's
@@ -150,9 +151,9 @@ class Actor:
         dp = ps.get_data_parallel_world_size()
         per_mini = self.batch.mini_batch_responses(rollout.size)
         self.batch.check_layout(self.parallel, dp, per_mini // self.batch.ppo_mini_batch_size)
-        on_policy = rollout.old_logp is None
-        if on_policy and (self.algo.ppo_epochs != 1 or per_mini != rollout.size):
-            raise ValueError(f"update() without rollout.old_logp is the exactly on-policy step; with algo.ppo_epochs="
+        own_old = rollout.old_logp is None
+        if own_old and (self.algo.ppo_epochs != 1 or per_mini != rollout.size):
+            raise ValueError(f"update() without rollout.old_logp is the batch's one optimizer step; with algo.ppo_epochs="
                              f"{self.algo.ppo_epochs} and {rollout.size // per_mini} mini-batches it needs the old logprobs")
         ref = reference if self.full_kl_in_loss else None
         metrics = []
@@ -160,8 +161,8 @@ class Actor:
             for _ in range(self.algo.ppo_epochs):
                 for start in range(0, rollout.size, per_mini):
                     mini = rollout.rows(start, start + per_mini)
-                    metrics.append(self._update_mini_batch(mini, temperature, ref, keep_logp=on_policy))
-        if on_policy:
+                    metrics.append(self._update_mini_batch(mini, temperature, ref, keep_logp=own_old))
+        if own_old:
             rollout.old_logp = assemble_logprobs(metrics[0].pop("old_logp"), rollout)
         return metrics
 

@@ -60,7 +60,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         owned = run.routing.owned([len(e.prompt_ids) + len(t) for e, t in zip(samples, gen.token_ids)])
         rb = RolloutBatch.from_samples([e.prompt_ids for e in samples], gen.token_ids, gen.model_mask,
                                        gen.routed_experts)  # the engine's experts: replayed (algo.routing_replay)
-        if not cfg.on_policy:  # exactly on-policy, the update's own logprobs are the old ones
+        if not cfg.skips_old_logprob_pass:  # else the update's own logprobs are the old ones
             with timer("old_logprobs"):
                 rb.old_logp = actor.logprobs(rb, temperature)
             routing = actor.routing_agreement()  # MoE: engine vs trainer routing on the same weights
@@ -82,7 +82,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
         diverged = run.skips.check(step, updates)  # non-finite mini-batches in a row (stops after the metrics)
-        if cfg.on_policy:  # the update's own forward was the pass on the engine's weights
+        if cfg.skips_old_logprob_pass:  # the update's own forward was the pass on the trainer's weights
             routing = actor.routing_agreement()
         mismatch, ratio_quantiles = world_mismatch(rb, owned), world_ratio_quantiles(rb, owned)
         offpolicy = world_offpolicy(rb, owned, actor.objective)

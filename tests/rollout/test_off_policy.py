@@ -92,6 +92,21 @@ def test_resume_from_a_checkpoint_taken_with_a_batch_in_flight_is_exact(uninterr
             assert resumed[k][key] == pytest.approx(full[k][key], rel=TOL, abs=TOL), (k, key)
 
 
+def test_one_step_ahead_skips_the_old_logprob_pass_and_forcing_it_changes_nothing(server, tmp_path):
+    """One optimizer step per batch (one mini-batch of 16): the update runs on the weights the old-logprob pass would
+    (the proximal policy, a version ahead of the engine's), so the pass is skipped; forcing it
+    (algo.recompute_old_logprobs) trains the same run, importance weights and engine/trainer mismatch included."""
+    _, skipped = _train(tmp_path / "skipped", server, "batch.ppo_mini_batch_size=16")
+    _, forced = _train(tmp_path / "forced", server, "batch.ppo_mini_batch_size=16", "algo.recompute_old_logprobs=true")
+    assert sorted(forced) == sorted(skipped) == [1, 2, 3, 4]
+    for k in (1, 2, 3, 4):
+        assert skipped[k].get("timing/old_logprobs", 0.0) == 0.0 < forced[k]["timing/old_logprobs"], k
+        for key in ("reward", "loss", "grad_norm", "entropy", "pg_loss", "is_weight_mean", "is_capped_fraction",
+                    "logprob_mismatch", "weight_version"):
+            assert skipped[k][key] == pytest.approx(forced[k][key], rel=TOL, abs=TOL), (k, key)
+    assert skipped[4]["val_reward"] == pytest.approx(forced[4]["val_reward"], abs=TOL)
+
+
 class _DyingProxy(ForwardingProxy):
     """Forwards HTTP to a server; on the `nth` /generate it SIGKILLs that server and drops the connection, as a
     server that dies in the middle of a generation would."""

@@ -79,7 +79,7 @@ def advantages_f64(rewards: list[float]) -> list[float]:
 
 def _trainer_step(hf_dir: str, tp: int, ep: int, sp: bool, out_dir: str):
     """The loop's update on the fixed samples: advantages from the loop's shaping, the exactly on-policy step
-    (no separate old-logprob pass, as cfg.on_policy runs it), SGD with lr LR. Returns (metrics, W1 at TP1 on one
+    (no separate old-logprob pass, as cfg.skips_old_logprob_pass runs it), SGD with lr LR. Returns (metrics, W1 at TP1 on one
     rank; None elsewhere: W1 saved with dist_checkpointing into out_dir)."""
     from megatron.core import dist_checkpointing
 

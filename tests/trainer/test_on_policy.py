@@ -1,5 +1,6 @@
-"""The exactly on-policy step (one epoch, one mini-batch) skips the old-logprob pass: the update's own logprobs,
-detached, are the old ones. Loss, grad norm, every parameter's gradient and the metrics equal the path with the
+"""A batch's one optimizer step (one epoch, one mini-batch) skips the old-logprob pass: the update's own logprobs,
+detached, are the old ones, on-policy or not (the engine's logprobs here differ from the trainer's, as a step
+behind: tests/rollout/test_off_policy.py runs one step ahead both ways). Loss, grad norm, every parameter's gradient and the metrics equal the path with the
 separate pass, at TP1, TP2+SP, PP2 and DP2, packed, with the full-vocabulary KL in the loss; the old logprobs
 it fills in equal the pass's."""
 
@@ -67,14 +68,17 @@ def test_skipping_the_old_logprob_pass_changes_nothing(tp, pp, sp, world):
         assert max(float(g.abs().max()) for g in g_pass.values()) > 1e-5  # the update moved the weights
 
 
-def test_the_loop_skips_the_pass_only_when_exactly_on_policy():
+def test_the_loop_skips_the_pass_only_with_one_optimizer_step_and_nothing_reading_old_logprobs_first():
     from grpo_mega.conf import TrainConfig
 
-    assert TrainConfig(batch=dict(train_batch_size=4, ppo_mini_batch_size=4)).on_policy
-    assert not TrainConfig(batch=dict(train_batch_size=8, ppo_mini_batch_size=4)).on_policy  # two mini-batches
+    assert TrainConfig(batch=dict(train_batch_size=4, ppo_mini_batch_size=4)).skips_old_logprob_pass
+    assert not TrainConfig(batch=dict(train_batch_size=8, ppo_mini_batch_size=4)).skips_old_logprob_pass  # 2 minis
     one = dict(train_batch_size=4, ppo_mini_batch_size=4)
-    assert not TrainConfig(batch=one, algo=dict(ppo_epochs=2)).on_policy
-    assert not TrainConfig(batch=one, algo=dict(kl_in_reward=True)).on_policy
-    assert not TrainConfig(batch=one, algo=dict(recompute_old_logprobs=True)).on_policy
-    assert not TrainConfig(batch=one, rollout=dict(placement="dedicated", servers=["http://h:1"],
-                                                   off_policy_steps=1)).on_policy
+    assert not TrainConfig(batch=one, algo=dict(ppo_epochs=2)).skips_old_logprob_pass
+    assert not TrainConfig(batch=one, algo=dict(kl_in_reward=True)).skips_old_logprob_pass
+    assert not TrainConfig(batch=one, algo=dict(recompute_old_logprobs=True)).skips_old_logprob_pass
+    assert not TrainConfig(batch=one, algo=dict(rollout_correction="token", rollout_is_batch_norm=True)
+                           ).skips_old_logprob_pass  # the batch mean is taken before the update
+    servers = dict(placement="dedicated", servers=["http://h:1"])
+    assert TrainConfig(batch=one, rollout=dict(servers, off_policy_steps=1)).skips_old_logprob_pass
+    assert TrainConfig(batch=one, rollout=dict(servers, mode="async", off_policy_steps=2)).skips_old_logprob_pass
