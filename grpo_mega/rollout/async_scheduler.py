@@ -2,10 +2,12 @@
 continuously from the prompt stream while the trainer trains, and the trainer takes a batch as soon as enough
 groups are complete and fresh enough (docs/design.md, "Versions and off-policy").
 
-Rank 0 runs one worker thread per server. A worker keeps up to train_batch_size / servers groups in flight on its
-server (continuous batching at segment granularity): each request carries every unfinished response of its groups,
-its prompt and its tokens so far (token in), for at most `rollout.segment_tokens` more tokens; a finished group
-leaves, a new group joins before the next request. A weight sync never waits for a response to finish: the client
+Rank 0 runs one worker thread per server. A worker keeps its server's share of the batch's responses
+(train_batch_size / servers groups x rollout.n) unfinished in flight (continuous batching at segment granularity):
+each request carries every unfinished response of its groups, its prompt and its tokens so far (token in), for at
+most `rollout.segment_tokens` more tokens; a finished group leaves, and new groups join before the next request
+while fewer responses than that are unfinished (a group waiting on one long response leaves the room of its finished
+ones to new groups). A weight sync never waits for a response to finish: the client
 interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too), and a
 response continues under the new weights from its token prefix (between two syncs a server starts a segment from the
 keys and values of its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens
@@ -150,9 +152,11 @@ class AsyncRolloutScheduler:
                 with self.cond:
                     while self.holding and not self.closing:  # a sync drains the requests (partial rollouts off)
                         self.cond.wait(timeout=1.0)
-                    while len(active) < slots and self.carried:
+                    # room counts unfinished responses: a group waiting on its long tail leaves its finished
+                    # responses' room to new groups, so the server decodes `slots` rows per step, not the tails alone
+                    while self._unfinished(active) < slots and self.carried:
                         active.append(self.carried.pop(0))
-                    while len(active) < slots and self._may_start():
+                    while self._unfinished(active) < slots and self._may_start():
                         active.append(self._new_group())
                     if self.closing:
                         return
@@ -190,9 +194,13 @@ class AsyncRolloutScheduler:
                               f"{type(e).__name__}: {e}", bool(getattr(e, "transient", False)))
                 self.cond.notify_all()
 
+    @staticmethod
+    def _unfinished(groups: list[Group]) -> int:
+        return sum(r.finish is None for g in groups for r in g.responses)
+
     def _start_workers(self) -> None:
         urls = self.engines.local.urls
-        slots = -(-self.batch_size // len(urls))
+        slots = -(-self.batch_size // len(urls)) * self.sampling.n  # responses each server decodes at once
         self.mark = time.perf_counter()
         for url in urls:
             t = threading.Thread(target=self._work, args=(url, slots), name=f"rollout-async-{url}", daemon=True)
