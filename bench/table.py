@@ -89,12 +89,15 @@ def _fuzz(d):
 
 
 def _async_parity(d):
-    first = {k: d[k]["first_step_at_target"] for k in ("in_turn_embedded", "in_turn", "async")}
-    ratio = d["async_over_in_turn_embedded_steps"]
+    first = {k: "/".join(str(f or "none") for f in d[k]["first_step_at_target"]) for k in ("in_turn_embedded",
+                                                                                           "in_turn", "async")}
+    ratio = d["async_over_in_turn_steps"]
     lag = d["async"].get("mean_token_lag", {})
-    return (f"first step at validation >= {d['target']}: in turn {first['in_turn_embedded']} (embedded), "
-            f"{first['in_turn'] or 'none in ' + str(d['in_turn']['steps'])} (dedicated server); async "
-            f"{first['async'] or 'none'} ({_x(ratio) if ratio else 'n/a'} the embedded run's; target 1.3x "
+    return (f"first step at validation >= {d['target']}, seeds {'/'.join(map(str, d['seeds']))}: in turn "
+            f"{first['in_turn_embedded']} (embedded), {first['in_turn']} (dedicated server); async {first['async']} "
+            f"(median {_x(ratio) if ratio else 'n/a'} the dedicated in-turn run's, "
+            f"{_x(d['async_over_in_turn_embedded_steps']) if d['async_over_in_turn_embedded_steps'] else 'n/a'} the "
+            f"embedded's; target 1.3x "
             f"{'met' if ratio and ratio <= 1.3 else 'not met'}); tokens 1-2 versions stale "
             f"{sum(v for k, v in lag.items() if k != '0'):.1%}")
 
@@ -213,6 +216,7 @@ SUPPLEMENTS = {
     "overlap_demo_shape.json": "overlap at the demo's shape",
     "decode_static_vs_dynamic_cpu.json": "the embedded engine's static vs dynamic KV cache, CPU seconds A/B at toy size",
     "async_recheck.json": "async_rl again at a lower load (k2, one step ahead, in turn)",
+    "async_segment8.json": "async_rl with rollout.segment_tokens=8 (the best of a 4/8/16/32 probe on the raw workload)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",
     "moe_demo.json": "the MoE demo runs, by hand",
