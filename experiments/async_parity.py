@@ -9,7 +9,7 @@ reaches it counts as the slowest), async's over each in-turn run's (issue 39's b
 version lag (async/token_lag_*: tokens from more than one version).
 
     python -m experiments.async_parity [--steps 200] [--k 2] [--segment-tokens 2] [--seeds 0,1,2] \
-        [--out bench_results/async_parity.json]
+        [--async-set rollout.fresh_groups=true] [--out bench_results/async_parity.json]
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--segment-tokens", type=int, default=2, help="rollout.segment_tokens of the async run")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--seeds", default="0,1,2", help="run.seed of each trio of runs, comma-separated")
+    ap.add_argument("--async-set", action="append", default=[], help="an extra override for the async run only, "
+                    "e.g. rollout.fresh_groups=true (bench_results/async_parity_fresh.json)")
     ap.add_argument("--set", action="append", default=[], help="an extra override for both runs")
     ap.add_argument("--out", default=str(REPO / "bench_results" / "async_parity.json"))
     args = ap.parse_args()
@@ -88,11 +90,11 @@ def main() -> None:
     dedicated = [*both, "rollout.placement=dedicated"]
     runs = {"in_turn_embedded": both, "in_turn": dedicated,
             "async": [*dedicated, "rollout.mode=async", f"rollout.off_policy_steps={args.k}",
-                      f"rollout.segment_tokens={args.segment_tokens}"]}
+                      f"rollout.segment_tokens={args.segment_tokens}", *args.async_set]}
     seeds = [int(s) for s in args.seeds.split(",")]
     result = {"experiment": "the demo in turn vs fully asynchronous on a dedicated stand-in server",
               "machine": common.machine(loadavg_before=list(os.getloadavg())), "k": args.k, "segment_tokens": args.segment_tokens,
-              "target": args.target, "seeds": seeds}
+              "target": args.target, "seeds": seeds, "async_overrides": args.async_set}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in runs.items():
             by_seed = {}

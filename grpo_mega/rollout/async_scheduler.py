@@ -87,7 +87,8 @@ class AsyncRolloutScheduler:
     def __init__(self, engines: Engines, draw: Callable[[int], list], batch_size: int, sampling: SamplingArgs,
                  staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 16,
                  share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None,
-                 get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None):
+                 get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None,
+                 fresh: bool = False):
         if staleness < 1:
             raise ValueError(f"rollout.off_policy_steps={staleness}: the staleness bound must be >= 1")
         if len(engines.ranks) != 1 or engines.ranks[0] != 0:
@@ -95,6 +96,7 @@ class AsyncRolloutScheduler:
         self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
         self.k, self.last_step, self.partial, self.segment = staleness, last_step, partial, segment_tokens
         self.share, self.get_state, self.set_state = share, get_state, set_state
+        self.fresh = fresh  # rollout.fresh_groups: no new group while a batch of complete ones waits
         if partial and hasattr(engines.local, "interrupt"):  # a sync ends the segments in flight (SGLang's abort)
             engines.local.interrupt = True
         self.ahead = staleness
@@ -121,6 +123,8 @@ class AsyncRolloutScheduler:
     # ---- rank 0's workers -------------------------------------------------------------------------
 
     def _may_start(self) -> bool:
+        if self.fresh and len(self.done) >= self.batch_size:  # newer weights will come first: fresher samples
+            return False
         # groups dropped for staleness are made up for: else the trainer could wait for groups that never start
         cap = (self.version + self.k + 1) * self.batch_size + self.dropped_groups
         if self.last_step is not None:
@@ -227,6 +231,7 @@ class AsyncRolloutScheduler:
                     break
                 self.cond.wait(timeout=1.0)
             groups, self.done = self.done[:self.batch_size], self.done[self.batch_size:]
+            self.cond.notify_all()  # room for new groups (rollout.fresh_groups)
             self.last_groups = groups
             now = time.perf_counter()
             wall, busy, tokens, dropped = now - self.mark, sum(self.busy.values()), self.generated_tokens, self.dropped

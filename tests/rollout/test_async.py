@@ -420,6 +420,39 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
     assert [g.index for g in s.done][-1] == 0 and len(s.done[-1].responses[0].tokens) == 6
 
 
+def test_fresh_groups_start_none_while_a_batch_waits():
+    """rollout.fresh_groups: with generation far faster than training, no group starts while a batch of complete
+    groups waits; taking the batch lets the workers start again (without it they run to the staleness cap)."""
+    from types import SimpleNamespace
+
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    class Client:
+        urls = ["u"]
+
+        def generate_segment(self, url, inputs, params):
+            return [([5], [-0.1], "stop", 0) for _ in params]
+
+    draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
+    for fresh, started in ((False, 6), (True, 2)):
+        s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 2,
+                                  SamplingArgs(2, 1.0, 1.0, 8, [], seed=3), staleness=2, fresh=fresh)
+        s._start_workers()
+        try:
+            with s.cond:
+                assert s.cond.wait_for(lambda: len(s.done) == started, timeout=30)
+            time.sleep(0.3)  # the worker would have started more by now
+            assert s.started == started, (fresh, s.started)
+            if fresh:
+                out, _ = s._take(1)
+                assert len(out["groups"]) == 2
+                with s.cond:
+                    assert s.cond.wait_for(lambda: s.started == 4, timeout=5)  # woken by the take, not a 1 s poll
+        finally:
+            s.close()
+
+
 def test_refusals():
     from grpo_mega.conf.rollout import RolloutConfig
     from grpo_mega.conf.schema import TrainConfig
@@ -445,6 +478,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="written with rollout.mode=async .* resume it with rollout.mode=async"):
         RolloutScheduler(engines, None, GROUPS, sampling, 1).restore(dict(mode="async", started=4, groups=[]))
     TrainConfig(rollout=r, algo=dict(dynamic_sampling="filter"))  # filter works: it only masks groups
+    with pytest.raises(ValueError, match="rollout.fresh_groups=true is for rollout.mode=async"):
+        RolloutConfig(fresh_groups=True, off_policy_steps=1, placement="dedicated", servers=["http://x:1"])
     with pytest.raises(ValueError, match="rollout.replay_dir with checkpoint.dir: a replay does not resume"):
         TrainConfig(rollout={**r, "replay_dir": "/tmp/d"}, checkpoint=dict(dir="/tmp/x"))
     with pytest.raises(ValueError, match="rollout.replay_dir with algo.dynamic_sampling=refill"):
