@@ -152,10 +152,11 @@ class RolloutConfig:
     segment_tokens: int = 16
     """mode=async with partial_rollouts: the tokens a response gets per request (groups join and leave a server's
     batch between two requests; a weight update interrupts a request in flight)."""
-    fresh_groups: bool = False
+    fresh_groups: bool = True
     """mode=async: start no new group while a batch of complete groups waits for the trainer. When generation
     outpaces training the samples are then about one version old instead of off_policy_steps (the servers idle
-    meanwhile; when the trainer waits for samples it changes nothing)."""
+    meanwhile; when the trainer waits for samples it changes nothing). false: the servers run on to the staleness
+    cap, and nearly every sample is off_policy_steps versions old."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tool calls (off by default)."""
     dump_dir: str = ""
@@ -197,9 +198,6 @@ class RolloutConfig:
                                  f"sample's oldest token at most k versions behind the trainer); got {self.off_policy_steps}")
             if not isinstance(self.segment_tokens, int) or self.segment_tokens < 1:
                 raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 1")
-        elif self.fresh_groups:
-            raise ValueError("rollout.fresh_groups=true is for rollout.mode=async (sync mode generates each batch "
-                             "when it is due); drop it, or set rollout.mode=async")
         elif self.off_policy_steps not in (0, 1):
             raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1 with rollout.mode=sync "
                              "(rollout.mode=async takes any k >= 1 as its staleness bound)")

@@ -88,7 +88,7 @@ class AsyncRolloutScheduler:
                  staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 16,
                  share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None,
                  get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None,
-                 fresh: bool = False):
+                 fresh: bool = True):
         if staleness < 1:
             raise ValueError(f"rollout.off_policy_steps={staleness}: the staleness bound must be >= 1")
         if len(engines.ranks) != 1 or engines.ranks[0] != 0:

@@ -264,10 +264,11 @@ def _until_partial(s, seconds=20):
         time.sleep(0.002)
 
 
-def _run_resumed(url):
+def _run_resumed(url, fresh):
     """Steps 1..SAVE, a checkpoint (the scheduler's state through JSON, as loop_state.json holds it) with responses
     half generated, the process gone; a new scheduler on a new stream restored from it trains SAVE+1..STEPS; then the
-    last step is rewound and checkpointed again."""
+    last step is rewound and checkpointed again. Without rollout.fresh_groups the checkpoint waits for a batch of
+    complete groups too (with it, none starts while a batch waits, so a batch waiting leaves nothing in flight)."""
     import json
 
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
@@ -278,13 +279,13 @@ def _run_resumed(url):
     def scheduler(stream):
         return AsyncRolloutScheduler(_Engines(url, base), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3),
                                      K, STEPS, partial=True, segment_tokens=4, get_state=stream.get_state,
-                                     set_state=stream.set_state)
+                                     set_state=stream.set_state, fresh=fresh)
 
     first = scheduler(_Stream())
     first.sync_weights(None, version=0)
     before = _steps(first, range(1, SAVE + 1))
     deadline = time.monotonic() + 20  # two complete groups waiting (their order is kept) and a response half done
-    while len(first.done) < GROUPS and time.monotonic() < deadline:
+    while not fresh and len(first.done) < GROUPS and time.monotonic() < deadline:
         time.sleep(0.002)
     _until_partial(first)
     saved = json.loads(json.dumps({"task": first.task_state(), "rollout": first.state()}))
@@ -304,12 +305,13 @@ def _run_resumed(url):
     return before, saved, again, after, [e.index for e in got.examples], rewound
 
 
-def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server):
+@pytest.mark.parametrize("fresh", [False, True], ids=["run_to_the_cap", "fresh_groups"])
+def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server, fresh):
     """A checkpoint holds the groups complete and in flight with each response's tokens, logprobs and versions so far:
     the resumed run trains the complete ones first, continues the others from their token prefix (later tokens carry
     the resumed versions), draws no prompt twice and skips none, and holds the staleness bound; a rewound step's
-    groups are back at the front of the next checkpoint."""
-    before, saved, again, after, last, rewound = run_ranks(_run_resumed, 1, server, timeout=300)[0]
+    groups are back at the front of the next checkpoint. With rollout.fresh_groups (the default) and without."""
+    before, saved, again, after, last, rewound = run_ranks(_run_resumed, 1, server, fresh, timeout=300)[0]
     state = saved["rollout"]
     assert again == saved  # restored, then checkpointed again: the same state (a resumed run resumes again)
     groups = {g["index"]: g for g in state["groups"]}
@@ -326,7 +328,7 @@ def test_resume_carries_the_groups_in_flight_and_the_prompt_stream(server):
     missing = [i for i in groups if i not in trained_after]
     assert dropped >= N * len(missing)  # a saved group is trained, or dropped as too old and counted
     done = [g["index"] for g in state["groups"] if g["done"] and g["index"] in trained_after]
-    assert len(done) >= 2 and trained_after[:len(done)] == done  # the complete groups first, in completion order
+    assert len(done) >= (0 if fresh else 2) and trained_after[:len(done)] == done  # the complete ones first, in order
     continued = 0
     for step, idx, gen, _ in after:
         for gi, index in enumerate(idx):
@@ -408,7 +410,7 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
 
     draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
     s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 2, SamplingArgs(2, 1.0, 1.0, 8, [], seed=3),
-                              staleness=2)
+                              staleness=2, fresh=False)  # nothing trains: the workers run on to the cap
     s._start_workers()
     try:
         with s.cond:
@@ -478,8 +480,6 @@ def test_refusals():
     with pytest.raises(ValueError, match="written with rollout.mode=async .* resume it with rollout.mode=async"):
         RolloutScheduler(engines, None, GROUPS, sampling, 1).restore(dict(mode="async", started=4, groups=[]))
     TrainConfig(rollout=r, algo=dict(dynamic_sampling="filter"))  # filter works: it only masks groups
-    with pytest.raises(ValueError, match="rollout.fresh_groups=true is for rollout.mode=async"):
-        RolloutConfig(fresh_groups=True, off_policy_steps=1, placement="dedicated", servers=["http://x:1"])
     with pytest.raises(ValueError, match="rollout.replay_dir with checkpoint.dir: a replay does not resume"):
         TrainConfig(rollout={**r, "replay_dir": "/tmp/d"}, checkpoint=dict(dir="/tmp/x"))
     with pytest.raises(ValueError, match="rollout.replay_dir with algo.dynamic_sampling=refill"):
