@@ -216,7 +216,7 @@ SUPPLEMENTS = {
     "overlap_demo_shape.json": "overlap at the demo's shape",
     "decode_static_vs_dynamic_cpu.json": "the embedded engine's static vs dynamic KV cache, CPU seconds A/B at toy size",
     "async_recheck.json": "async_rl again at a lower load (k2, one step ahead, in turn)",
-    "async_parity_fresh.json": "experiments.async_parity --async-set rollout.fresh_groups=true (the README is full)",
+    "async_parity_run_to_cap.json": "experiments.async_parity --async-set rollout.fresh_groups=false (the README is full)",
     "async_segment8.json": "async_rl with rollout.segment_tokens=8 (the best of a 4/8/16/32 probe on the raw workload)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",

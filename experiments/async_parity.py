@@ -9,7 +9,7 @@ reaches it counts as the slowest), async's over each in-turn run's (issue 39's b
 version lag (async/token_lag_*: tokens from more than one version).
 
     python -m experiments.async_parity [--steps 200] [--k 2] [--segment-tokens 2] [--seeds 0,1,2] \
-        [--async-set rollout.fresh_groups=true] [--out bench_results/async_parity.json]
+        [--async-set rollout.fresh_groups=false] [--out bench_results/async_parity.json]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--seeds", default="0,1,2", help="run.seed of each trio of runs, comma-separated")
     ap.add_argument("--async-set", action="append", default=[], help="an extra override for the async run only, "
-                    "e.g. rollout.fresh_groups=true (bench_results/async_parity_fresh.json)")
+                    "e.g. rollout.fresh_groups=false (bench_results/async_parity_run_to_cap.json)")
     ap.add_argument("--set", action="append", default=[], help="an extra override for both runs")
     ap.add_argument("--out", default=str(REPO / "bench_results" / "async_parity.json"))
     args = ap.parse_args()

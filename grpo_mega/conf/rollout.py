@@ -153,10 +153,11 @@ class RolloutConfig:
     """mode=async with partial_rollouts: the tokens a response gets per request (groups join and leave a server's
     batch between two requests; a weight update interrupts a request in flight)."""
     fresh_groups: bool = True
-    """mode=async: start no new group while a batch of complete groups waits for the trainer. When generation
-    outpaces training the samples are then about one version old instead of off_policy_steps (the servers idle
-    meanwhile; when the trainer waits for samples it changes nothing). false: the servers run on to the staleness
-    cap, and nearly every sample is off_policy_steps versions old."""
+    """mode=async: start no new group while a batch of complete groups waits for the trainer, unless the trainer had
+    to wait for its last batch. When generation outpaces training the samples are then about one version old
+    instead of off_policy_steps (the servers idle meanwhile); when the trainer waits for samples the servers run
+    ahead up to the staleness cap, as with false. false: the servers always run on to the cap, and when generation
+    outpaces training nearly every sample is off_policy_steps versions old."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tool calls (off by default)."""
     dump_dir: str = ""

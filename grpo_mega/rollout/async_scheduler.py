@@ -96,7 +96,8 @@ class AsyncRolloutScheduler:
         self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
         self.k, self.last_step, self.partial, self.segment = staleness, last_step, partial, segment_tokens
         self.share, self.get_state, self.set_state = share, get_state, set_state
-        self.fresh = fresh  # rollout.fresh_groups: no new group while a batch of complete ones waits
+        self.fresh = fresh  # rollout.fresh_groups: no new group while a batch of complete ones waits...
+        self.trainer_waited = False  # ...unless the trainer had to wait for its last batch (the servers are behind)
         if partial and hasattr(engines.local, "interrupt"):  # a sync ends the segments in flight (SGLang's abort)
             engines.local.interrupt = True
         self.ahead = staleness
@@ -123,8 +124,8 @@ class AsyncRolloutScheduler:
     # ---- rank 0's workers -------------------------------------------------------------------------
 
     def _may_start(self) -> bool:
-        if self.fresh and len(self.done) >= self.batch_size:  # newer weights will come first: fresher samples
-            return False
+        if self.fresh and not self.trainer_waited and len(self.done) >= self.batch_size:
+            return False  # newer weights will come first: fresher samples, and the trainer does not wait for them
         # groups dropped for staleness are made up for: else the trainer could wait for groups that never start
         cap = (self.version + self.k + 1) * self.batch_size + self.dropped_groups
         if self.last_step is not None:
@@ -217,6 +218,7 @@ class AsyncRolloutScheduler:
         """Rank 0: the batch of step `step` (its groups, the async metrics), or {"error": ...}."""
         t0 = time.perf_counter()
         floor = (step - 1) - self.k
+        short = False  # the trainer waited for samples (rollout.fresh_groups then lets the servers run ahead)
         with self.cond:
             while True:
                 if self.error is not None:
@@ -229,7 +231,9 @@ class AsyncRolloutScheduler:
                     self.cond.notify_all()
                 if len(self.done) >= self.batch_size:
                     break
+                short = True
                 self.cond.wait(timeout=1.0)
+            self.trainer_waited = short
             groups, self.done = self.done[:self.batch_size], self.done[self.batch_size:]
             self.cond.notify_all()  # room for new groups (rollout.fresh_groups)
             self.last_groups = groups

@@ -424,7 +424,8 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
 
 def test_fresh_groups_start_none_while_a_batch_waits():
     """rollout.fresh_groups: with generation far faster than training, no group starts while a batch of complete
-    groups waits; taking the batch lets the workers start again (without it they run to the staleness cap)."""
+    groups waits; taking the batch lets the workers start again (without it they run to the staleness cap). A
+    trainer that had to wait for its batch lets them run ahead, to the cap."""
     from types import SimpleNamespace
 
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
@@ -451,8 +452,25 @@ def test_fresh_groups_start_none_while_a_batch_waits():
                 assert len(out["groups"]) == 2
                 with s.cond:
                     assert s.cond.wait_for(lambda: s.started == 4, timeout=5)  # woken by the take, not a 1 s poll
+                time.sleep(0.3)
+                assert s.started == 4 and not s.trainer_waited
         finally:
             s.close()
+    class SlowClient(Client):
+        def generate_segment(self, url, inputs, params):
+            time.sleep(0.05)
+            return super().generate_segment(url, inputs, params)
+
+    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=SlowClient()), draw, 2,
+                              SamplingArgs(2, 1.0, 1.0, 8, [], seed=3), staleness=2)  # rollout.fresh_groups, the default
+    s._start_workers()
+    try:
+        out, _ = s._take(1)  # at once: the trainer waits for its batch, so the servers are behind
+        assert len(out["groups"]) == 2 and s.trainer_waited
+        with s.cond:
+            assert s.cond.wait_for(lambda: s.started == 6, timeout=5), s.started  # (0 + k 2 + 1) x 2: the cap
+    finally:
+        s.close()
 
 
 def test_refusals():
