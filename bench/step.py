@@ -35,15 +35,6 @@ from bench import common
 
 
 
-def _single_process_env() -> None:
-    if "WORLD_SIZE" in os.environ:
-        return
-    from grpo_mega.processes import free_port
-
-    port = free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-
-
 def synthetic_rollout(vocab: int, groups: int, n: int, prompt_len: int, response_len: int, seed: int = 0):
     """groups x n responses, every prompt `prompt_len` and every response `response_len` tokens (no padding,
     so every token counts), random tokens and rewards, advantages from grpo_mega.algo."""
@@ -613,9 +604,10 @@ def main(argv=None) -> int:
         return 2
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
+    from grpo_mega.train import single_process_env
 
     torch.set_num_threads(args.threads)
-    _single_process_env()
+    single_process_env()
     load_start = os.getloadavg()
     if args.cpu:
         models = (args.models or "tiny,smollm2-135m").split(",")
