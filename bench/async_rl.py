@@ -1,21 +1,35 @@
-"""Benchmark: fully asynchronous training (rollout.mode=async, staleness bound k = 1, 2, 4) against one step ahead
-(rollout.off_policy_steps=1) and in turn (=0), on a workload with heavy-tailed response lengths. The same
-processes and split for every mode: one stand-in server (the demo's tiny model, `--simulate-lengths MEDIAN,SIGMA`:
-each response ends after a lognormal number of tokens drawn from its seed, the longest cut at
-batch.max_response_length = 8x the median) pinned to the last core of this process's affinity, the trainer to the
-first (each one torch thread). Runs alternate between the modes (`--repeats` rounds): the machine is shared.
+"""Benchmark: in turn (rollout.off_policy_steps=0), one step ahead (=1) and fully asynchronous training
+(rollout.mode=async, staleness bound k = 1, 2, 4), the same processes and split for every mode: one stand-in
+server (the demo's tiny model and toy task) pinned to the last core of this process's affinity, the trainer
+(`common.train`) to the first, each one torch thread. Runs alternate between the modes (`--repeats` rounds): the
+machine is shared, and a core is only one core when nobody else is running on it (the load average is recorded).
 
     python -m bench.async_rl [--steps 12] [--median 8] [--sigma 0.9] [--decode-ms 0] [--repeats 1] [--out bench_results/async.json]
+    python -m bench.async_rl --modes in_turn,one_step_ahead --natural-lengths --response-length 64 --repeats 3 \
+        --out bench_results/overlap.json
 
-`--decode-ms MS` makes each of the server's decode steps MS ms longer (a larger model's step): the generation-bound
-regime of reasoning RL, which the tiny model on a CPU core is not (bench_results/async_decode3ms.json: 3 ms).
+Two workloads. Heavy-tailed lengths (the default): the server's `--simulate-lengths MEDIAN,SIGMA` ends each
+response after a lognormal number of tokens drawn from its seed, the longest cut at batch.max_response_length =
+8x the median. Natural lengths (`--natural-lengths`): the toy model stops or reaches batch.max_response_length
+(`--response-length`); with overlap.json's command, 8 prompts x 4 responses of up to 64 tokens in micro-batches
+of 4, generation is about as long as the rest of the step, as on GPU nodes where decoding is the larger part of
+an RL step. With the demo's shape (`--response-length 8 --set batch.train_batch_size=16 --set rollout.n=8 --set
+batch.ppo_mini_batch_size=8 --set batch.micro_batch_size=32 --repeats 2`, overlap_demo_shape.json) generation is
+a tenth of a CPU step and overlap cannot save more than that tenth. `--decode-ms MS` makes each of the server's
+decode steps MS ms longer (a larger model's step): the generation-bound regime of reasoning RL, which the tiny
+model on a CPU core is not (bench_results/async_decode3ms.json: 3 ms).
 
-Per mode: trained tokens per second (the update's tokens, prompt and response of the rows in the loss, summed over
-the steady steps, the first two and the validating last left out, over the sum of their step times), the
-trainer's idle fraction (generate_wait / step), and in async mode the async/* metrics (server idle fraction, lag
-histogram, dropped samples). Headline: `k2_over_one_step_ahead` (the target is >= 1.5), beside
-`trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the most that ending the
-trainer's wait can give on this workload while the trainer's own work per step stays the same.
+Per mode, over the steady steps (the first two and the validating last left out): trained tokens per second (the
+update's tokens, prompt and response of the rows in the loss, over the sum of the step times), the trainer's idle
+fraction (generate_wait / step), the median step and the median of each phase (`timing/*`, `phases_s`), the
+serial phase sum (generation plus everything the trainer does: what a step would take if nothing overlapped),
+`step_over_phase_sum` (the median of step / its own serial sum), `perf/overlap`, and in async mode the async/*
+metrics (server idle fraction, lag histogram, dropped samples). Headlines: `k2_over_one_step_ahead` (the target
+is >= 1.5), beside `trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the
+most that ending the trainer's wait can give on this workload while the trainer's own work per step stays the
+same; with in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's), `step_ratio_bound` (the
+best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation + the rest)) and
+one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7).
 """
 
 from __future__ import annotations
@@ -42,14 +56,28 @@ def _run(core, url: str, mode: str, steps: int, length: int, out: Path, override
 
 
 def _summary(runs: list[list[dict]]) -> dict:
+    """Over the steady steps of every repeat: sums for the throughput, medians for the times (the machine is
+    shared: a median shrugs off a step that someone else's job slowed down)."""
+    from grpo_mega.trainer.timing import PHASES, WALL_PHASES
+
     steady = [r for rows in runs for r in rows[2:-1]]
+    med = statistics.median
     tokens = sum(r["perf/update_tokens_per_s"] * r["timing/update"] for r in steady)
     seconds = sum(r["timing/step"] for r in steady)
+    # generation, then the trainer's own phases one after the other (waiting for generation left out)
+    serial = [r["timing/generate"] + sum(r[f"timing/{p}"] for p in WALL_PHASES if p != "generate_wait")
+              for r in steady]
     out = dict(steps_measured=len(steady), trained_tokens_per_s=tokens / seconds,
-               step_s=statistics.median(r["timing/step"] for r in steady),
+               step_s=med(r["timing/step"] for r in steady),
                trainer_idle_fraction=sum(r["timing/generate_wait"] for r in steady) / seconds,
+               phases_s={p: med(r[f"timing/{p}"] for r in steady) for p in PHASES}, serial_phase_sum_s=med(serial),
+               step_over_phase_sum=med(r["timing/step"] / s for r, s in zip(steady, serial)),
+               overlap=med(r["perf/overlap"] for r in steady),
                response_length=statistics.mean(r["response_length"] for r in steady),
-               val_reward_last=[rows[-1].get("val_reward") for rows in runs])
+               val_reward_last=[rows[-1].get("val_reward") for rows in runs],
+               weight_versions=[r["weight_version"] for r in runs[0]],
+               per_step=[dict(step_s=[r["timing/step"] for r in rows], generate_s=[r["timing/generate"] for r in rows],
+                              generate_wait_s=[r["timing/generate_wait"] for r in rows]) for rows in runs])
     if "async/server_idle_fraction" in steady[0]:
         mean = lambda k: statistics.mean(r[k] for r in steady)  # noqa: E731
         out.update(server_idle_fraction=mean("async/server_idle_fraction"),
@@ -65,6 +93,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--median", type=float, default=8.0, help="the median response length (tokens)")
     ap.add_argument("--sigma", type=float, default=0.9, help="the lognormal's sigma")
+    ap.add_argument("--natural-lengths", action="store_true",
+                    help="no simulated lengths: each response ends when the toy model stops or at --response-length")
+    ap.add_argument("--response-length", type=int, default=None,
+                    help="batch.max_response_length (default 8x --median)")
     ap.add_argument("--decode-ms", type=float, default=0.0,
                     help="the stand-in's --simulate-decode-ms: each decode step this much longer (generation-bound)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all modes, alternating")
@@ -80,11 +112,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps={args.steps}: at least 5 (two warm-up steps and the validating last are not measured)")
     from grpo_mega.processes import stop
 
-    length = int(round(8 * args.median))
+    length = args.response_length or int(round(8 * args.median))
+    lengths = [] if args.natural_lengths else ["--simulate-lengths", f"{args.median},{args.sigma}"]
     trainer_core, server_core = common.trainer_and_server_cores()
     load_before = os.getloadavg()
-    server, url = common.standin_server(server_core, "--simulate-lengths", f"{args.median},{args.sigma}",
-                                        "--simulate-decode-ms", str(args.decode_ms))
+    server, url = common.standin_server(server_core, *lengths, "--simulate-decode-ms", str(args.decode_ms))
     rows: dict[str, list] = {m: [] for m in modes}
     order = []
     try:
@@ -97,9 +129,10 @@ def main(argv=None) -> int:
                     common.write_json(args.out, result)  # after every run: a cut-short benchmark leaves what it measured
     finally:
         stop(server)
-    tps = {m: r["trained_tokens_per_s"] for m, r in result["modes"].items()}
-    print("trained tokens/s: " + ", ".join(f"{m} {tps[m]:.0f} (idle {result['modes'][m]['trainer_idle_fraction']:.2f})"
-                                           for m in tps) + f"; load {result['machine']['loadavg_after'][0]:.1f} -> {args.out}")
+    print("trained tokens/s: " + ", ".join(f"{m} {r['trained_tokens_per_s']:.0f} (idle {r['trainer_idle_fraction']:.2f},"
+                                           f" step {r['step_s']:.3f} s)" for m, r in result["modes"].items())
+          + (f"; one step ahead / in turn {result['step_ratio']:.2f}x (at best {result['step_ratio_bound']:.2f}x)"
+             if result["step_ratio"] else "") + f"; load {result['machine']['loadavg_after'][0]:.1f} -> {args.out}")
     return 0
 
 
@@ -107,14 +140,20 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before) -
     modes = [m for m in rows if rows[m]]
     runs = {m: _summary(rows[m]) for m in modes}
     tps = {m: runs[m]["trained_tokens_per_s"] for m in modes}
+    pair = {"in_turn", "one_step_ahead"} <= set(runs)
+    if pair:  # what overlap can do at best with the in-turn run's phases: max(generation, the rest) / their sum
+        gen = runs["in_turn"]["phases_s"]["generate"]
+        bound = max(gen, runs["in_turn"]["serial_phase_sum_s"] - gen) / runs["in_turn"]["serial_phase_sum_s"]
     return dict(
         complete=len(order) == args.repeats * len(rows),
-        benchmark="fully asynchronous vs one step ahead vs in turn (one stand-in server, tiny model, toy task, "
-                  "lognormal response lengths)",
+        benchmark="in turn vs one step ahead vs fully asynchronous (one stand-in server, tiny model, toy task, "
+                  + ("natural response lengths)" if args.natural_lengths else "lognormal response lengths)"),
         machine=common.machine(trainer_core=trainer_core, server_core=server_core, loadavg_before=load_before,
                                loadavg_after=os.getloadavg(),
                                busy=max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1)),
-        config=dict(steps=args.steps, repeats=args.repeats, median=args.median, sigma=args.sigma, decode_ms=args.decode_ms,
+        config=dict(steps=args.steps, repeats=args.repeats, natural_lengths=args.natural_lengths,
+                    median=None if args.natural_lengths else args.median,
+                    sigma=None if args.natural_lengths else args.sigma, decode_ms=args.decode_ms,
                     max_response_length=length, overrides=args.set, run_order=order),
         modes=runs,
         speedup_over_one_step_ahead={m: tps[m] / tps["one_step_ahead"] for m in modes if "one_step_ahead" in tps},
@@ -124,6 +163,9 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before) -
         # for generation can give at most on this workload, as long as the trainer's step is the one-step-ahead one's
         trainer_bound_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])
                                            if "one_step_ahead" in runs else None),
+        step_ratio=runs["one_step_ahead"]["step_s"] / runs["in_turn"]["step_s"] if pair else None,
+        step_ratio_bound=bound if pair else None,
+        step_over_phase_sum=runs["one_step_ahead"]["step_over_phase_sum"] if "one_step_ahead" in runs else None,
     )
 
 

@@ -119,9 +119,10 @@ def update_times(model: str, steps: int) -> dict:
     from bench import step as bench_step
     from grpo_mega.conf import ParallelConfig, load_model_config
     from grpo_mega.parallel.state import init_distributed
+    from grpo_mega.train import single_process_env
     from grpo_mega.trainer.actor import Actor
 
-    bench_step._single_process_env()
+    single_process_env()
     init_distributed(tp=1, pp=1, seed=1234)
     cfg = load_model_config(model)
     groups, n, prompt_len, response_len = 2, 4, 32, 32

@@ -24,7 +24,7 @@ import statistics
 import time
 
 from bench import common
-from bench.step import _single_process_env, _with_logprob_inputs, synthetic_rollout
+from bench.step import _with_logprob_inputs, synthetic_rollout
 
 
 def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, micro: int, steps: int,
@@ -135,9 +135,10 @@ def main() -> int:
     import torch
 
     from grpo_mega.parallel import cpu_compat
+    from grpo_mega.train import single_process_env
 
     torch.set_num_threads(args.threads)
-    _single_process_env()
+    single_process_env()
     load_before = os.getloadavg()
     with cpu_compat.cpu_device_mode():
         result = run(args.model, args.groups, args.n, args.prompt_len, args.response_len, args.micro_batch,

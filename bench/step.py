@@ -16,9 +16,8 @@ piece's seconds per step and share of the megatron step, how much of the gap to 
 and the aten ops whose self time differs most between the two (`megatron_core_breakdown`). On a loaded machine (the load average
 is recorded) OpenMP threads wait on each other: the seconds of both paths are then inflated, unevenly.
 
---gpu (on one CUDA device, TP1, bf16, random weights): the update's tokens/s and MFU (6 x parameters x
-tokens, the untied input embedding not counted, plus attention 12 x layers x hidden x seq^2 per sequence,
-against the GPU's dense bf16 peak), the embedded engine's generated tokens/s, weight sync's bytes/s against
+--gpu (on one CUDA device, TP1, bf16, random weights): the update's tokens/s and MFU (the trainer's perf/mfu:
+grpo_mega.trainer.timing.model_flops against the GPU's dense bf16 peak), the embedded engine's generated tokens/s, weight sync's bytes/s against
 a device-to-device copy of the same bytes, and torch.cuda.max_memory_allocated above the baseline around
 each phase against grpo-mega-plan's prediction for the same layout (grpo_mega.planning). --gpu-path-on-cpu
 runs that same code on the CPU with the memory and MFU figures left null (the tests use it to keep the GPU
@@ -28,26 +27,12 @@ path from rotting unseen).
 from __future__ import annotations
 
 import os
-import platform
 import re
 import statistics
 import sys
 import time
 from bench import common
 
-
-# Dense bf16 tensor-core peaks (NVIDIA datasheets), matched against torch.cuda.get_device_name in this order.
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-                   ("A100", 312e12))
-
-
-def _single_process_env() -> None:
-    if "WORLD_SIZE" in os.environ:
-        return
-    from grpo_mega.processes import free_port
-
-    port = free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def synthetic_rollout(vocab: int, groups: int, n: int, prompt_len: int, response_len: int, seed: int = 0):
@@ -305,20 +290,6 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
 # ---- --gpu: throughput, MFU, engine, weight sync and memory against the plan -------------------------------
 
 
-def peak_bf16_flops(device_name: str):
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in device_name:
-            return flops
-    return None
-
-
-def step_flops(params: int, cfg, sequences: int, seq_len: int) -> float:
-    """Model FLOPs of one forward+backward: 6 x parameters x tokens, plus attention's QK^T and AV
-    (2 x 2 x s^2 x hidden forward per layer per sequence, x3 with the backward)."""
-    return 6.0 * params * sequences * seq_len + 12.0 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels \
-        * seq_len**2 * sequences
-
-
 def _diff(a, b):
     return None if a is None or b is None else a - b
 
@@ -433,6 +404,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     from grpo_mega.engines.weight_sync import sync_weights
     from grpo_mega.trainer.actor import Actor
     from grpo_mega.trainer.reference import Reference
+    from grpo_mega.trainer.timing import model_flops, peak_bf16_flops
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -489,11 +461,8 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     params = sum(p.numel() for p in actor.built.gpt.parameters())
     tokens = rb.size * seq
     med = statistics.median(times)
-    # The input embedding is a lookup, not a matmul: counted only when it is also the (tied) output layer.
-    matmul_params = params - (0 if cfg.tie_word_embeddings else cfg.padded_vocab_size * cfg.hidden_size)
-    flops = step_flops(matmul_params, cfg, rb.size, seq)
-    name_dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    peak = peak_bf16_flops(name_dev) if cuda else None
+    flops = model_flops(cfg, [seq] * rb.size)
+    peak = peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None
 
     # Weight sync into an embedded engine on the same device, against a plain copy of the same bytes.
     engine_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -555,7 +524,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
                    optimizer=pg["optimizer"], activations_and_logits=pg["activations"] + pg["logits"],
                    update_peak_total=plan.total_gib)
     return dict(
-        model=name, dtype=dtype, params=params, matmul_params=matmul_params, responses=rb.size, seq_len=seq,
+        model=name, dtype=dtype, params=params, responses=rb.size, seq_len=seq,
         micro_batch_size=micro,
         tokens_per_update=tokens, update_seconds=times, update_median_s=med, update_tokens_per_s=tokens / med,
         update_model_flops=flops, achieved_tflops=flops / med / 1e12, peak_bf16_tflops=peak / 1e12 if peak else None,
@@ -635,9 +604,10 @@ def main(argv=None) -> int:
         return 2
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
+    from grpo_mega.train import single_process_env
 
     torch.set_num_threads(args.threads)
-    _single_process_env()
+    single_process_env()
     load_start = os.getloadavg()
     if args.cpu:
         models = (args.models or "tiny,smollm2-135m").split(",")

@@ -58,8 +58,8 @@ REQUEUE_FILE in its run directory; slurm/train.sbatch requeues the job on either
 REQUEUE_FILE = "REQUEUE"
 
 
-def _single_process_env() -> None:
-    """Without torchrun: a one-rank group on this machine."""
+def single_process_env() -> None:
+    """Without torchrun: a one-rank group on this machine (the benchmarks that build an actor in-process use it too)."""
     if "WORLD_SIZE" in os.environ:
         return
     port = free_port()
@@ -93,7 +93,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     try:  # every rank meets the same config and layout: an error here is said once (_said_by_rank0)
         config = TrainConfig.from_hydra(cfg)
         model, tok, hf_dir = resolve_model(config)
-        _single_process_env()
+        single_process_env()
         config.check_layout(model, int(os.environ["WORLD_SIZE"]))  # before any process group or model
     except INPUT_ERRORS as e:
         e.before_distributed = True

@@ -34,7 +34,7 @@ from grpo_mega.rollout.multi_turn import rollout_metrics
 from grpo_mega.trainer.batch import RolloutBatch
 from grpo_mega.trainer.sampling import collect_step
 from grpo_mega.trainer.setup import Run
-from grpo_mega.trainer.timing import StepTimer, throughput
+from grpo_mega.trainer.timing import StepTimer, model_flops, throughput, world_peak_flops
 
 
 @dataclass
@@ -103,7 +103,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
                    response_length=float(rb.response_lens.float().mean()), logprob_mismatch=mismatch,
                    weight_version=gen.weight_version, lr=actor.optimizer.param_groups[0]["lr"], **ratio_quantiles,
                    **offpolicy,
-                   **update_means(updates), **routing, **reward_metrics, **rollout_metrics(gen), **rollouts.metrics(), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs))
+                   **update_means(updates), **routing, **reward_metrics, **rollout_metrics(gen), **rollouts.metrics(), **step_metrics(timer, updates, rb, cfg.algo.ppo_epochs, run.model))
         history.rows.append(row)
         if log is not None:
             log(row)
@@ -202,15 +202,17 @@ def engine_logprobs(gen, rb: RolloutBatch) -> torch.Tensor:
     return out
 
 
-def step_metrics(timer: StepTimer, updates: list[dict], rb: RolloutBatch, epochs: int) -> dict:
-    """The step's timing/* (reduced over ranks: collective), perf/* and batch/* metrics."""
+def step_metrics(timer: StepTimer, updates: list[dict], rb: RolloutBatch, epochs: int, model) -> dict:
+    """The step's timing/* (reduced over ranks: collective), perf/* and batch/* metrics; `model`: the
+    ModelConfig (perf/mfu's FLOPs)."""
     timing = timer.metrics()
     trained = rb.in_loss if rb.in_loss is not None else torch.ones(rb.size, dtype=torch.bool)
-    update_tokens = float(((rb.prompt_lens + rb.response_lens) * trained).sum()) * epochs
+    lens = (rb.prompt_lens + rb.response_lens)[trained]
     computed = sum(u["computed_tokens"] for u in updates)
     return {
         **timing,
-        **throughput(timing, update_tokens, float(rb.response_lens.sum())),
+        **throughput(timing, float(lens.sum()) * epochs, float(rb.response_lens.sum()),
+                     model_flops(model, lens.tolist()) * epochs, world_peak_flops()),
         "batch/pad_fraction": 1.0 - sum(u["useful_tokens"] for u in updates) / computed if computed else 0.0,
         "batch/micro_batches": sum(u["micro_batches"] for u in updates),
         "batch/dp_token_imbalance": max(u["dp_token_imbalance"] for u in updates),

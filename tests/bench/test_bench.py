@@ -57,33 +57,36 @@ def test_bench_full_kl_writes_json(tmp_path):
     assert len(data["loadavg"]["before"]) == 3 and "full_vs_k3_peak" in data
 
 
-def test_bench_overlap_writes_json(tmp_path):
-    """Both modes run against one server; one step ahead, step k >= 2 trains on version k-2 and the
-    generation is (mostly) hidden: the ratios themselves are recorded, not asserted (a shared machine)."""
+def test_bench_async_rl_both_workloads(tmp_path):
+    """bench.async_rl on its two workloads against one server each. Natural lengths, in turn and one step ahead
+    (overlap.json's command, toy sizes): step k >= 2 one step ahead trains on version k-2, in turn hides no
+    generation, the serial phase sum is the phases' and the pair's ratios are there. Lognormal lengths, one step
+    ahead and async k=2: the async metrics. The ratios themselves are recorded, not asserted (a shared machine)."""
+    env = {**os.environ, "PYTHONPATH": REPO}
     out = tmp_path / "overlap.json"
-    cmd = [sys.executable, "-m", "bench.overlap", "--steps", "5", "--repeats", "1",
-           "--response-length", "2", "--out", str(out)]
-    run_bench(cmd, tmp_path, timeout=400, env={**os.environ, "PYTHONPATH": REPO})
+    run_bench([sys.executable, "-m", "bench.async_rl", "--steps", "5", "--modes", "in_turn,one_step_ahead",
+               "--natural-lengths", "--response-length", "2", "--out", str(out)], tmp_path, timeout=400, env=env)
     data = json.loads(out.read_text())
-    assert data["in_turn"]["weight_versions"] == [0, 1, 2, 3, 4]
-    assert data["off_policy"]["weight_versions"] == [0, 0, 1, 2, 3]
-    assert data["in_turn"]["overlap"] == 0 and 0 <= data["off_policy"]["overlap"] <= 1
-    assert data["step_ratio"] > 0 and data["step_over_phase_sum"] > 0 and len(data["machine"]["loadavg_before"]) == 3
+    in_turn, ahead = data["modes"]["in_turn"], data["modes"]["one_step_ahead"]
+    assert in_turn["weight_versions"] == [0, 1, 2, 3, 4] and ahead["weight_versions"] == [0, 0, 1, 2, 3]
+    assert in_turn["overlap"] == 0 and 0 <= ahead["overlap"] <= 1 and in_turn["response_length"] <= 2
+    assert data["config"]["max_response_length"] == 2 and data["config"]["median"] is None
+    # two steady steps a run: each median is a mean, so the serial sum's is the sum of the phases' (bar rounding)
+    serial = sum(v for p, v in in_turn["phases_s"].items() if p != "generate_wait")
+    assert in_turn["serial_phase_sum_s"] == pytest.approx(serial, rel=1e-9) and in_turn["phases_s"]["update"] > 0
+    assert data["step_ratio"] == pytest.approx(ahead["step_s"] / in_turn["step_s"])
+    assert 0.5 <= data["step_ratio_bound"] < 1 and data["step_over_phase_sum"] == ahead["step_over_phase_sum"] > 0
+    assert data["k2_over_one_step_ahead"] is None and len(data["machine"]["loadavg_before"]) == 3
 
-
-def test_bench_async_writes_json(tmp_path):
-    """One step ahead and async k=2 against one server with simulated lognormal lengths: both measured, the async
-    metrics recorded (the ratio itself is not asserted: a shared machine)."""
     out = tmp_path / "async.json"
-    cmd = [sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--decode-ms", "1", "--modes",
-           "one_step_ahead,async_k2", "--out", str(out)]
-    run_bench(cmd, tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
+    run_bench([sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--decode-ms", "1", "--modes",
+               "one_step_ahead,async_k2", "--out", str(out)], tmp_path, timeout=600, env=env)
     data = json.loads(out.read_text())
     k2 = data["modes"]["async_k2"]
     assert data["k2_over_one_step_ahead"] > 0 and 0 <= k2["trainer_idle_fraction"] <= 1
     assert 0 <= k2["server_idle_fraction"] <= 1 and sum(k2["token_lag"].values()) == pytest.approx(1.0)
     assert data["config"]["max_response_length"] == 16 and data["config"]["decode_ms"] == 1
-    assert data["trainer_bound_over_one_step_ahead"] >= 1
+    assert data["trainer_bound_over_one_step_ahead"] >= 1 and data["step_ratio"] is None
 
 
 def test_bench_routing_writes_json(tmp_path):
