@@ -152,6 +152,7 @@ class ServerClient(RolloutEngine):
         self.timeout_s, self.server_tp, self.group_name = timeout_s, server_tp, group_name
         self.spec, self.retries, self.backoff_s = spec, retries, backoff_s
         self.outstanding = {u: 0 for u in self.urls}  # tokens asked of each server and not yet answered
+        self._counting = threading.Lock()  # requests are sent from several threads (rollout.mode=async)
         self._group = None
         self._sent_dtypes: dict[str, torch.dtype] = {}  # HF name -> dtype of what the last sync sent
         self._audit_route: dict[str, str] = {}  # URL -> how its weights are read back (see weight_checksums)
@@ -230,14 +231,14 @@ class ServerClient(RolloutEngine):
                                    sampling_seed=(row_seeds[i] if row_seeds is not None else
                                                   sample_seed(seed, offset + i, j)) % (2**31),
                                    skip_special_tokens=False, no_stop_trim=True))
-        self.outstanding[url] += tokens
+        self._count(url, tokens)
         try:
             body = dict(input_ids=input_ids, sampling_params=params, return_logprob=True)
             if self.moe_layers is not None:
                 body["return_routed_experts"] = True
             out = self._call(url, "/generate", body)
         finally:
-            self.outstanding[url] -= tokens
+            self._count(url, -tokens)
         if not isinstance(out, list) or len(out) != len(input_ids):
             raise ServerError(f"rollout server {url} answered /generate with {type(out).__name__}, not "
                               f"{len(input_ids)} outputs")
@@ -278,17 +279,21 @@ class ServerClient(RolloutEngine):
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish,
                           weight_version=versions.pop() if versions else self.weight_version, routed_experts=routed)
 
+    def _count(self, url: str, tokens: int) -> None:
+        with self._counting:
+            self.outstanding[url] += tokens
+
     def generate_segment(self, url: str, inputs: list[list[int]], params: list[dict]) -> list[tuple]:
         """One /generate of `inputs` (token ids: a prompt and the response so far) on server `url`, each with its own
         sampling params (SGLang's names); per input (token ids, logprobs, finish reason, weight version), every
         field checked. The fully asynchronous scheduler's call (grpo_mega.rollout.async_scheduler): a response
         is continued from its token prefix, so the weights may change between two of its segments."""
         tokens = sum(len(x) + int(p.get("max_new_tokens", 0)) for x, p in zip(inputs, params))
-        self.outstanding[url] += tokens
+        self._count(url, tokens)
         try:
             out = self._call(url, "/generate", dict(input_ids=inputs, sampling_params=params, return_logprob=True))
         finally:
-            self.outstanding[url] -= tokens
+            self._count(url, -tokens)
         if not isinstance(out, list) or len(out) != len(inputs):
             raise ServerError(f"rollout server {url} answered /generate with {type(out).__name__}, not "
                               f"{len(inputs)} outputs")

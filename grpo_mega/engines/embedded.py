@@ -7,10 +7,9 @@ at the sampled token. bench/decode.py holds it against transformers' `generate`.
 (algo.routing_replay=rollout or measure) it records the top-k experts transformers' MoE routers pick for every
 token it feeds the model (forward hooks; Generation.routed_experts).
 
-With a PrefixCache (`enable_prefix_cache`, as the stand-in server runs it) a row that ends by its budget leaves the
-keys and values of every token it fed, and a later request continuing exactly that sequence (its input less the
-last token) starts from them instead of prefilling it again: what SGLang's radix cache gives a continued segment
-(rollout.mode=async). Loading weights empties it, like SGLang's /flush_cache after an update.
+A PrefixCache (`enable_prefix_cache`) holds, for the stand-in server's decode loop (grpo_mega.engines.continuous),
+the keys and values of rows cut by their budget, for the request that continues them (SGLang's radix cache);
+loading weights empties it, like SGLang's /flush_cache after an update.
 """
 
 from __future__ import annotations
@@ -65,38 +64,43 @@ def _moe_routers(model: torch.nn.Module) -> list:
 
 class PrefixCache:
     """Per sequence fed to the model, the key/value tensors of its tokens ([heads, tokens, head_dim] per layer),
-    kept for a request that continues it; each entry is taken once. At most `max_bytes` held, the oldest dropped."""
+    kept for a request that continues it; each entry is taken once. At most `max_bytes` held, the oldest dropped.
+    Thread-safe (the stand-in's decode loop fills it while a request thread may flush it)."""
 
     def __init__(self, max_bytes: int = 256 << 20):
         self.entries: OrderedDict[tuple, list] = OrderedDict()
         self.max_bytes, self.bytes = max_bytes, 0
         self.hits = self.misses = 0
+        self.lock = threading.Lock()
 
     @staticmethod
     def _size(kv: list) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
 
     def take(self, ids: list[int]) -> Optional[list]:
-        kv = self.entries.pop(tuple(ids), None)
-        if kv is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.bytes -= self._size(kv)
-        return kv
+        with self.lock:
+            kv = self.entries.pop(tuple(ids), None)
+            if kv is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self.bytes -= self._size(kv)
+            return kv
 
     def put(self, ids: list[int], kv: list) -> None:
         key = tuple(ids)
-        if key in self.entries:
-            self.bytes -= self._size(self.entries.pop(key))
-        self.entries[key] = kv
-        self.bytes += self._size(kv)
-        while self.bytes > self.max_bytes and self.entries:
-            self.bytes -= self._size(self.entries.popitem(last=False)[1])
+        with self.lock:
+            if key in self.entries:
+                self.bytes -= self._size(self.entries.pop(key))
+            self.entries[key] = kv
+            self.bytes += self._size(kv)
+            while self.bytes > self.max_bytes and self.entries:
+                self.bytes -= self._size(self.entries.popitem(last=False)[1])
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
+        with self.lock:
+            self.entries.clear()
+            self.bytes = 0
 
 
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")
@@ -172,7 +176,7 @@ class EmbeddedEngine(RolloutEngine):
         return engine
 
     def enable_prefix_cache(self, max_bytes: int = 256 << 20) -> None:
-        """Keep each row's keys and values for a request that continues it (PrefixCache); dynamic decode only."""
+        """Hold keys and values for the continuous batcher (grpo_mega.engines.continuous), emptied by a weight load."""
         self.prefix_cache = PrefixCache(max_bytes)
 
     # ---- routing (algo.routing_replay=rollout or measure) --------------------------------------------------------
@@ -233,27 +237,20 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"row_max_new_tokens needs one budget in [1, max_new_tokens={max_new_tokens}] per row "
                              f"({b} rows); got {budgets}")
         mode = self.decode_mode()
-        keep = self.prefix_cache is not None and mode == "dynamic" and not self.record_routing
-        held = [self.prefix_cache.take(p[:-1]) if keep and len(p) > 1 else None for p in prompts]
         self._routes = []
-        if any(kv is not None for kv in held):  # some rows continue a held sequence: only their last token is fed
-            cache, mask, next_logits, next_pos, starts = self._continue(prompts, rows, held)
-            steps_routes = [None]
-        else:
-            if mode == "dynamic":
-                cache = DynamicCache()
-            else:  # one preallocated cache for the batch; the mask covers all of it, its unfilled slots 0
-                cache = StaticCache(config=self.model.config, max_cache_len=width + max_new_tokens)
-                full_mask = torch.zeros(b, width + max_new_tokens, dtype=torch.long, device=self.device)
-                full_mask[:, :width] = mask.to(self.device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
-            next_logits = out.logits[:, -1].float()
-            del out
-            steps_routes = [self._take_routes(b)]  # [b, width, M, k], then [b, 1, M, k] per decode step
-            next_pos = positions[:, -1] + 1
-            starts = [width - len(prompts[p]) for p, _ in rows]  # each row's first slot in the cache
+        if mode == "dynamic":
+            cache = DynamicCache()
+        else:  # one preallocated cache for the batch; the mask covers all of it, its unfilled slots 0
+            cache = StaticCache(config=self.model.config, max_cache_len=width + max_new_tokens)
+            full_mask = torch.zeros(b, width + max_new_tokens, dtype=torch.long, device=self.device)
+            full_mask[:, :width] = mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        next_logits = out.logits[:, -1].float()
+        del out
+        steps_routes = [self._take_routes(b)]  # [b, width, M, k], then [b, 1, M, k] per decode step
+        next_pos = positions[:, -1] + 1
         step_fn = self._decode_step(mode)
         tokens: list[list[int]] = [[] for _ in range(b)]
         logps: list[list[float]] = [[] for _ in range(b)]
@@ -302,12 +299,6 @@ class EmbeddedEngine(RolloutEngine):
             next_logits = step_fn(tok[:, None].to(self.device), step_mask, next_pos[:, None].to(self.device), cache)
             steps_routes.append(self._take_routes(b))
             next_pos = next_pos + 1
-        if keep:  # a row cut by its budget may be continued: its input and tokens but the last (never fed)
-            for r, (p, _) in enumerate(rows):
-                if finish[r] in ("length", "abort"):
-                    fed, s0 = prompts[p] + tokens[r][:-1], starts[r]
-                    self.prefix_cache.put(fed, [(layer.keys[r, :, s0:s0 + len(fed)].clone(),
-                                                 layer.values[r, :, s0:s0 + len(fed)].clone()) for layer in cache.layers])
         routed = None
         if self.record_routing:  # the prompt's own positions (left padding dropped), then the fed response tokens
             steps_routes = [r.cpu() for r in steps_routes]  # one copy per forward, after the last one
@@ -320,47 +311,6 @@ class EmbeddedEngine(RolloutEngine):
                 routed.append(torch.cat(parts).contiguous())
         return Generation(token_ids=tokens, logprobs=logps, finish_reasons=finish, weight_version=self.weight_version,
                           routed_experts=routed)
-
-    def _continue(self, prompts: list[list[int]], rows: list[tuple[int, int]], held: list) -> tuple:
-        """The batch's start when some prompts continue a held sequence (their input less its last token): the
-        others' such prefixes are prefilled together, all are left-padded into one cache, and every row's last input
-        token is fed. Returns (cache, mask, the next logits, the next positions, each row's first slot)."""
-        from transformers import DynamicCache
-
-        dev, b = self.device, len(rows)
-        kvs = list(held)
-        fresh = [p for p in range(len(prompts)) if kvs[p] is None and len(prompts[p]) > 1]
-        if fresh:
-            width = max(len(prompts[p]) - 1 for p in fresh)
-            ids = torch.zeros(len(fresh), width, dtype=torch.long)
-            mask = torch.zeros(len(fresh), width, dtype=torch.long)
-            for i, p in enumerate(fresh):
-                ids[i, width - len(prompts[p]) + 1:] = torch.tensor(prompts[p][:-1])
-                mask[i, width - len(prompts[p]) + 1:] = 1
-            pre = DynamicCache()
-            self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=True, past_key_values=pre,
-                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(dev))
-            for i, p in enumerate(fresh):
-                s0 = width - len(prompts[p]) + 1
-                kvs[p] = [(layer.keys[i, :, s0:], layer.values[i, :, s0:]) for layer in pre.layers]
-        lens = [len(prompts[p]) - 1 for p, _ in rows]
-        width = max(lens)
-        first = next(kv for kv in kvs if kv is not None)
-        cache = DynamicCache()
-        for li, (k0, v0) in enumerate(first):
-            keys = torch.zeros(b, k0.shape[0], width, k0.shape[-1], dtype=k0.dtype, device=dev)
-            values = torch.zeros(b, v0.shape[0], width, v0.shape[-1], dtype=v0.dtype, device=dev)
-            for r, (p, _) in enumerate(rows):
-                if lens[r]:
-                    keys[r, :, width - lens[r]:], values[r, :, width - lens[r]:] = kvs[p][li]
-            cache.update(keys, values, li)
-        mask = torch.zeros(b, width + 1, dtype=torch.long)
-        for r in range(b):
-            mask[r, width - lens[r]:] = 1
-        last = torch.tensor([[prompts[p][-1]] for p, _ in rows])
-        pos = torch.tensor([[n] for n in lens])
-        logits = self._eager_step(last.to(dev), mask.to(dev), pos.to(dev), cache)
-        return cache, mask, logits, pos[:, 0] + 1, [width - n for n in lens]
 
     def decode_mode(self) -> str:
         """The decode this engine runs (DECODE_MODES), 'auto' resolved for its device. Recording routes or adding

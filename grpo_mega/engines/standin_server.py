@@ -5,15 +5,17 @@ owns only the translation between SGLang's HTTP API (the subset grpo_mega.engine
 SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /model_info (also as
 /get_model_info); POST /generate (input_ids, sampling_params with sampling_seed, return_logprob ->
 output_ids and meta_info's output_token_logprobs, finish_reason, weight_version), /init_weights_update_group,
-/begin_weight_update and /end_weight_update (SGLang requires them around the updates; here /generate waits
-between them, so that no request runs on half-loaded weights),
-/update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the bucket's bytes from
-rank 0 of the update group), /update_weight_version, /flush_cache, /pause_generation (mode abort ends the request
-in flight after its current token, as SGLang's does) and /continue_generation (/generate waits between them). As SGLang's radix cache does, a request that continues a response cut by its
-budget starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One extension of ours, POST
-/grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors
-back with /get_weights_by_name instead). Requests run one at a time (/pause_generation does not wait for one);
-sampling, logprobs and loading are the embedded engine's.
+/begin_weight_update and /end_weight_update (SGLang requires them around the updates; here new rows wait
+between them and a bucket loads only between two decode steps with no row in flight, so that no token comes from
+half-loaded weights), /update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the
+bucket's bytes from rank 0 of the update group), /update_weight_version, /flush_cache, /pause_generation (mode abort
+ends the rows in flight after their current token, as SGLang's does) and /continue_generation (new rows wait between
+them). As SGLang's scheduler does, every request's rows decode in one loop (grpo_mega.engines.continuous: continuous
+batching; a request with return_routed_experts runs alone), and as its radix cache does, a request that continues a
+response cut by its budget starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache;
+--disable-radix-cache). One extension of ours, POST /grpo_mega/weight_checksums, serves the weight audit (SGLang has
+none: the client reads SGLang's tensors back with /get_weights_by_name instead). Sampling, logprobs and loading are
+the embedded engine's.
 
     python -m grpo_mega.engines.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
@@ -59,6 +61,7 @@ import torch.distributed as dist
 
 from grpo_mega import processes
 from grpo_mega.engines.client import join_update_group
+from grpo_mega.engines.continuous import ContinuousBatcher, Row
 from grpo_mega.engines.embedded import EmbeddedEngine
 from grpo_mega.engines.interface import Bucket, TensorMeta
 
@@ -72,8 +75,9 @@ MAX_TOKENS = 65536
 SOCKET_TIMEOUT_S = 60.0
 """A connection idle this long mid-request is dropped."""
 DTYPES = ("float32", "bfloat16", "float16")
-THREADS = 8
-"""Threads serving connections (requests run one at a time; the others answer /health, refusals and timeouts)."""
+THREADS = 256
+"""Threads serving connections: every /generate in flight holds one while its rows decode (rollout.mode=async sends a
+request per group), and the weight update's calls need theirs while those wait."""
 MAX_PENDING = 64
 """Connections waiting for a thread; one more is closed at once."""
 
@@ -130,7 +134,8 @@ def check_bind(host: str, api_key: str) -> None:
 
 
 class EngineServer:
-    """What the HTTP handlers call; one request at a time (the lock)."""
+    """What the HTTP handlers call: /generate's rows go to the decode loop (ContinuousBatcher), every other POST runs
+    under the lock, one at a time."""
 
     def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0, api_key: str = "",
                  api_key_env: str = "GRPO_MEGA_SERVER_API_KEY", socket_timeout_s: float = SOCKET_TIMEOUT_S,
@@ -143,6 +148,7 @@ class EngineServer:
         self.cond = threading.Condition(self.lock)
         self.lengths = lengths  # --simulate-lengths (median, sigma): each response's length drawn, stop tokens ignored
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.batcher = ContinuousBatcher(engine, timeout_s) if engine.decode_mode() == "dynamic" else None
 
     def authorized(self, header: Optional[str]) -> bool:
         """No key configured, or the request's `Authorization: Bearer KEY` (compared in constant time)."""
@@ -172,36 +178,75 @@ class EngineServer:
         for p in params:
             if not 0 < int(p.get("max_new_tokens", 128)) <= MAX_TOKENS:
                 raise ValueError(f"/generate: max_new_tokens must be in 1..{MAX_TOKENS}")
-        outs: list[Optional[dict]] = [None] * len(ids)
-        groups: dict[tuple, list[int]] = {}  # inputs with the same settings are sampled together
+            if not float(p.get("temperature", 1.0)) >= 0 or not 0 < float(p.get("top_p", 1.0)) <= 1:
+                raise ValueError("/generate: temperature must be >= 0 and top_p in (0, 1]")
         caps = [int(p.get("max_new_tokens", 128)) for p in params]
-        ends = [None] * len(ids)  # --simulate-lengths: the tokens left of each response's drawn length
+        ends = [self.simulated_length(p) if self.lengths is not None else None for p in params]
+        routed = bool(req.get("return_routed_experts")) and bool(self.engine.routers)
+        if routed or self.batcher is None:
+            gens = self._generate_alone(ids, params, caps, ends, routed)
+        else:  # every row joins the decode loop beside the other requests' (continuous batching)
+            rows = self.batcher.run([self._row(ids[i], params[i], caps[i], ends[i]) for i in range(len(ids))])
+            gens = [(r.tokens, r.logprobs, r.finish, r.weight_version, None) for r in rows]
+        outs = []
+        for i, (tokens, logprobs, finish, version, experts) in enumerate(gens):
+            if self.lengths is not None and finish != "abort":
+                finish = "stop" if ends[i] <= caps[i] else "length"
+            meta = dict(finish_reason={"type": finish}, weight_version=str(version), prompt_tokens=len(ids[i]),
+                        completion_tokens=len(tokens))
+            if req.get("return_logprob"):
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
+            if experts is not None:
+                meta["routed_experts"] = self._routed_experts_b64(experts)
+            outs.append(dict(output_ids=tokens, meta_info=meta))
+        return outs[0] if single else outs
+
+    def _row(self, ids: list[int], p: dict, cap: int, end: Optional[int]) -> Row:
+        """One input as a row of the decode loop: with --simulate-lengths it ends at its drawn length or its cap and
+        ignores stop tokens."""
+        stop = frozenset() if end is not None else frozenset(int(t) for t in p.get("stop_token_ids") or ())
+        return Row(list(ids), min(cap, end) if end is not None else cap, int(p.get("sampling_seed", 0)),
+                   float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), stop)
+
+    def _generate_alone(self, ids, params, caps, ends, routed: bool) -> list[tuple]:
+        """The request on the engine by itself, the decode loop held and idle (routing replay records every
+        forward's routes, which another request's rows would mix into): inputs with the same settings sampled
+        together. Per input (tokens, logprobs, finish, weight version, routed experts)."""
+        with self.cond:  # never on half-loaded weights
+            self.cond.wait_for(lambda: not (self.updating or self.paused), timeout=self.timeout_s)
+            if self.updating or self.paused:
+                raise RuntimeError(f"a weight update (or a pause) began and did not end within {self.timeout_s:.0f} s")
+            if self.batcher is not None:
+                self.batcher.hold("alone")
+            try:
+                if self.batcher is not None and not self.batcher.idle(self.timeout_s):
+                    raise RuntimeError(f"the decode loop did not empty within {self.timeout_s:.0f} s")
+                return self._grouped(ids, params, caps, ends, routed)
+            finally:
+                if self.batcher is not None:
+                    self.batcher.release("alone")
+
+    def _grouped(self, ids, params, caps, ends, routed: bool) -> list[tuple]:
+        outs: list[Optional[tuple]] = [None] * len(ids)
+        groups: dict[tuple, list[int]] = {}  # inputs with the same settings are sampled together
         for i, p in enumerate(params):
-            if self.lengths is not None:
-                ends[i] = self.simulated_length(p)
             key = (float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)),
                    None if self.lengths is not None else caps[i], tuple(p.get("stop_token_ids") or ()))
             groups.setdefault(key, []).append(i)
         for (temperature, top_p, max_new, stop), rows in groups.items():
             seeds = [int(params[i].get("sampling_seed", 0)) for i in rows]
-            self.engine.record_routing = bool(req.get("return_routed_experts")) and bool(self.engine.routers)
+            self.engine.record_routing = routed
             budgets = None
             if self.lengths is not None:  # each row ends at its drawn length or its cap
                 budgets = [min(caps[i], ends[i]) for i in rows]
                 stop, max_new = (), max(budgets)
             gen = self.engine.generate([ids[i] for i in rows], 1, temperature, top_p, max_new, stop, 0, row_seeds=seeds,
                                        row_max_new_tokens=budgets)
+            self.engine.record_routing = False
             for k, i in enumerate(rows):
-                if self.lengths is not None and gen.finish_reasons[k] != "abort":
-                    gen.finish_reasons[k] = "stop" if ends[i] <= caps[i] else "length"
-                meta = dict(finish_reason={"type": gen.finish_reasons[k]}, weight_version=str(gen.weight_version),
-                            prompt_tokens=len(ids[i]), completion_tokens=len(gen.token_ids[k]))
-                if req.get("return_logprob"):
-                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(gen.logprobs[k], gen.token_ids[k])]
-                if gen.routed_experts is not None:
-                    meta["routed_experts"] = self._routed_experts_b64(gen.routed_experts[k])
-                outs[i] = dict(output_ids=gen.token_ids[k], meta_info=meta)
-        return outs[0] if single else outs
+                outs[i] = (gen.token_ids[k], gen.logprobs[k], gen.finish_reasons[k], gen.weight_version,
+                           None if gen.routed_experts is None else gen.routed_experts[k])
+        return outs
 
     def simulated_length(self, p: dict) -> int:
         """--simulate-lengths: the tokens left of this response's drawn length, lognormal(log median, sigma) from
@@ -216,12 +261,19 @@ class EngineServer:
         total = max(1, round(random.Random(seed).lognormvariate(math.log(median), sigma)))
         return max(1, total - int(custom.get("generated", 0)))
 
+    def _gate(self) -> None:
+        """New rows wait while a weight update or a pause is on (the rows in flight run on, unless aborted)."""
+        if self.batcher is not None:
+            (self.batcher.hold if self.updating or self.paused else self.batcher.release)("gate")
+
     def begin_weight_update(self, req: dict) -> dict:
         self.updating = True
+        self._gate()
         return {"success": True, "message": "generation paused until /end_weight_update"}
 
     def end_weight_update(self, req: dict) -> dict:
         self.updating = False
+        self._gate()
         self.cond.notify_all()
         return {"success": True, "message": "ok"}
 
@@ -230,6 +282,7 @@ class EngineServer:
         /continue_generation; with mode "abort" (SGLang's default) the request in flight ends after its current
         decode step, each unfinished response with its tokens so far and finish_reason "abort"."""
         self.paused = True
+        self._gate()
         if req.get("mode", "abort") == "abort":
             self.engine.aborting.set()
         return {"message": "Generation paused successfully.", "status": "ok"}
@@ -237,6 +290,7 @@ class EngineServer:
     def continue_generation(self, req: dict) -> dict:
         self.paused = False
         self.engine.aborting.clear()
+        self._gate()
         self.cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -287,8 +341,16 @@ class EngineServer:
             return dict(success=False, message="no weight update group: call /init_weights_update_group first")
         flat = torch.empty(offset, dtype=torch.uint8)
         group.broadcast(flat, 0).wait()
-        bucket = Bucket(metas, flat)
-        self.engine.load_bucket(bucket)
+        if self.batcher is not None:  # loaded between two decode steps, never under a row
+            self.batcher.hold("load")
+        try:
+            if self.batcher is not None and not self.batcher.idle(self.timeout_s):
+                return dict(success=False, message=f"requests in flight did not end within {self.timeout_s:.0f} s: "
+                                                   "nothing loaded (pause or abort them first)")
+            self.engine.load_bucket(Bucket(metas, flat))
+        finally:
+            if self.batcher is not None:
+                self.batcher.release("load")
         if req.get("weight_version") is not None:
             self.engine.weight_version = int(req["weight_version"])
         return dict(success=True, message=f"loaded {len(metas)} tensors")
@@ -352,15 +414,11 @@ def make_handler(server: EngineServer):
 
         def _run(self, fn, *args) -> None:
             try:
-                if fn == server.pause_generation:  # ends the request in flight: must not wait for it
-                    return self._reply(200, fn(*args))
-                with server.lock:
-                    if fn == server.generate and (server.updating or server.paused):  # never on half-loaded weights
-                        server.cond.wait_for(lambda: not (server.updating or server.paused), timeout=server.timeout_s)
-                        if server.updating or server.paused:
-                            raise RuntimeError(f"a weight update (or a pause) began and did not end within "
-                                               f"{server.timeout_s:.0f} s")
+                if fn in (server.pause_generation, server.generate):  # the decode loop's: they never wait for it
                     out = fn(*args)
+                else:
+                    with server.lock:
+                        out = fn(*args)
             except Exception as e:  # noqa: BLE001 - every failure is the client's to report
                 return self._reply(400, {"error": {"message": f"{type(e).__name__}: {e}"}})
             ok = not (isinstance(out, dict) and out.get("success") is False)

@@ -3,17 +3,17 @@ continuously from the prompt stream while the trainer trains, and the trainer ta
 groups are complete and fresh enough (docs/design.md, "Versions and off-policy").
 
 Rank 0 runs one worker thread per server. A worker keeps its server's share of the batch's responses
-(train_batch_size / servers groups x rollout.n) unfinished in flight (continuous batching at segment granularity):
-each request carries every unfinished response of its groups, its prompt and its tokens so far (token in), for at
-most `rollout.segment_tokens` more tokens; a finished group leaves, and new groups join before the next request
-while fewer responses than that are unfinished (a group waiting on one long response leaves the room of its finished
-ones to new groups). A weight sync never waits for a response to finish: the client
-interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too), and a
-response continues under the new weights from its token prefix (between two syncs a server starts a segment from the
-keys and values of its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens
-records the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is
-generated in one request and keeps its version: rank 0 sends no new request and waits for those in flight before the
-sync.
+(train_batch_size / servers groups x rollout.n) unfinished in flight, one request per group, all at once (the server
+decodes them in one loop: SGLang's continuous batching, the stand-in's too): a request carries its group's unfinished
+responses, the prompt and each one's tokens so far (token in), for at most `rollout.segment_tokens` more tokens; an
+answered group is sent again at once, a finished group leaves, and new groups join while fewer responses than that
+are unfinished (a group waiting on one long response leaves the room of its finished ones to new groups). A weight
+sync never waits for a response to finish: the client interrupts the requests in flight (SGLang's /pause_generation,
+mode abort, which the stand-in implements too), and a response continues under the new weights from its token prefix
+(between two syncs a server starts a segment from the keys and values of its response so far: SGLang's radix cache,
+the stand-in's prefix cache); each of its tokens records the version that produced it and its behaviour logprob. With
+`rollout.partial_rollouts=false` a response is generated in one request and keeps its version: rank 0 sends no new
+request and waits for those in flight before the sync.
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
@@ -33,6 +33,8 @@ generated again on resume: the same sampling seed, the resumed servers' weights)
 state from before its prompt was drawn; `restore` sets the earliest one's, draws the prompts again up to the
 checkpoint's start count (checking the saved ones; those already trained or dropped are skipped), takes the
 complete groups first and continues the others from their token prefixes, so no prompt is lost or drawn twice.
+
+Long on purpose: the workers, the take and the checkpoint read and change one set of groups under one lock.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ class AsyncRolloutScheduler:
         self.closing = False
         self.workers: list[threading.Thread] = []
         self.in_flight: dict[str, list[Group]] = {}  # url -> its worker's groups in flight (read under cond)
-        self.busy = Counter()  # url -> seconds in /generate since the last step
+        self.busy = Counter()  # url -> seconds with a /generate in flight since the last step
+        self.sending_to = Counter()  # url -> its /generate requests in flight
+        self.busy_since: dict[str, float] = {}
         self.generated_tokens = 0
         self.dropped = 0  # samples dropped for staleness since the last step
         self.dropped_groups = 0  # groups dropped for staleness, over the run
@@ -149,55 +153,81 @@ class AsyncRolloutScheduler:
                     no_stop_trim=True, custom_params={"sample_seed": r.seed, "generated": m})
 
     def _work(self, url: str, slots: int) -> None:
+        """Server `url`'s worker: one request per group in flight, each on a thread of its own (module docstring)."""
         client = self.engines.local
         active: list[Group] = []
         self.in_flight[url] = active
+        sending: set[int] = set()  # indices of the groups with a request in flight
+        answers: list[tuple] = []
+
+        def send(g: Group, todo: list[Response]) -> None:
+            try:
+                rows = client.generate_segment(url, [list(g.example.prompt_ids) + r.tokens for r in todo],
+                                               [self._params(r) for r in todo])
+            except Exception as e:  # noqa: BLE001 - raised by the worker
+                rows = e
+            with self.cond:
+                answers.append((g, todo, rows))
+                self.requests -= 1
+                self._sending(url, -1)
+                self.cond.notify_all()
+
         try:
             while True:
                 with self.cond:
-                    while self.holding and not self.closing:  # a sync drains the requests (partial rollouts off)
-                        self.cond.wait(timeout=1.0)
-                    # room counts unfinished responses: a group waiting on its long tail leaves its finished
-                    # responses' room to new groups, so the server decodes `slots` rows per step, not the tails alone
-                    while self._unfinished(active) < slots and self.carried:
-                        active.append(self.carried.pop(0))
-                    while self._unfinished(active) < slots and self._may_start():
-                        active.append(self._new_group())
+                    for g, todo, rows in answers:
+                        if isinstance(rows, Exception):
+                            raise rows
+                        for r, (ids, lps, reason, version) in zip(todo, rows):
+                            r.tokens += ids
+                            r.logprobs += lps
+                            r.versions += [version] * len(ids)
+                            r.segments += 1
+                            # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
+                            if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
+                                r.finish = "length" if reason == "abort" else reason
+                        self.generated_tokens += sum(len(x[0]) for x in rows)
+                        sending.discard(g.index)
+                        if g.done:
+                            self.done.append(g)
+                            active.remove(g)
+                    if answers:
+                        answers.clear()
+                        self.cond.notify_all()
                     if self.closing:
                         return
-                    if not active:
+                    ready = []
+                    if not self.holding:  # a sync drains the requests (partial rollouts off)
+                        # room counts unfinished responses: a group waiting on its long tail leaves its finished
+                        # responses' room to new groups, so the server decodes `slots` rows per step, not the tails
+                        while self._unfinished(active) < slots and self.carried:
+                            active.append(self.carried.pop(0))
+                        while self._unfinished(active) < slots and self._may_start():
+                            active.append(self._new_group())
+                        ready = [g for g in active if g.index not in sending]
+                    if not ready:
                         self.cond.wait(timeout=1.0)
                         continue
-                    self.requests += 1
-                todo = [(g, r) for g in active for r in g.responses if r.finish is None]
-                inputs = [list(g.example.prompt_ids) + r.tokens for g, r in todo]
-                t0 = time.perf_counter()
-                try:
-                    rows = client.generate_segment(url, inputs, [self._params(r) for _, r in todo])
-                finally:
-                    with self.cond:
-                        self.requests -= 1
-                        self.cond.notify_all()
-                seconds = time.perf_counter() - t0
-                with self.cond:
-                    for (g, r), (ids, lps, reason, version) in zip(todo, rows):
-                        r.tokens += ids
-                        r.logprobs += lps
-                        r.versions += [version] * len(ids)
-                        r.segments += 1
-                        # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
-                        if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
-                            r.finish = "length" if reason == "abort" else reason
-                    self.busy[url] += seconds
-                    self.generated_tokens += sum(len(x[0]) for x in rows)
-                    self.done += [g for g in active if g.done]
-                    active[:] = [g for g in active if not g.done]
-                    self.cond.notify_all()
+                    for g in ready:
+                        sending.add(g.index)
+                        self.requests += 1
+                        self._sending(url, +1)
+                for g in ready:
+                    threading.Thread(target=send, args=(g, [r for r in g.responses if r.finish is None]), daemon=True,
+                                     name=f"rollout-async-{url}-{g.index}").start()
         except Exception as e:  # noqa: BLE001 - handed to every rank by result()
             with self.cond:
                 self.error = (f"the rollout engine ({type(client).__name__}, on rank 0) failed generating on {url}: "
                               f"{type(e).__name__}: {e}", bool(getattr(e, "transient", False)))
                 self.cond.notify_all()
+
+    def _sending(self, url: str, change: int) -> None:
+        """Under cond: `change` more requests in flight on `url`; time with any counts as busy (0: count up to now)."""
+        now = time.perf_counter()
+        if self.sending_to[url] > 0:
+            self.busy[url] += now - self.busy_since[url]
+        self.busy_since[url] = now
+        self.sending_to[url] += change
 
     @staticmethod
     def _unfinished(groups: list[Group]) -> int:
@@ -237,6 +267,8 @@ class AsyncRolloutScheduler:
             groups, self.done = self.done[:self.batch_size], self.done[self.batch_size:]
             self.cond.notify_all()  # room for new groups (rollout.fresh_groups)
             self.last_groups = groups
+            for url in self.engines.local.urls:
+                self._sending(url, 0)
             now = time.perf_counter()
             wall, busy, tokens, dropped = now - self.mark, sum(self.busy.values()), self.generated_tokens, self.dropped
             servers = len(self.engines.local.urls)

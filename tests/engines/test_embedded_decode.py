@@ -109,53 +109,6 @@ def test_bad_decode_settings_are_named():
         RolloutConfig(embedded_decode="fast")
 
 
-def _fed_tokens(engine):
-    """Counts the tokens the engine feeds its model (a forward hook on the transformers model)."""
-    fed = []
-    engine.model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
-    return fed
-
-
-def test_a_continued_sequence_starts_from_its_held_keys_and_values():
-    """With a prefix cache (the stand-in's radix cache) a request continuing rows that ended by their budget feeds
-    only each continued row's last token (and the new rows' prompts), and samples what an engine without the cache
-    samples from the whole input, with transformers' no-cache logprobs; loading weights drops what is held (the
-    next continuation is prefilled under the new weights)."""
-    cached = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
-    plain = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
-    cached.enable_prefix_cache()
-    fed = _fed_tokens(cached)
-    kw = dict(n=1, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=0)
-    first = [cached.generate(PROMPTS, max_new_tokens=6, row_seeds=[1, 2, 3], row_max_new_tokens=[4, 6, 2], **kw),
-             plain.generate(PROMPTS, max_new_tokens=6, row_seeds=[1, 2, 3], row_max_new_tokens=[4, 6, 2], **kw)]
-    assert first[0].token_ids == first[1].token_ids
-    inputs = [p + t for p, t in zip(PROMPTS, first[0].token_ids)] + [[77, 78, 79, 80]]
-    for round in range(2):
-        fed.clear()
-        got = cached.generate(inputs, max_new_tokens=5, row_seeds=[9, 8, 7, 6], **kw)
-        want = plain.generate(inputs, max_new_tokens=5, row_seeds=[9, 8, 7, 6], **kw)
-        # round 0: the new row's prompt less its last token (3), then one last token per row, then 4 decode steps;
-        # round 1: every row continues
-        assert fed == ([3] if round == 0 else []) + [4] * 5, (round, fed)
-        assert got.token_ids == want.token_ids and got.finish_reasons == want.finish_reasons
-        worst = max(abs(a - b) for r in range(4) for a, b in
-                    zip(got.logprobs[r], _no_cache_logprobs(cached, inputs[r], got.token_ids[r], 1.0)))
-        assert worst < 1e-4, worst
-        inputs = [i + t for i, t in zip(inputs, got.token_ids)]
-    assert cached.prefix_cache.hits == 3 + 4 and cached.prefix_cache.bytes > 0
-    new = {name: p + 0.1 for name, p in cached.params.items()}
-    from grpo_mega.engines.weight_sync import pack_buckets
-
-    for bucket in pack_buckets(iter(new.items()), 1 << 30):
-        cached.load_bucket(bucket)
-    assert cached.prefix_cache.bytes == 0 and not cached.prefix_cache.entries
-    fed.clear()
-    got = cached.generate(inputs[:1], max_new_tokens=2, row_seeds=[5], **kw)
-    assert fed[0] == len(inputs[0])  # prefilled again, under the new weights
-    ref = _no_cache_logprobs(cached, inputs[0], got.token_ids[0], 1.0)
-    assert max(abs(a - b) for a, b in zip(got.logprobs[0], ref)) < 1e-4
-
-
 def test_an_abort_ends_the_rows_in_flight_with_their_tokens_so_far():
     """engine.aborting (the stand-in's /pause_generation, mode abort) ends the batch after the step it is in: the
     rows not yet done finish "abort" with the uninterrupted sample's first tokens; a row done before keeps its own."""

@@ -389,22 +389,31 @@ def test_pause_with_abort_ends_the_request_in_flight(server):
 
 
 def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_new_groups():
-    """Room on a server counts unfinished responses, not groups: while one response of group 0 runs on, the next
-    request carries new groups' responses beside it (as many as the batch's share: 2 groups x 2 responses), so the
-    server decodes that many rows per step instead of the tail alone; the staleness cap still bounds the starts."""
+    """One request per group, all in flight at once, and room on a server counts unfinished responses, not groups:
+    while one response of group 0 runs on, new groups' requests run beside it (as many responses as the batch's
+    share: 2 groups x 2), so the server decodes that many rows per step instead of the tail alone; the staleness
+    cap still bounds the starts."""
+    import threading
     from types import SimpleNamespace
 
     from grpo_mega.engines.interface import sample_seed
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
     from grpo_mega.rollout.scheduler import SamplingArgs
 
-    long_seed, sizes = sample_seed(3 * 1_000_003, 0, 0) % (2**31), []
+    long_seed, lock, flying, seen = sample_seed(3 * 1_000_003, 0, 0) % (2**31), threading.Lock(), [], []
 
     class Client:
         urls = ["u"]
 
         def generate_segment(self, url, inputs, params):  # group 0's first response takes 6 segments, others one
-            sizes.append(len(inputs))
+            seeds = [p["custom_params"]["sample_seed"] for p in params]
+            with lock:
+                flying.extend(seeds)
+                seen.append(list(flying))
+            time.sleep(0.05)
+            with lock:
+                for x in seeds:
+                    flying.remove(x)
             return [([5], [-0.1], "length" if p["custom_params"]["sample_seed"] == long_seed and
                      p["custom_params"]["generated"] < 5 else "stop", 0) for p in params]
 
@@ -414,11 +423,12 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
     s._start_workers()
     try:
         with s.cond:
-            assert s.cond.wait_for(lambda: len(s.done) == 6 or s.error, timeout=30), (sizes, s.error)
+            assert s.cond.wait_for(lambda: len(s.done) == 6 or s.error, timeout=30), (seen, s.error)
     finally:
         s.close()
     assert s.error is None and s.started == 6  # (version 0 + k 2 + 1) x 2 groups: the cap
-    assert sizes[:2] == [4, 5], sizes  # the tail (1) + two new groups (4); by groups alone it would be 1 + 2
+    assert max(len(f) for f in seen) == 5, seen  # the tail (1) + two new groups (4); by groups alone it would be 1 + 2
+    assert any(len(f) == 5 and long_seed in f for f in seen), seen  # beside the tail, not after it
     assert [g.index for g in s.done][-1] == 0 and len(s.done[-1].responses[0].tokens) == 6
 
 

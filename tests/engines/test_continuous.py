@@ -1,0 +1,173 @@
+"""The stand-in's decode loop (grpo_mega.engines.continuous): requests arriving while others decode join the same
+batch and leave as they end; every row samples what the embedded engine samples for it alone (the same seed,
+greedy, temperature, top-p, stop tokens, budgets) and reports transformers' own no-cache logprobs at its tokens; a
+row cut by its budget is continued from its keys and values; holds keep new rows out, time out by name, and let a
+weight load wait for an idle loop; an abort ends the rows in flight. (Moved here from test_embedded_decode.py with
+the prefix cache: test_a_continued_row_starts_from_its_held_keys_and_values.)"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from grpo_mega.conf import load_model_config
+from grpo_mega.engines.continuous import ContinuousBatcher, Row
+from grpo_mega.engines.embedded import EmbeddedEngine
+
+# (input, budget, seed, temperature, top_p): left padding, greedy, a nucleus, one-token input
+SPECS = [([5, 17, 33, 2, 9, 41, 7], 12, 11, 1.0, 1.0), ([100, 7], 6, 12, 0.7, 0.9), ([250], 9, 13, 0.0, 1.0),
+         ([250, 251, 252], 10, 14, 1.3, 1.0), ([9, 9, 9, 9], 4, 15, 1.0, 0.5)]
+STOP = frozenset({3, 8})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    engine.enable_prefix_cache()
+    return engine
+
+
+def _no_cache_logprobs(engine, prompt, tokens, temperature):
+    """log softmax(logits / T) at each token from one forward of transformers' model over the whole unpadded
+    sequence without a cache (not our code)."""
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt + tokens])).logits[0].double()
+    logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+def _rows(specs):
+    return [Row(list(ids), budget, seed, t, p, STOP) for ids, budget, seed, t, p in specs]
+
+
+def test_requests_join_and_leave_one_batch_and_sample_as_alone(engine):
+    batcher = ContinuousBatcher(engine)
+    out, order = {}, []
+    try:
+        def request(k):  # one request of two rows, three of one, each sent while the ones before decode
+            specs = SPECS[:2] if k == 0 else [SPECS[k + 1]]
+            out[k] = batcher.run(_rows(specs))
+            order.append(k)
+
+        threads = [threading.Thread(target=request, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+            deadline = time.monotonic() + 10
+            while batcher.steps == 0 and time.monotonic() < deadline:  # the first request is decoding
+                time.sleep(0.001)
+        for t in threads:
+            t.join(timeout=60)
+        steps = batcher.steps
+    finally:
+        batcher.close()
+    rows = out[0] + out[1] + out[2] + out[3]
+    assert sum(len(r.tokens) for r in rows) > steps, steps  # rows shared decode steps (test 2: across requests)
+    for r, (ids, budget, seed, temperature, top_p) in zip(rows, SPECS):
+        alone = engine.generate([ids], 1, temperature, top_p, budget, STOP, 0, row_seeds=[seed])
+        assert (r.tokens, r.finish) == (alone.token_ids[0], alone.finish_reasons[0]), (ids, r.tokens, alone.token_ids)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, alone.logprobs[0])) < 1e-5
+        ref = _no_cache_logprobs(engine, ids, r.tokens, temperature) if temperature > 0 else None
+        if ref is not None and top_p == 1.0:  # a nucleus renormalises, the logprob is of the unfiltered softmax
+            assert max(abs(a - b) for a, b in zip(r.logprobs, ref)) < 1e-4
+    assert len({tuple(r.tokens) for r in rows}) == len(rows)
+
+
+def test_a_short_request_leaves_before_a_long_one_and_a_cut_row_continues_from_its_cache(engine):
+    batcher = ContinuousBatcher(engine)
+    done = []
+    try:
+        long = threading.Thread(target=lambda: done.append(("long", batcher.run([Row([4, 5, 6], 40, 1)]))))
+        long.start()
+        while batcher.steps == 0:
+            time.sleep(0.001)
+        short = batcher.run([Row([7, 8], 5, 2)])
+        done.append(("short", short))
+        long.join(timeout=60)
+        steps = batcher.steps
+        hits = engine.prefix_cache.hits
+        cut = done[1][1][0]
+        more = batcher.run([Row([4, 5, 6] + cut.tokens, 6, 3)])[0]  # continues the long row, cut by its budget
+    finally:
+        batcher.close()
+    assert [d[0] for d in done] == ["short", "long"] and steps == 40  # the short one decoded beside the long one
+    assert cut.finish == "length" and len(cut.tokens) == 40 and engine.prefix_cache.hits == hits + 1
+    ref = _no_cache_logprobs(engine, [4, 5, 6] + cut.tokens, more.tokens, 1.0)
+    assert max(abs(a - b) for a, b in zip(more.logprobs, ref)) < 1e-4
+
+
+def test_holds_idle_timeouts_and_abort(engine):
+    batcher = ContinuousBatcher(engine, timeout_s=0.5)
+    try:
+        batcher.hold("a weight update")
+        with pytest.raises(RuntimeError, match="held by a weight update for over 0 s"):
+            batcher.run([Row([1, 2], 3, 1)])
+        got = []
+        waiting = threading.Thread(target=lambda: got.append(batcher.run([Row([1, 2], 3, 1)])))
+        waiting.start()
+        time.sleep(0.2)
+        assert not got and batcher.steps == 0  # held
+        batcher.release("a weight update")
+        waiting.join(timeout=30)
+        assert len(got[0][0].tokens) == 3
+        runner = threading.Thread(target=lambda: got.append(batcher.run([Row([1, 2], 5000, 2)])))
+        runner.start()
+        while not batcher.active:
+            time.sleep(0.001)
+        batcher.hold("load")
+        assert not batcher.idle(0.05)  # a row is in flight
+        engine.aborting.set()
+        assert batcher.idle(10)
+        runner.join(timeout=30)
+        aborted = got[1][0]
+        assert aborted.finish == "abort" and 0 < len(aborted.tokens) < 5000
+    finally:
+        engine.aborting.clear()
+        batcher.close()
+    with pytest.raises(ValueError, match="temperature >= 0 and top_p"):
+        batcher.run([Row([1], 2, 0, 1.0, 0.0)])
+
+
+def test_a_continued_row_starts_from_its_held_keys_and_values():
+    """With a prefix cache (the stand-in's radix cache) a request continuing rows that ended by their budget feeds
+    only each continued row's last token (and the new rows' prompts less their last token), and samples what an
+    engine without the cache samples from the whole input, with transformers' no-cache logprobs; loading weights
+    drops what is held (the next continuation is prefilled under the new weights)."""
+    from grpo_mega.engines.weight_sync import pack_buckets
+
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [100, 7], [250, 251, 252]]
+    cached = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    plain = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    cached.enable_prefix_cache()
+    fed = []  # tokens fed to the model per forward (transformers' model, a hook)
+    cached.model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    batcher = ContinuousBatcher(cached)
+    kw = dict(n=1, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=0)
+    try:
+        first = batcher.run([Row(p, b, s) for p, b, s in zip(prompts, [4, 6, 2], [1, 2, 3])])
+        want = plain.generate(prompts, max_new_tokens=6, row_seeds=[1, 2, 3], row_max_new_tokens=[4, 6, 2], **kw)
+        assert [r.tokens for r in first] == want.token_ids
+        inputs = [p + r.tokens for p, r in zip(prompts, first)] + [[77, 78, 79, 80]]
+        for round in range(2):
+            fed.clear()
+            got = batcher.run([Row(list(i), 5, s) for i, s in zip(inputs, [9, 8, 7, 6])])
+            want = plain.generate(inputs, max_new_tokens=5, row_seeds=[9, 8, 7, 6], **kw)
+            # round 0: the new row's prompt less its last token (3), then one token per row per step;
+            # round 1: every row continues
+            assert fed == ([3] if round == 0 else []) + [4] * 5, (round, fed)
+            assert [r.tokens for r in got] == want.token_ids and [r.finish for r in got] == want.finish_reasons
+            worst = max(abs(a - b) for i, r in zip(inputs, got)
+                        for a, b in zip(r.logprobs, _no_cache_logprobs(cached, i, r.tokens, 1.0)))
+            assert worst < 1e-4, worst
+            inputs = [i + r.tokens for i, r in zip(inputs, got)]
+        assert cached.prefix_cache.hits == 3 + 4 and cached.prefix_cache.bytes > 0
+        for bucket in pack_buckets(iter({name: p + 0.1 for name, p in cached.params.items()}.items()), 1 << 30):
+            cached.load_bucket(bucket)
+        assert cached.prefix_cache.bytes == 0 and not cached.prefix_cache.entries
+        fed.clear()
+        got = batcher.run([Row(inputs[0], 2, 5)])[0]
+        assert fed[0] == len(inputs[0]) - 1  # prefilled again, under the new weights
+        ref = _no_cache_logprobs(cached, inputs[0], got.tokens, 1.0)
+        assert max(abs(a - b) for a, b in zip(got.logprobs, ref)) < 1e-4
+    finally:
+        batcher.close()
