@@ -41,7 +41,7 @@ class Row:
     finish: Optional[str] = None
     weight_version: int = 0
     job: Optional["Job"] = None
-    uniforms: Optional[torch.Tensor] = None
+    uniforms: Optional[list[float]] = None
     fed: int = 0
     """Tokens in the cache for this row (its next position)."""
 
@@ -84,7 +84,8 @@ class ContinuousBatcher:
         job = Job(rows, time.monotonic(), len(rows))
         for r in rows:
             r.job = job
-            r.uniforms = torch.rand(r.budget, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float64)
+            r.uniforms = torch.rand(r.budget, generator=torch.Generator().manual_seed(r.seed),
+                                    dtype=torch.float64).tolist()
         with self.cond:
             if self.closing:
                 raise RuntimeError("the server is shutting down")
@@ -230,14 +231,18 @@ class ContinuousBatcher:
         tok = logits.argmax(-1)
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         if sampled:
-            probs = logp_all[sampled].exp()
+            every = len(sampled) == len(rows)
+            probs = (logp_all if every else logp_all[sampled]).exp()
             nucleus = [k for k, i in enumerate(sampled) if rows[i].top_p < 1]
             if nucleus:  # EmbeddedEngine's filter, row by row: rows with top_p = 1 are not renormalised
                 probs[nucleus] = torch.stack([_top_p(probs[k], rows[sampled[k]].top_p) for k in nucleus])
             cdf = probs.double().cumsum(-1)
-            u = torch.stack([rows[i].uniforms[len(rows[i].tokens)] for i in sampled]).to(dev)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-            tok[sampled] = pick.clamp(max=cdf.shape[1] - 1)
+            u = torch.tensor([rows[i].uniforms[len(rows[i].tokens)] for i in sampled], dtype=torch.float64, device=dev)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+            if every:
+                tok = pick
+            else:
+                tok[sampled] = pick
         lp = logp_all.gather(1, tok[:, None])[:, 0]
         aborting = engine.aborting.is_set()
         keep = []
