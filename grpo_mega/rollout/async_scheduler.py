@@ -3,15 +3,15 @@ continuously from the prompt stream while the trainer trains, and the trainer ta
 groups are complete and fresh enough (docs/design.md, "Versions and off-policy").
 
 Rank 0 runs one worker thread per server. A worker keeps its server's share of the batch's responses
-(train_batch_size / servers groups x rollout.n) unfinished in flight, one request per group, all at once (the server
-decodes them in one loop: SGLang's continuous batching, the stand-in's too): a request carries its group's unfinished
-responses, the prompt and each one's tokens so far (token in), for at most `rollout.segment_tokens` more tokens; an
-answered group is sent again at once, a finished group leaves, and new groups join while fewer responses than that
-are unfinished (a group waiting on one long response leaves the room of its finished ones to new groups). A weight
-sync never waits for a response to finish: the client interrupts the requests in flight (SGLang's /pause_generation,
-mode abort, which the stand-in implements too), and a response continues under the new weights from its token prefix
-(between two syncs a server starts a segment from the keys and values of its response so far: SGLang's radix cache,
-the stand-in's prefix cache); each of its tokens records the version that produced it and its behaviour logprob. With
+(train_batch_size / servers groups x rollout.n) unfinished in flight, one request per response, all at once (the
+server decodes them in one loop: SGLang's continuous batching, the stand-in's too): a request carries the prompt and
+the response's tokens so far (token in), for at most `rollout.segment_tokens` more tokens; an answered response is
+sent again at once, a finished group leaves, and new groups join while fewer responses than that are unfinished (a
+group waiting on one long response leaves the room of its finished ones to new groups). A weight sync never waits for
+a response to finish: the client interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the
+stand-in implements too), and a response continues under the new weights from its token prefix (between two syncs a
+server starts a segment from the keys and values of its response so far: SGLang's radix cache, the stand-in's prefix
+cache); each of its tokens records the version that produced it and its behaviour logprob. With
 `rollout.partial_rollouts=false` a response is generated in one request and keeps its version: rank 0 sends no new
 request and waits for those in flight before the sync.
 
@@ -153,21 +153,20 @@ class AsyncRolloutScheduler:
                     no_stop_trim=True, custom_params={"sample_seed": r.seed, "generated": m})
 
     def _work(self, url: str, slots: int) -> None:
-        """Server `url`'s worker: one request per group in flight, each on a thread of its own (module docstring)."""
+        """Server `url`'s worker: one request per response in flight, each on a thread of its own (module docstring)."""
         client = self.engines.local
         active: list[Group] = []
         self.in_flight[url] = active
-        sending: set[int] = set()  # indices of the groups with a request in flight
+        sending: set[int] = set()  # id() of the responses with a request in flight
         answers: list[tuple] = []
 
-        def send(g: Group, todo: list[Response]) -> None:
+        def send(g: Group, r: Response) -> None:
             try:
-                rows = client.generate_segment(url, [list(g.example.prompt_ids) + r.tokens for r in todo],
-                                               [self._params(r) for r in todo])
+                rows = client.generate_segment(url, [list(g.example.prompt_ids) + r.tokens], [self._params(r)])
             except Exception as e:  # noqa: BLE001 - raised by the worker
                 rows = e
             with self.cond:
-                answers.append((g, todo, rows))
+                answers.append((g, r, rows))
                 self.requests -= 1
                 self._sending(url, -1)
                 self.cond.notify_all()
@@ -175,19 +174,19 @@ class AsyncRolloutScheduler:
         try:
             while True:
                 with self.cond:
-                    for g, todo, rows in answers:
+                    for g, r, rows in answers:
                         if isinstance(rows, Exception):
                             raise rows
-                        for r, (ids, lps, reason, version) in zip(todo, rows):
-                            r.tokens += ids
-                            r.logprobs += lps
-                            r.versions += [version] * len(ids)
-                            r.segments += 1
-                            # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
-                            if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
-                                r.finish = "length" if reason == "abort" else reason
-                        self.generated_tokens += sum(len(x[0]) for x in rows)
-                        sending.discard(g.index)
+                        ids, lps, reason, version = rows[0]
+                        r.tokens += ids
+                        r.logprobs += lps
+                        r.versions += [version] * len(ids)
+                        r.segments += 1
+                        # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
+                        if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
+                            r.finish = "length" if reason == "abort" else reason
+                        self.generated_tokens += len(ids)
+                        sending.discard(id(r))
                         if g.done:
                             self.done.append(g)
                             active.remove(g)
@@ -204,17 +203,17 @@ class AsyncRolloutScheduler:
                             active.append(self.carried.pop(0))
                         while self._unfinished(active) < slots and self._may_start():
                             active.append(self._new_group())
-                        ready = [g for g in active if g.index not in sending]
+                        ready = [(g, r) for g in active for r in g.responses
+                                 if r.finish is None and id(r) not in sending]
                     if not ready:
                         self.cond.wait(timeout=1.0)
                         continue
-                    for g in ready:
-                        sending.add(g.index)
+                    for g, r in ready:
+                        sending.add(id(r))
                         self.requests += 1
                         self._sending(url, +1)
-                for g in ready:
-                    threading.Thread(target=send, args=(g, [r for r in g.responses if r.finish is None]), daemon=True,
-                                     name=f"rollout-async-{url}-{g.index}").start()
+                for g, r in ready:
+                    threading.Thread(target=send, args=(g, r), daemon=True, name=f"rollout-async-{url}-{g.index}").start()
         except Exception as e:  # noqa: BLE001 - handed to every rank by result()
             with self.cond:
                 self.error = (f"the rollout engine ({type(client).__name__}, on rank 0) failed generating on {url}: "

@@ -389,7 +389,7 @@ def test_pause_with_abort_ends_the_request_in_flight(server):
 
 
 def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_new_groups():
-    """One request per group, all in flight at once, and room on a server counts unfinished responses, not groups:
+    """One request per response, all in flight at once, and room on a server counts unfinished responses, not groups:
     while one response of group 0 runs on, new groups' requests run beside it (as many responses as the batch's
     share: 2 groups x 2), so the server decodes that many rows per step instead of the tail alone; the staleness
     cap still bounds the starts."""
