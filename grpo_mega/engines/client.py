@@ -37,10 +37,13 @@ import http.client
 import json
 import logging
 import os
+import queue
+import select
 import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Iterable, Optional
 
@@ -153,6 +156,7 @@ class ServerClient(RolloutEngine):
         self.spec, self.retries, self.backoff_s = spec, retries, backoff_s
         self.outstanding = {u: 0 for u in self.urls}  # tokens asked of each server and not yet answered
         self._counting = threading.Lock()  # requests are sent from several threads (rollout.mode=async)
+        self._pools: dict[str, queue.SimpleQueue] = {}  # url -> idle kept-alive connections
         self._group = None
         self._sent_dtypes: dict[str, torch.dtype] = {}  # HF name -> dtype of what the last sync sent
         self._audit_route: dict[str, str] = {}  # URL -> how its weights are read back (see weight_checksums)
@@ -181,22 +185,50 @@ class ServerClient(RolloutEngine):
                 log.warning("%s; trying again in %.1f s (%d of %d tries)", e, wait, attempt + 2, tries)
                 time.sleep(wait)
 
+    def _connection(self, url: str, timeout: float, reuse: bool) -> http.client.HTTPConnection:
+        """With `reuse`, a kept-alive connection to `url` from the pool that the server has not closed (a request per
+        response in rollout.mode=async: a new connection each cost the trainer's core more than the request);
+        else a new one."""
+        pool = self._pools.setdefault(url, queue.SimpleQueue())
+        while reuse:
+            try:
+                conn = pool.get_nowait()
+            except queue.Empty:
+                break
+            if conn.sock is None or select.select([conn.sock], [], [], 0)[0]:  # closed by the server (or stray bytes)
+                conn.close()
+                continue
+            conn.timeout = timeout
+            conn.sock.settimeout(timeout)
+            return conn
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        return kind(parts.hostname, parts.port, timeout=timeout)
+
     def _call_once(self, url: str, path: str, body: Optional[dict], what: str, timeout: Optional[float]):
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json", **auth_headers()})
+        headers = {"Content-Type": "application/json", **auth_headers()}
+        timeout = timeout or self.timeout_s
+        # a kept-alive connection (which the server may close meanwhile) only for a call that may be repeated
+        conn = self._connection(url, timeout, reuse=path in REPEATABLE)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            raise ServerError(f"rollout server {url} refused {path} (HTTP {e.code}): {detail}", e.code,
-                              transient=e.code >= 500) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
-            raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} within "
-                              f"{timeout or self.timeout_s:.0f} s: {reason}; is it running? (rollout.servers)",
+            conn.request("GET" if body is None else "POST", urllib.parse.urlsplit(url).path.rstrip("/") + path,
+                         body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} "
+                              f"within {timeout:.0f} s: {type(e).__name__}: {e}; is it running? (rollout.servers)",
                               transient=True) from None
+        if resp.will_close:
+            conn.close()
+        else:
+            self._pools[url].put(conn)
+        if resp.status >= 400:
+            detail = raw.decode(errors="replace")[:300]
+            raise ServerError(f"rollout server {url} refused {path} (HTTP {resp.status}): {detail}", resp.status,
+                              transient=resp.status >= 500)
         if not raw:
             return {}
         try:

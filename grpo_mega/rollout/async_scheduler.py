@@ -40,6 +40,7 @@ Long on purpose: the workers, the take and the checkpoint read and change one se
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 import time
 from collections import Counter
@@ -153,12 +154,22 @@ class AsyncRolloutScheduler:
                     no_stop_trim=True, custom_params={"sample_seed": r.seed, "generated": m})
 
     def _work(self, url: str, slots: int) -> None:
-        """Server `url`'s worker: one request per response in flight, each on a thread of its own (module docstring)."""
+        """Server `url`'s worker: one request per response in flight, sent by a pool of daemon threads (module
+        docstring)."""
         client = self.engines.local
         active: list[Group] = []
         self.in_flight[url] = active
         sending: set[int] = set()  # id() of the responses with a request in flight
         answers: list[tuple] = []
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+
+        def sender() -> None:
+            while (item := todo.get()) is not None:
+                send(*item)
+
+        senders = slots + self.sampling.n  # the most responses in flight at once
+        for i in range(senders):
+            threading.Thread(target=sender, daemon=True, name=f"rollout-async-{url}-{i}").start()
 
         def send(g: Group, r: Response) -> None:
             try:
@@ -212,13 +223,16 @@ class AsyncRolloutScheduler:
                         sending.add(id(r))
                         self.requests += 1
                         self._sending(url, +1)
-                for g, r in ready:
-                    threading.Thread(target=send, args=(g, r), daemon=True, name=f"rollout-async-{url}-{g.index}").start()
+                for item in ready:
+                    todo.put(item)
         except Exception as e:  # noqa: BLE001 - handed to every rank by result()
             with self.cond:
                 self.error = (f"the rollout engine ({type(client).__name__}, on rank 0) failed generating on {url}: "
                               f"{type(e).__name__}: {e}", bool(getattr(e, "transient", False)))
                 self.cond.notify_all()
+        finally:
+            for _ in range(senders):
+                todo.put(None)
 
     def _sending(self, url: str, change: int) -> None:
         """Under cond: `change` more requests in flight on `url`; time with any counts as busy (0: count up to now)."""
