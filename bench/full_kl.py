@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from bench import common
 from bench.step import synthetic_rollout
@@ -57,17 +56,15 @@ def _rank_body(estimator: str, args):
         batch = synthetic_rollout(cfg.vocab_size, args.prompts, 4, args.prompt_len, args.response_len)
         batch.old_logp = actor.logprobs(batch, 1.0)
         peaks, times, ref_times = [], [], []
-        for it in range(args.iters + 1):  # the first: warm-up (the optimizer's state appears)
+        for _ in range(args.iters + 1):  # the first: warm-up (the optimizer's state appears)
             if estimator != "full":
-                t0 = time.perf_counter()
-                batch.ref_logp = ref.logprobs(batch, 1.0)
-                ref_times.append(time.perf_counter() - t0)
+                dt, _, batch.ref_logp = common.timed(lambda: ref.logprobs(batch, 1.0))
+                ref_times.append(dt)
             torch.distributed.barrier()
             base = common.rss_mib()["VmRSS"]
             common.reset_peak_rss()
-            t0 = time.perf_counter()
-            (m,) = actor.update(batch, 1.0, reference=ref)
-            times.append(time.perf_counter() - t0)
+            dt, _, (m,) = common.timed(lambda: actor.update(batch, 1.0, reference=ref))
+            times.append(dt)
             peaks.append(common.rss_mib()["VmHWM"] - base)
             assert m["skipped"] == 0.0, m
         destroy_distributed()
