@@ -195,10 +195,11 @@ def flags(args, *names: str) -> list[str]:
     return [a for k, v in values.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def run_worker(cmd: list[str], what: str, timeout: float = 3600) -> dict:
-    """Run `cmd` (a benchmark's own --worker mode) under measuring_env and return the JSON object it prints as
-    its last line; its stderr is passed on and SystemExit raised if it fails."""
-    out = subprocess.run(cmd, env=measuring_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def run_worker(cmd: list[str], what: str, timeout: float = 3600, env=None, **kw) -> dict:
+    """Run `cmd` (a benchmark's own --worker mode) under `env` (default measuring_env; `kw` to subprocess.run) and
+    return the JSON object it prints as its last line; its stderr is passed on and SystemExit raised if it fails."""
+    out = subprocess.run(cmd, env=env or measuring_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         **kw)
     if out.returncode:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"{what} failed (exit {out.returncode})")

@@ -78,13 +78,9 @@ def worker(args) -> None:
     from grpo_mega.parallel.forked import run_ranks
 
     res = run_ranks(_rank_body, args.tp, args.estimator, args, timeout=1800)
-    print(json.dumps(dict(
-        estimator=args.estimator, tp=args.tp,
-        peak_update_mib=max(r["peak_update_mib"] for r in res),
-        update_s=max(r["update_s"] for r in res),
-        ref_logprobs_s=max(r["ref_logprobs_s"] for r in res),
-        kl=res[0]["kl"], micro_batches=res[0]["micro_batches"], computed_tokens=res[0]["computed_tokens"],
-    )))
+    worst = {k: max(r[k] for r in res) for k in ("peak_update_mib", "update_s", "ref_logprobs_s")}
+    print(json.dumps(dict(estimator=args.estimator, tp=args.tp, **worst, kl=res[0]["kl"],
+                          micro_batches=res[0]["micro_batches"], computed_tokens=res[0]["computed_tokens"])))
 
 
 def main() -> int:

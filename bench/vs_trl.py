@@ -37,7 +37,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,13 +116,8 @@ def run_trl(args, data: Path, out: Path) -> dict:
     cfg = dict(model=args.model, data=str(data), out=str(out), steps=args.steps, prompts=args.prompts, n=args.n,
                max_new_tokens=args.max_new_tokens, threads=args.threads, seed=args.seed)
     t0 = time.perf_counter()
-    proc = subprocess.run([args.trl_python, "-m", "bench.vs_trl", "--trl-worker", json.dumps(cfg)], cwd=REPO,
-                          env=_child_env(args.threads), preexec_fn=_pinned(args.threads), capture_output=True,
-                          text=True, timeout=args.timeout)
-    if proc.returncode:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"TRL run failed (exit {proc.returncode})")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = common.run_worker([args.trl_python, "-m", "bench.vs_trl", "--trl-worker", json.dumps(cfg)], "TRL run",
+                               args.timeout, env=_child_env(args.threads), preexec_fn=_pinned(args.threads))
     result["process_s"] = time.perf_counter() - t0
     return result
 
