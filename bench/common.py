@@ -173,6 +173,16 @@ def timed(fn, cuda: bool = False) -> tuple[float, float, object]:
     return time.perf_counter() - w0, time.process_time() - c0, out
 
 
+def alternate(sides: dict, rounds: int) -> dict:
+    """Each of `sides` (name -> fn) run in turn, `rounds` times, so that load from other processes falls on all
+    alike: per name, timed(fn) (wall s, CPU s, result) of every round."""
+    runs = {k: [] for k in sides}
+    for _ in range(rounds):
+        for k, fn in sides.items():
+            runs[k].append(timed(fn))
+    return runs
+
+
 # ---- one configuration per process --------------------------------------------------------------------------
 
 

@@ -245,6 +245,8 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
 
 def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
                 profile_steps: int = 0) -> dict:
+    import functools
+
     import torch
 
     from grpo_mega.conf import ParallelConfig, load_model_config
@@ -259,24 +261,14 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
     opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr, betas=(c["optim"].adam_beta1, c["optim"].adam_beta2),
                             eps=c["optim"].adam_eps, weight_decay=0.0, fused=True)
 
-    mega_s, plain_s, first = [], [], {}
-    for i in range(warmup + steps):  # alternate, so load from other processes falls on both alike
-        dt, _, m = common.timed(lambda: actor.update(rb, 1.0)[0])
-        dp, _, loss = common.timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad,
-                                                      response_len))
-        if i == 0:
-            first = dict(megatron=m["loss"], plain=loss)
-        if i >= warmup:
-            mega_s.append(dt)
-            plain_s.append(dp)
+    update = functools.partial(actor.update, rb, 1.0)
+    plain = functools.partial(plain_step, model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len)
+    runs = common.alternate(dict(megatron=update, plain=plain), warmup + steps)
+    mega_s, plain_s = ([wall for wall, _, _ in runs[k][warmup:]] for k in ("megatron", "plain"))
+    first = dict(megatron=runs["megatron"][0][2][0]["loss"], plain=runs["plain"][0][2])
     tokens = int((rb.prompt_lens + rb.response_lens).sum())
     med_m, med_p = statistics.median(mega_s), statistics.median(plain_s)
-    breakdown = None
-    if profile_steps:
-        breakdown = profile_breakdown(
-            lambda: actor.update(rb, 1.0),
-            lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len),
-            profile_steps, med_m - med_p)
+    breakdown = profile_breakdown(update, plain, profile_steps, med_m - med_p) if profile_steps else None
     return dict(
         model=name, params=sum(p.numel() for p in actor.built.gpt.parameters()), responses=rb.size,
         tokens_per_step=tokens, megatron_seconds=mega_s, plain_seconds=plain_s, megatron_median_s=med_m,
