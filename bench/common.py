@@ -44,6 +44,14 @@ def out_path(name: str) -> str:
     return str(REPO / "bench_results" / f"{name}.json")
 
 
+def names(value: str, allowed, flag: str) -> list[str]:
+    """A comma-separated knob's names; SystemExit naming `flag` when one is not in `allowed`."""
+    picked = [x for x in value.split(",") if x]
+    if unknown := [x for x in picked if x not in allowed]:
+        raise SystemExit(f"{flag}: unknown {unknown}; pick from {list(allowed)}")
+    return picked
+
+
 def write_json(path, data: dict) -> Path:
     """`data` as indented JSON at `path` (its folder made if missing), with a final newline."""
     path = Path(path)

@@ -115,9 +115,7 @@ def main(argv=None) -> int:
                                            / "SmolLM2-135M-Instruct"), help="the HF directory (make smollm2)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an extra override for every run")
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        raise SystemExit(f"--modes: unknown {unknown}; pick from {list(MODES)}")
+    modes = common.names(args.modes, MODES, "--modes")
     if args.steps < 2:
         raise SystemExit(f"--steps={args.steps}: at least 2 (the first step's update time is not measured)")
     if not (Path(args.model) / "config.json").is_file():

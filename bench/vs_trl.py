@@ -249,11 +249,10 @@ def main() -> int:
     if args.trl_worker:
         trl_worker(json.loads(args.trl_worker))
         return 0
-    systems = args.systems.split(",")
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad or args.steps < 2 or args.rounds < 1 or args.threads < 1:
-        ap.error(f"--systems={args.systems} must name {', '.join(SYSTEMS)}; --steps={args.steps} must be >= 2 "
-                 f"(step 1 is warm-up), --rounds={args.rounds} and --threads={args.threads} >= 1")
+    systems = common.names(args.systems, SYSTEMS, "--systems")
+    if args.steps < 2 or args.rounds < 1 or args.threads < 1:
+        ap.error(f"--steps={args.steps} must be >= 2 (step 1 is warm-up), --rounds={args.rounds} and "
+                 f"--threads={args.threads} >= 1")
     from grpo_mega.cli.prepare_model import default_out
 
     args.model = args.model or str(default_out())
