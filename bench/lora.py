@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench import common
+from grpo_mega.cli.prepare_model import default_out  # light: the standard library only
 
 MODES = {"full": None, "r8": 8, "r64": 64}
 EXAMPLE = ["task=prompts", "reward.name=math", "precision.params_dtype=fp32", "batch.train_batch_size=4", "rollout.n=4",
@@ -111,8 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--val", type=int, default=4, help="validation prompts (the example's val set has 16)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
-    ap.add_argument("--model", default=str(Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache/grpo_mega"))
-                                           / "SmolLM2-135M-Instruct"), help="the HF directory (make smollm2)")
+    ap.add_argument("--model", default=str(default_out()), help="the HF directory (make smollm2)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an extra override for every run")
     args = ap.parse_args(argv)
     modes = common.names(args.modes, MODES, "--modes")

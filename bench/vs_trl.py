@@ -75,13 +75,6 @@ def _child_env(threads: int) -> dict:
                 PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
-def write_prompts(path: Path, count: int, seed: int) -> Path:
-    """`count` arithmetic prompts in verl's schema (.jsonl), read by both systems."""
-    from grpo_mega.data.arithmetic import make_rows, write
-
-    return write(make_rows(count, seed=seed), path)
-
-
 # ---- grpo-mega: python -m grpo_mega.train, phases from its metrics.jsonl -------------------------------------
 
 
@@ -254,6 +247,7 @@ def main() -> int:
         ap.error(f"--steps={args.steps} must be >= 2 (step 1 is warm-up), --rounds={args.rounds} and "
                  f"--threads={args.threads} >= 1")
     from grpo_mega.cli.prepare_model import default_out
+    from grpo_mega.data import arithmetic  # the prompts both systems read (verl's schema, .jsonl)
 
     args.model = args.model or str(default_out())
     if not (Path(args.model) / "config.json").exists():
@@ -264,7 +258,7 @@ def main() -> int:
               "or --systems grpo_mega)", file=sys.stderr)
         return 2
     work = Path(args.workdir or REPO / "outputs" / "bench_vs_trl")
-    data = write_prompts(work / "prompts.jsonl", args.prompts * args.steps, args.seed)
+    data = arithmetic.write(arithmetic.make_rows(args.prompts * args.steps, seed=args.seed), work / "prompts.jsonl")
     load_start, runs = os.getloadavg(), []
     for r in range(args.rounds):
         order = systems if r % 2 == 0 else systems[::-1]
