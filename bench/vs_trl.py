@@ -131,9 +131,12 @@ def trl_worker(cfg: dict) -> None:
     rows = [json.loads(line) for line in Path(cfg["data"]).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list([dict(prompt=r["prompt"], ground_truth=r["reward_model"]["ground_truth"]) for r in rows])
     regex = re.compile(FORMAT_PATTERN)
+    rewards: list[float] = []  # each step's mean
 
     def format_reward(completions, **_):
-        return [1.0 if regex.fullmatch(c[0]["content"] if isinstance(c, list) else c) else 0.0 for c in completions]
+        r = [1.0 if regex.fullmatch(c[0]["content"] if isinstance(c, list) else c) else 0.0 for c in completions]
+        rewards.append(sum(r) / len(r))
+        return r
 
     k, n = cfg["prompts"], cfg["n"]
     args = GRPOConfig(
@@ -157,7 +160,6 @@ def trl_worker(cfg: dict) -> None:
         return wrapper
 
     lengths: list[float] = []
-    rewards: list[float] = []
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -190,13 +192,7 @@ def trl_worker(cfg: dict) -> None:
                               response_length_mean=lengths[-1] if lengths else None,
                               reward_mean=rewards[-1] if rewards else None))
 
-    def scored(completions, **kw):
-        r = format_reward(completions, **kw)
-        rewards.append(sum(r) / len(r))
-        return r
-
-    scored.__name__ = "format_reward"
-    trainer = Timed(model=cfg["model"], reward_funcs=[scored], args=args, train_dataset=dataset, callbacks=[Clock()])
+    trainer = Timed(model=cfg["model"], reward_funcs=[format_reward], args=args, train_dataset=dataset, callbacks=[Clock()])
     trainer._generate = timed("generation", trainer._generate)
     trainer._compute_loss = timed("loss_forward", trainer._compute_loss)
     trainer.training_step = timed("training_step", trainer.training_step)
