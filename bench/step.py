@@ -179,18 +179,6 @@ SDPA_BACKWARD = "autograd::engine::evaluate_function: ScaledDotProductFlashAtten
 PLAIN_ATTENTION = ("aten::scaled_dot_product_attention", SDPA_BACKWARD)
 
 
-def _labelled(label, fn):
-    import functools
-
-    import torch
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        with torch.profiler.record_function(label):
-            return fn(*a, **kw)
-    return wrapper
-
-
 def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dict:
     """torch.profiler over `steps` steps of each path, megatron-core's pieces (MEGATRON_PIECES) labelled: each
     piece's inclusive seconds per step, its share of the (profiled) megatron step, and how much of the
@@ -199,13 +187,13 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
     differs most between the two (megatron - plain), which names where the rest goes."""
     import importlib
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     saved = []
     for label, (mod, cls, meth, _) in MEGATRON_PIECES.items():
         owner = getattr(importlib.import_module(mod), cls)
         saved.append((owner, meth, owner.__dict__[meth]))
-        setattr(owner, meth, _labelled(label, owner.__dict__[meth]))
+        setattr(owner, meth, record_function(label)(owner.__dict__[meth]))  # a decorator too
     try:
         totals, wall, selfs = {}, {}, {}
         for side, fn in (("megatron", mega_step), ("plain", plain_step_fn)):
@@ -364,12 +352,10 @@ def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int,
     this shape (plan_one_gpu, the local spec)."""
     from grpo_mega import planning
     from grpo_mega.conf import ParallelConfig, load_model_config
+    from grpo_mega.conf.model import MODEL_CONFIG_DIR
 
     best, seen = None, []
-    for fname in sorted(os.listdir(common.REPO / "model_configs")):
-        if not fname.endswith(".yaml") or fname.startswith("tiny"):
-            continue
-        name = fname[: -len(".yaml")]
+    for name in sorted(f.stem for f in MODEL_CONFIG_DIR.glob("*.yaml") if not f.stem.startswith("tiny")):
         cfg = load_model_config(name)
         try:
             p = plan_one_gpu(cfg, micro, seq, num_microbatches, dtype, gpu_gib=gpu_gib)
