@@ -125,9 +125,7 @@ def main(argv=None) -> int:
     sides = {f"embedded_{m}": embedded(m) for m in args.modes}
     sides.update({f"transformers_{c}": hf(c) for c in args.hf_caches})
 
-    warmup = {}
-    for name, fn in sides.items():
-        warmup[name] = common.timed(lambda: fn(0), cuda)[0]  # compilation and graph capture land here
+    warmup = {k: common.timed(lambda: fn(0), cuda)[0] for k, fn in sides.items()}  # compilation, graph capture
     seconds = {k: [] for k in sides}
     cpu_seconds = {k: [] for k in sides}
     tokens = {}

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import os
 import statistics
-import time
 
 from bench import common
 from bench.step import _with_logprob_inputs, synthetic_rollout
@@ -95,12 +94,12 @@ def _head_only(actor, tokens: int, positions: int, vocab: int, repeats: int) -> 
     for name, t in (("all_positions", tokens), ("response_only", positions)):
         h = torch.randn(t, w.shape[1], generator=g).requires_grad_(True)
         target = torch.randint(0, vocab, (t,), generator=g)
-        cpu = []
-        for _ in range(repeats + 1):
-            c0 = time.process_time()
+
+        def step():
             logp, entropy, _ = vocab_parallel_stats(h @ w.t(), target, vocab_size=vocab)
             (logp.sum() + 0.01 * entropy.sum()).backward()
-            cpu.append(time.process_time() - c0)
+
+        cpu = [common.timed(step)[1] for _ in range(repeats + 1)]
         out[name] = dict(tokens=t, cpu_median_s=statistics.median(cpu[1:]))
     out["cpu_speedup"] = out["all_positions"]["cpu_median_s"] / out["response_only"]["cpu_median_s"]
     return out

@@ -84,11 +84,8 @@ def worker(args) -> None:
                           **worst)))
 
 
-CONFIGS = [
-    ("gathered", 1, None), ("vocab_parallel", 1, None), ("vocab_parallel", 1, 64),
-    ("gathered", 2, None), ("vocab_parallel", 2, None), ("vocab_parallel", 2, 64),
-    ("gathered", 4, None), ("vocab_parallel", 4, None), ("vocab_parallel", 4, 64),
-]
+CONFIGS = [(impl, tp, chunk) for tp in (1, 2, 4)
+           for impl, chunk in (("gathered", None), ("vocab_parallel", None), ("vocab_parallel", 64))]
 
 
 def main() -> int:
