@@ -1,9 +1,7 @@
-"""What every benchmark in bench/ shares: its argument parser's common part (--out), the machine it ran on (CPU
-model, cores, torch / megatron-core / transformers versions, the git commit), memory probes (/proc fields such as
-a process's peak RSS on Linux, CUDA's allocator on a GPU), wall and CPU time with the GPU synchronised, copy
-bandwidth, running one configuration in a fresh process, a training run (python -m grpo_mega.train) or a
-stand-in server in a child process, and writing the result to bench_results/NAME.json. Each benchmark keeps
-what it measures and the shape of its own JSON.
+"""What every benchmark in bench/ shares, one section below each: where results go (--out, bench_results/NAME.json),
+the machine it ran on, memory probes, wall and CPU time (and A/B sides in turn), one configuration in a fresh
+process, training runs and stand-in servers in child processes. Each benchmark keeps what it measures and the
+shape of its own JSON.
 
 Only the standard library is imported here (torch, and grpo_mega's stand-in server, inside the functions that
 need them), so a benchmark's `--help` stays quick. The benchmarks run as modules from the repository's root
