@@ -22,19 +22,10 @@ from bench import common
 from bench.step import synthetic_rollout
 
 
-def _model(args):
-    from grpo_mega.conf import load_model_config
-
-    cfg = load_model_config("tiny")
-    cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
-    cfg.vocab_size = args.vocab
-    return cfg
-
-
 def _rank_body(estimator: str, args):
     import torch
 
-    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
+    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
     from grpo_mega.trainer.actor import Actor
@@ -42,7 +33,9 @@ def _rank_body(estimator: str, args):
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=args.tp, pp=1, seed=1)
-        cfg = _model(args)
+        cfg = load_model_config("tiny")  # resized
+        cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
+        cfg.vocab_size = args.vocab
         parallel = ParallelConfig(tp=args.tp)
         precision = PrecisionConfig(params_dtype="fp32")
         batch_cfg = BatchConfig(train_batch_size=args.prompts, ppo_mini_batch_size=args.prompts,

@@ -31,10 +31,6 @@ EXAMPLE = ["task=prompts", "reward.name=math", "precision.params_dtype=fp32", "b
            "algo.clip_ratio_high=0.28", "rollout.temperature=1.0", "eval.pass_k=2", "checkpoint.interval=0"]
 
 
-def _lora(rank):
-    return [] if rank is None else [f"lora.rank={rank}", f"lora.alpha={2 * rank}"]
-
-
 def _allocated(model_dir: str, rank) -> dict:
     """On one forked rank: the example's actor, one real update, then megatron's allocations and the sync's bytes."""
     import torch
@@ -133,9 +129,10 @@ def main(argv=None) -> int:
                      f"data.val_files={data / 'val.parquet'}", f"run.steps={args.steps}",
                      f"eval.interval={args.steps}", *EXAMPLE, *args.set]
         for m in modes:
-            run, load = Path(tmp) / m, os.getloadavg()
-            rows = common.train(run, [*overrides, *_lora(MODES[m])], f"the {m} run")
-            result[m] = _mode(args.model, MODES[m], rows, json.loads((run / "summary.json").read_text()))
+            run, load, rank = Path(tmp) / m, os.getloadavg(), MODES[m]
+            lora = [] if rank is None else [f"lora.rank={rank}", f"lora.alpha={2 * rank}"]
+            rows = common.train(run, [*overrides, *lora], f"the {m} run")
+            result[m] = _mode(args.model, rank, rows, json.loads((run / "summary.json").read_text()))
             result[m].update(loadavg_before=load, loadavg_after=os.getloadavg())  # the machine is shared
             common.write_json(args.out, _result(args, overrides, result, load_before))
             print(f"{m}: trainable {result[m]['measured']['trainable_params']:,}, model states "
