@@ -192,7 +192,8 @@ def trl_worker(cfg: dict) -> None:
                               response_length_mean=lengths[-1] if lengths else None,
                               reward_mean=rewards[-1] if rewards else None))
 
-    trainer = Timed(model=cfg["model"], reward_funcs=[format_reward], args=args, train_dataset=dataset, callbacks=[Clock()])
+    trainer = Timed(model=cfg["model"], reward_funcs=[format_reward], args=args, train_dataset=dataset,
+                    callbacks=[Clock()])
     trainer._generate = timed("generation", trainer._generate)
     trainer._compute_loss = timed("loss_forward", trainer._compute_loss)
     trainer.training_step = timed("training_step", trainer.training_step)
