@@ -105,9 +105,7 @@ def main(argv=None) -> int:
                     help="a config override for every run (repeatable); default: " + " ".join(SHAPE))
     args = ap.parse_args(argv)
     args.set = SHAPE if args.set is None else args.set
-    modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        raise SystemExit(f"--modes: unknown {unknown}; pick from {list(MODES)}")
+    modes = common.names(args.modes, MODES, "--modes")
     if args.steps < 5:
         raise SystemExit(f"--steps={args.steps}: at least 5 (two warm-up steps and the validating last are not measured)")
     from grpo_mega.processes import stop

@@ -1,9 +1,7 @@
-"""What every benchmark in bench/ shares: its argument parser's common part (--out), the machine it ran on (CPU
-model, cores, torch / megatron-core / transformers versions, the git commit), memory probes (/proc fields such as
-a process's peak RSS on Linux, CUDA's allocator on a GPU), wall and CPU time with the GPU synchronised, copy
-bandwidth, running one configuration in a fresh process, a training run (python -m grpo_mega.train) or a
-stand-in server in a child process, and writing the result to bench_results/NAME.json. Each benchmark keeps
-what it measures and the shape of its own JSON.
+"""What every benchmark in bench/ shares, one section below each: where results go (--out, bench_results/NAME.json),
+the machine it ran on, memory probes, wall and CPU time (and A/B sides in turn), one configuration in a fresh
+process, training runs and stand-in servers in child processes. Each benchmark keeps what it measures and the
+shape of its own JSON.
 
 Only the standard library is imported here (torch, and grpo_mega's stand-in server, inside the functions that
 need them), so a benchmark's `--help` stays quick. The benchmarks run as modules from the repository's root
@@ -42,6 +40,14 @@ def parser(doc: str, name: str | None) -> argparse.ArgumentParser:
 def out_path(name: str) -> str:
     """The default --out of a benchmark: bench_results/NAME.json in this checkout."""
     return str(REPO / "bench_results" / f"{name}.json")
+
+
+def names(value: str, allowed, flag: str) -> list[str]:
+    """A comma-separated knob's names; SystemExit naming `flag` when one is not in `allowed`."""
+    picked = [x for x in value.split(",") if x]
+    if unknown := [x for x in picked if x not in allowed]:
+        raise SystemExit(f"{flag}: unknown {unknown}; pick from {list(allowed)}")
+    return picked
 
 
 def write_json(path, data: dict) -> Path:
@@ -173,6 +179,16 @@ def timed(fn, cuda: bool = False) -> tuple[float, float, object]:
     return time.perf_counter() - w0, time.process_time() - c0, out
 
 
+def alternate(sides: dict, rounds: int) -> dict:
+    """Each of `sides` (name -> fn) run in turn, `rounds` times, so that load from other processes falls on all
+    alike: per name, timed(fn) (wall s, CPU s, result) of every round."""
+    runs = {k: [] for k in sides}
+    for _ in range(rounds):
+        for k, fn in sides.items():
+            runs[k].append(timed(fn))
+    return runs
+
+
 # ---- one configuration per process --------------------------------------------------------------------------
 
 
@@ -195,10 +211,11 @@ def flags(args, *names: str) -> list[str]:
     return [a for k, v in values.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def run_worker(cmd: list[str], what: str, timeout: float = 3600) -> dict:
-    """Run `cmd` (a benchmark's own --worker mode) under measuring_env and return the JSON object it prints as
-    its last line; its stderr is passed on and SystemExit raised if it fails."""
-    out = subprocess.run(cmd, env=measuring_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def run_worker(cmd: list[str], what: str, timeout: float = 3600, env=None, **kw) -> dict:
+    """Run `cmd` (a benchmark's own --worker mode) under `env` (default measuring_env; `kw` to subprocess.run) and
+    return the JSON object it prints as its last line; its stderr is passed on and SystemExit raised if it fails."""
+    out = subprocess.run(cmd, env=env or measuring_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         **kw)
     if out.returncode:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"{what} failed (exit {out.returncode})")

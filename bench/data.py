@@ -101,13 +101,9 @@ def worker(args) -> dict:
     stream = PromptStream(f, args.seed)  # epoch 0's permutation
     startup_s = time.perf_counter() - t0
     after_start, parts_start = common.rss_mib(), common.rss_mib(*RSS_PARTS)
-    draws = []
-    for _ in range(args.batches):
-        t = time.perf_counter()
-        batch = stream.next_batch(args.batch)
-        draws.append(time.perf_counter() - t)
+    draws, _, batches = zip(*(common.timed(lambda: stream.next_batch(args.batch)) for _ in range(args.batches)))
     after, parts_after = common.rss_mib(), common.rss_mib(*RSS_PARTS)
-    assert len(batch) == args.batch and len(val) == min(args.val, len(f)) and fit == checked - dropped
+    assert len(batches[-1]) == args.batch and len(val) == min(args.val, len(f)) and fit == checked - dropped
     return dict(rows=len(f), tokenizer=tok_name, wrote_cache=bool(getattr(f.rows, "wrote", False)),
                 index_s=index_s, startup_s=startup_s, index_bytes=f.index_bytes,
                 permutation_bytes=int(stream._perm.nbytes), head_rows_checked=checked,
@@ -119,7 +115,7 @@ def worker(args) -> dict:
                 startup_file_growth_mib=parts_start["RssFile"] - parts_before["RssFile"],
                 draws_anon_growth_mib=parts_after["RssAnon"] - parts_before["RssAnon"],
                 first_batch_s=draws[0], batch_s=sorted(draws[1:])[len(draws[1:]) // 2] if len(draws) > 1 else None,
-                batch_s_all=draws)
+                batch_s_all=list(draws))
 
 
 def main() -> None:
@@ -147,9 +143,7 @@ def main() -> None:
         for rows in args.rows:
             for fmt in args.formats:
                 path = Path(d) / f"rows{rows}.{fmt}"
-                t = time.perf_counter()
-                (write_jsonl if fmt == "jsonl" else write_parquet)(path, rows)
-                made_s = time.perf_counter() - t
+                made_s = common.timed(lambda: (write_jsonl if fmt == "jsonl" else write_parquet)(path, rows))[0]
                 cache = Path(d) / f"cache{rows}"
                 runs = ["first"] if fmt == "jsonl" else ["first", "cached"]  # a parquet's copy: written, then found
                 for run in runs:

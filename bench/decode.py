@@ -59,14 +59,9 @@ def parse(argv=None):
         args.model = "qwen2.5-0.5b"
     if min(args.prompts, args.n, args.prompt_len, args.new_tokens, args.rounds) < 1:
         ap.error("--prompts, --n, --prompt-len, --new-tokens and --rounds must be >= 1")
-    args.modes = [m for m in args.modes.split(",") if m]
-    args.hf_caches = [] if args.hf_caches == "none" else [c for c in args.hf_caches.split(",") if c]
-    for m in args.modes:
-        if m not in ("dynamic", "static", "compiled"):
-            ap.error(f"--modes: {m!r} is not one of dynamic, static, compiled")
-    for c in args.hf_caches:
-        if c not in ("dynamic", "static"):
-            ap.error(f"--hf-caches: {c!r} is not one of dynamic, static (or 'none')")
+    args.modes = common.names(args.modes, ("dynamic", "static", "compiled"), "--modes")
+    caches = args.hf_caches
+    args.hf_caches = [] if caches == "none" else common.names(caches, ("dynamic", "static"), "--hf-caches (or 'none')")
     if not args.modes:
         ap.error("--modes needs at least one of dynamic, static, compiled")
     return args
@@ -130,9 +125,7 @@ def main(argv=None) -> int:
     sides = {f"embedded_{m}": embedded(m) for m in args.modes}
     sides.update({f"transformers_{c}": hf(c) for c in args.hf_caches})
 
-    warmup = {}
-    for name, fn in sides.items():
-        warmup[name] = common.timed(lambda: fn(0), cuda)[0]  # compilation and graph capture land here
+    warmup = {k: common.timed(lambda: fn(0), cuda)[0] for k, fn in sides.items()}  # compilation, graph capture
     seconds = {k: [] for k in sides}
     cpu_seconds = {k: [] for k in sides}
     tokens = {}

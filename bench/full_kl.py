@@ -17,25 +17,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from bench import common
 from bench.step import synthetic_rollout
 
 
-def _model(args):
-    from grpo_mega.conf import load_model_config
-
-    cfg = load_model_config("tiny")
-    cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
-    cfg.vocab_size = args.vocab
-    return cfg
-
-
 def _rank_body(estimator: str, args):
     import torch
 
-    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig
+    from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
     from grpo_mega.trainer.actor import Actor
@@ -43,7 +33,9 @@ def _rank_body(estimator: str, args):
 
     with cpu_compat.cpu_device_mode():
         init_distributed(tp=args.tp, pp=1, seed=1)
-        cfg = _model(args)
+        cfg = load_model_config("tiny")  # resized
+        cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
+        cfg.vocab_size = args.vocab
         parallel = ParallelConfig(tp=args.tp)
         precision = PrecisionConfig(params_dtype="fp32")
         batch_cfg = BatchConfig(train_batch_size=args.prompts, ppo_mini_batch_size=args.prompts,
@@ -57,17 +49,15 @@ def _rank_body(estimator: str, args):
         batch = synthetic_rollout(cfg.vocab_size, args.prompts, 4, args.prompt_len, args.response_len)
         batch.old_logp = actor.logprobs(batch, 1.0)
         peaks, times, ref_times = [], [], []
-        for it in range(args.iters + 1):  # the first: warm-up (the optimizer's state appears)
+        for _ in range(args.iters + 1):  # the first: warm-up (the optimizer's state appears)
             if estimator != "full":
-                t0 = time.perf_counter()
-                batch.ref_logp = ref.logprobs(batch, 1.0)
-                ref_times.append(time.perf_counter() - t0)
+                dt, _, batch.ref_logp = common.timed(lambda: ref.logprobs(batch, 1.0))
+                ref_times.append(dt)
             torch.distributed.barrier()
             base = common.rss_mib()["VmRSS"]
             common.reset_peak_rss()
-            t0 = time.perf_counter()
-            (m,) = actor.update(batch, 1.0, reference=ref)
-            times.append(time.perf_counter() - t0)
+            dt, _, (m,) = common.timed(lambda: actor.update(batch, 1.0, reference=ref))
+            times.append(dt)
             peaks.append(common.rss_mib()["VmHWM"] - base)
             assert m["skipped"] == 0.0, m
         destroy_distributed()
@@ -81,13 +71,9 @@ def worker(args) -> None:
     from grpo_mega.parallel.forked import run_ranks
 
     res = run_ranks(_rank_body, args.tp, args.estimator, args, timeout=1800)
-    print(json.dumps(dict(
-        estimator=args.estimator, tp=args.tp,
-        peak_update_mib=max(r["peak_update_mib"] for r in res),
-        update_s=max(r["update_s"] for r in res),
-        ref_logprobs_s=max(r["ref_logprobs_s"] for r in res),
-        kl=res[0]["kl"], micro_batches=res[0]["micro_batches"], computed_tokens=res[0]["computed_tokens"],
-    )))
+    worst = {k: max(r[k] for r in res) for k in ("peak_update_mib", "update_s", "ref_logprobs_s")}
+    print(json.dumps(dict(estimator=args.estimator, tp=args.tp, **worst, kl=res[0]["kl"],
+                          micro_batches=res[0]["micro_batches"], computed_tokens=res[0]["computed_tokens"])))
 
 
 def main() -> int:

@@ -22,16 +22,13 @@ import tempfile
 from pathlib import Path
 
 from bench import common
+from grpo_mega.cli.prepare_model import default_out  # light: the standard library only
 
 MODES = {"full": None, "r8": 8, "r64": 64}
 EXAMPLE = ["task=prompts", "reward.name=math", "precision.params_dtype=fp32", "batch.train_batch_size=4", "rollout.n=4",
            "batch.ppo_mini_batch_size=4", "batch.micro_batch_size=8", "batch.max_prompt_length=128",
            "batch.max_response_length=32", "optim.lr=2e-6", "optim.weight_decay=0.0", "algo.kl_coef=0.001",
            "algo.clip_ratio_high=0.28", "rollout.temperature=1.0", "eval.pass_k=2", "checkpoint.interval=0"]
-
-
-def _lora(rank):
-    return [] if rank is None else [f"lora.rank={rank}", f"lora.alpha={2 * rank}"]
 
 
 def _allocated(model_dir: str, rank) -> dict:
@@ -111,13 +108,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--val", type=int, default=4, help="validation prompts (the example's val set has 16)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
-    ap.add_argument("--model", default=str(Path(os.environ.get("GRPO_MEGA_CACHE", Path.home() / ".cache/grpo_mega"))
-                                           / "SmolLM2-135M-Instruct"), help="the HF directory (make smollm2)")
+    ap.add_argument("--model", default=str(default_out()), help="the HF directory (make smollm2)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an extra override for every run")
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        raise SystemExit(f"--modes: unknown {unknown}; pick from {list(MODES)}")
+    modes = common.names(args.modes, MODES, "--modes")
     if args.steps < 2:
         raise SystemExit(f"--steps={args.steps}: at least 2 (the first step's update time is not measured)")
     if not (Path(args.model) / "config.json").is_file():
@@ -135,9 +129,10 @@ def main(argv=None) -> int:
                      f"data.val_files={data / 'val.parquet'}", f"run.steps={args.steps}",
                      f"eval.interval={args.steps}", *EXAMPLE, *args.set]
         for m in modes:
-            run, load = Path(tmp) / m, os.getloadavg()
-            rows = common.train(run, [*overrides, *_lora(MODES[m])], f"the {m} run")
-            result[m] = _mode(args.model, MODES[m], rows, json.loads((run / "summary.json").read_text()))
+            run, load, rank = Path(tmp) / m, os.getloadavg(), MODES[m]
+            lora = [] if rank is None else [f"lora.rank={rank}", f"lora.alpha={2 * rank}"]
+            rows = common.train(run, [*overrides, *lora], f"the {m} run")
+            result[m] = _mode(args.model, rank, rows, json.loads((run / "summary.json").read_text()))
             result[m].update(loadavg_before=load, loadavg_after=os.getloadavg())  # the machine is shared
             common.write_json(args.out, _result(args, overrides, result, load_before))
             print(f"{m}: trainable {result[m]['measured']['trainable_params']:,}, model states "

@@ -18,10 +18,9 @@ the same weights; their gradients are the same (tests/trainer/test_packing.py), 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import time
+from functools import partial
 
 from bench import common
 
@@ -61,11 +60,12 @@ def run(args) -> dict:
     from grpo_mega.conf import AlgoConfig, BatchConfig, OptimConfig, ParallelConfig, PrecisionConfig, load_model_config
     from grpo_mega.parallel import cpu_compat
     from grpo_mega.parallel.state import destroy_distributed, init_distributed
+    from grpo_mega.train import single_process_env
     from grpo_mega.trainer.actor import Actor
     from grpo_mega.trainer.reference import Reference
 
     torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    single_process_env()
     model = load_model_config("qwen2.5-0.5b")
     model.num_layers, model.vocab_size = args.layers, args.vocab
     prompt_lens, response_lens = lengths(args)
@@ -99,15 +99,9 @@ def run(args) -> dict:
             ref.built.gpt.load_state_dict(state, strict=False)
             batch = rollout(prompt_lens, response_lens, model.vocab_size, args.seed)
             t = {}
-            t0 = time.perf_counter()
-            batch.old_logp = actor.logprobs(batch, 1.0)
-            t["old_logprobs"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            batch.ref_logp = ref.logprobs(batch, 1.0)
-            t["ref_logprobs"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            (m,) = actor.update(batch, 1.0)
-            t["update"] = time.perf_counter() - t0
+            t["old_logprobs"], _, batch.old_logp = common.timed(partial(actor.logprobs, batch, 1.0))
+            t["ref_logprobs"], _, batch.ref_logp = common.timed(partial(ref.logprobs, batch, 1.0))
+            t["update"], _, (m,) = common.timed(partial(actor.update, batch, 1.0))
             t["total"] = sum(t.values())
             out[name] = dict(seconds=t, computed_tokens=m["computed_tokens"], useful_tokens=m["useful_tokens"],
                              pad_fraction=1 - m["useful_tokens"] / m["computed_tokens"],
@@ -132,7 +126,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.parser(__doc__, "packing")
     p.add_argument("--responses", type=int, default=64)
     p.add_argument("--group", type=int, default=8, help="responses per prompt")
     p.add_argument("--median", type=float, default=128)
@@ -146,8 +140,6 @@ def main(argv=None) -> dict:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=29533)
-    p.add_argument("--out", default=common.out_path("packing"))
     args = p.parse_args(argv)
     result = run(args)
     common.write_json(args.out, result)

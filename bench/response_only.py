@@ -19,9 +19,9 @@ alone (forward and backward) on all tokens against the loss positions, the part 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
-import time
 
 from bench import common
 from bench.step import _with_logprob_inputs, synthetic_rollout
@@ -47,39 +47,25 @@ def run(model: str, groups: int, n: int, prompt_len: int, response_len: int, mic
         lambda m, args, out: logits_bytes.append(out[0].numel() * out[0].element_size()))
     rb = _with_logprob_inputs(actor, synthetic_rollout(cfg.vocab_size, groups, n, prompt_len, response_len), 1.0)
 
-    def timed(fn, cpu: list):
+    def step(on: bool, update: bool):  # the switch set, then the update or the logprob pass and its logits' bytes
+        actor.batch = dataclasses.replace(batch, response_only_logits=on)
         logits_bytes.clear()
-        wall, c, out = common.timed(fn)
-        cpu.append(c)
-        return wall, out, list(logits_bytes)
+        return (actor.update(rb, 1.0)[0] if update else actor.logprobs(rb, 1.0)), list(logits_bytes)
 
-    res = {on: dict(update_s=[], logprob_s=[], update_cpu_s=[], logprob_cpu_s=[], update_loss=[])
-           for on in (False, True)}
-    for i in range(warmup + steps):
-        for on in (False, True):
-            actor.batch = dataclasses.replace(batch, response_only_logits=on)
-            r = res[on]
-            du, m, ub = timed(lambda: actor.update(rb, 1.0)[0], r["update_cpu_s"])
-            dl, _, lb = timed(lambda: actor.logprobs(rb, 1.0), r["logprob_cpu_s"])
-            r["update_loss"].append(m["loss"])
-            if i == 0:
-                r.update(logits_bytes_per_micro_batch_max=max(ub),
-                         logits_bytes_per_update=sum(ub), logits_bytes_per_logprob_pass=sum(lb),
-                         micro_batches=len(ub))
-            if i >= warmup:
-                r["update_s"].append(du)
-                r["logprob_s"].append(dl)
-            else:
-                r["update_cpu_s"].pop()
-                r["logprob_cpu_s"].pop()
-    out = dict(head_only=_head_only(actor, int((rb.prompt_lens + rb.response_lens).sum()), int(rb.loss_mask().sum()),
-                                    cfg.vocab_size, steps))
-    for on, r in res.items():
-        for k in ("update_s", "logprob_s", "update_cpu_s", "logprob_cpu_s"):
-            r[k.replace("_s", "_median_s")] = statistics.median(r[k])
-        out["response_only" if on else "all_positions"] = r
-    a, b = out["all_positions"], out["response_only"]
+    runs = common.alternate({(on, p): functools.partial(step, on, p == "update") for on in (False, True)
+                             for p in ("update", "logprob")}, warmup + steps)
     tokens = int((rb.prompt_lens + rb.response_lens).sum())
+    out = dict(head_only=_head_only(actor, tokens, int(rb.loss_mask().sum()), cfg.vocab_size, steps))
+    for on in (False, True):
+        r = out["response_only" if on else "all_positions"] = dict(
+            update_loss=[m["loss"] for _, _, (m, _) in runs[on, "update"]])
+        for p in ("update", "logprob"):
+            r[f"{p}_s"], r[f"{p}_cpu_s"] = ([t[i] for t in runs[on, p][warmup:]] for i in (0, 1))
+            r[f"{p}_median_s"], r[f"{p}_cpu_median_s"] = (statistics.median(r[f"{p}{k}"]) for k in ("_s", "_cpu_s"))
+        ub, lb = runs[on, "update"][0][2][1], runs[on, "logprob"][0][2][1]
+        r.update(logits_bytes_per_micro_batch_max=max(ub), logits_bytes_per_update=sum(ub),
+                 logits_bytes_per_logprob_pass=sum(lb), micro_batches=len(ub))
+    a, b = out["all_positions"], out["response_only"]
     return dict(
         model=model, params=sum(p.numel() for p in actor.built.gpt.parameters()), vocab=cfg.vocab_size,
         responses=rb.size, prompt_len=prompt_len, response_len=response_len, tokens_per_step=tokens,
@@ -108,12 +94,12 @@ def _head_only(actor, tokens: int, positions: int, vocab: int, repeats: int) -> 
     for name, t in (("all_positions", tokens), ("response_only", positions)):
         h = torch.randn(t, w.shape[1], generator=g).requires_grad_(True)
         target = torch.randint(0, vocab, (t,), generator=g)
-        cpu = []
-        for _ in range(repeats + 1):
-            c0 = time.process_time()
+
+        def step():
             logp, entropy, _ = vocab_parallel_stats(h @ w.t(), target, vocab_size=vocab)
             (logp.sum() + 0.01 * entropy.sum()).backward()
-            cpu.append(time.process_time() - c0)
+
+        cpu = [common.timed(step)[1] for _ in range(repeats + 1)]
         out[name] = dict(tokens=t, cpu_median_s=statistics.median(cpu[1:]))
     out["cpu_speedup"] = out["all_positions"]["cpu_median_s"] / out["response_only"]["cpu_median_s"]
     return out

@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import tempfile
-import time
 
 from bench import common
 
@@ -64,9 +63,7 @@ def bench_pool(n: int, repeats: int) -> dict:
     rows = [{"data_source": "bench"}] * n
     out: dict = {"samples": n}
     fn = build_reward("math")
-    t0 = time.perf_counter()
-    want = [fn(r, t, s) for r, t, s in zip(responses, truths, rows)]
-    out["in_process_seconds"] = time.perf_counter() - t0
+    out["in_process_seconds"], _, want = common.timed(lambda: [fn(r, t, s) for r, t, s in zip(responses, truths, rows)])
     out["right_fraction"] = sum(want) / n
     pools = {w: RewardPool("math", num_workers=w, timeout_s=60) for w in (1, 2)}
     try:
@@ -76,9 +73,7 @@ def bench_pool(n: int, repeats: int) -> dict:
         for _ in range(repeats):  # interleaved, best of `repeats`: other load on the cores comes and goes
             for workers, pool in pools.items():
                 cpu0 = _cpu_seconds(pool.pids())
-                t0 = time.perf_counter()
-                got = pool.score(responses, truths, rows)
-                seconds = time.perf_counter() - t0
+                seconds, _, got = common.timed(lambda: pool.score(responses, truths, rows))
                 # the workers' CPU time over the wall time: how many cores the machine actually gave them
                 out.setdefault(f"workers_{workers}_cores_used", []).append((_cpu_seconds(pool.pids()) - cpu0) / seconds)
                 key = f"workers_{workers}_seconds"
@@ -93,9 +88,7 @@ def bench_pool(n: int, repeats: int) -> dict:
     starts = {}
     for method in ("forkserver", "spawn", "fork"):
         pool = RewardPool("math", num_workers=1, timeout_s=60, start_method=method)
-        t0 = time.perf_counter()
-        pool.start()
-        starts[method] = time.perf_counter() - t0
+        starts[method] = common.timed(pool.start)[0]
         pool.close()
     out["worker_start_seconds"] = starts
     return out
@@ -123,12 +116,8 @@ def bench_rm(n: int, hidden: int, layers: int, min_len: int, max_len: int, batch
         rm = RewardModel(d, "cpu", dtype=torch.float32, batch_size=batch_size)
         rm.score_texts(texts[:2])
         rm.score_one_by_one(texts[:2])  # warm-up
-        t0 = time.perf_counter()
-        one = rm.score_one_by_one(texts)
-        t_one = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        batched = rm.score_texts(texts)
-        t_batched = time.perf_counter() - t0
+        t_one, _, one = common.timed(lambda: rm.score_one_by_one(texts))
+        t_batched, _, batched = common.timed(lambda: rm.score_texts(texts))
     return {"samples": n, "hidden_size": hidden, "layers": layers, "tokens": [min_len, max_len], "batch_size": batch_size,
             "dtype": "float32", "torch_threads": 1,
             "one_at_a_time_seconds": t_one, "batched_seconds": t_batched, "speedup": t_one / t_batched,

@@ -179,18 +179,6 @@ SDPA_BACKWARD = "autograd::engine::evaluate_function: ScaledDotProductFlashAtten
 PLAIN_ATTENTION = ("aten::scaled_dot_product_attention", SDPA_BACKWARD)
 
 
-def _labelled(label, fn):
-    import functools
-
-    import torch
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        with torch.profiler.record_function(label):
-            return fn(*a, **kw)
-    return wrapper
-
-
 def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dict:
     """torch.profiler over `steps` steps of each path, megatron-core's pieces (MEGATRON_PIECES) labelled: each
     piece's inclusive seconds per step, its share of the (profiled) megatron step, and how much of the
@@ -199,13 +187,13 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
     differs most between the two (megatron - plain), which names where the rest goes."""
     import importlib
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     saved = []
     for label, (mod, cls, meth, _) in MEGATRON_PIECES.items():
         owner = getattr(importlib.import_module(mod), cls)
         saved.append((owner, meth, owner.__dict__[meth]))
-        setattr(owner, meth, _labelled(label, owner.__dict__[meth]))
+        setattr(owner, meth, record_function(label)(owner.__dict__[meth]))  # a decorator too
     try:
         totals, wall, selfs = {}, {}, {}
         for side, fn in (("megatron", mega_step), ("plain", plain_step_fn)):
@@ -245,6 +233,8 @@ def profile_breakdown(mega_step, plain_step_fn, steps: int, gap_s: float) -> dic
 
 def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_len: int, response_len: int,
                 profile_steps: int = 0) -> dict:
+    import functools
+
     import torch
 
     from grpo_mega.conf import ParallelConfig, load_model_config
@@ -259,24 +249,14 @@ def compare_cpu(name: str, steps: int, warmup: int, groups: int, n: int, prompt_
     opt = torch.optim.AdamW(model.parameters(), lr=c["optim"].lr, betas=(c["optim"].adam_beta1, c["optim"].adam_beta2),
                             eps=c["optim"].adam_eps, weight_decay=0.0, fused=True)
 
-    mega_s, plain_s, first = [], [], {}
-    for i in range(warmup + steps):  # alternate, so load from other processes falls on both alike
-        dt, _, m = common.timed(lambda: actor.update(rb, 1.0)[0])
-        dp, _, loss = common.timed(lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad,
-                                                      response_len))
-        if i == 0:
-            first = dict(megatron=m["loss"], plain=loss)
-        if i >= warmup:
-            mega_s.append(dt)
-            plain_s.append(dp)
+    update = functools.partial(actor.update, rb, 1.0)
+    plain = functools.partial(plain_step, model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len)
+    runs = common.alternate(dict(megatron=update, plain=plain), warmup + steps)
+    mega_s, plain_s = ([wall for wall, _, _ in runs[k][warmup:]] for k in ("megatron", "plain"))
+    first = dict(megatron=runs["megatron"][0][2][0]["loss"], plain=runs["plain"][0][2])
     tokens = int((rb.prompt_lens + rb.response_lens).sum())
     med_m, med_p = statistics.median(mega_s), statistics.median(plain_s)
-    breakdown = None
-    if profile_steps:
-        breakdown = profile_breakdown(
-            lambda: actor.update(rb, 1.0),
-            lambda: plain_step(model, opt, rb, c["algo_cfg"], 1.0, c["optim"].clip_grad, response_len),
-            profile_steps, med_m - med_p)
+    breakdown = profile_breakdown(update, plain, profile_steps, med_m - med_p) if profile_steps else None
     return dict(
         model=name, params=sum(p.numel() for p in actor.built.gpt.parameters()), responses=rb.size,
         tokens_per_step=tokens, megatron_seconds=mega_s, plain_seconds=plain_s, megatron_median_s=med_m,
@@ -372,12 +352,10 @@ def largest_fitting(gpu_gib: float, seq: int, micro: int, num_microbatches: int,
     this shape (plan_one_gpu, the local spec)."""
     from grpo_mega import planning
     from grpo_mega.conf import ParallelConfig, load_model_config
+    from grpo_mega.conf.model import MODEL_CONFIG_DIR
 
     best, seen = None, []
-    for fname in sorted(os.listdir(common.REPO / "model_configs")):
-        if not fname.endswith(".yaml") or fname.startswith("tiny"):
-            continue
-        name = fname[: -len(".yaml")]
+    for name in sorted(f.stem for f in MODEL_CONFIG_DIR.glob("*.yaml") if not f.stem.startswith("tiny")):
         cfg = load_model_config(name)
         try:
             p = plan_one_gpu(cfg, micro, seq, num_microbatches, dtype, gpu_gib=gpu_gib)

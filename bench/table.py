@@ -61,6 +61,12 @@ def _gpu(d):
             f"{r['engine_tokens_per_s']:.0f} tokens/s, weight sync {r['weight_sync_gb_per_s']:.0f} GB/s")
 
 
+def _async(d, ceiling: str, tail: str):
+    k2, vs = d["k2_over_one_step_ahead"], d["speedup_over_one_step_ahead"]
+    return (f"trained tokens/s {_x(k2)} (target 1.5x {'met' if k2 >= 1.5 else 'not met'}; {ceiling}k1 "
+            f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}, in turn {_x(vs['in_turn'])}); {tail}")
+
+
 def _kill(d, to="the uninterrupted run"):
     hit = [m for m in d["moments"] if m["hit"]]
     worst = max((m["max_abs_diff"] for m in hit), default=float("nan"))
@@ -143,22 +149,12 @@ ROWS = [
                   f"({_x(d['step_ratio'])}; at best {_x(d['step_ratio_bound'])}); "
                   f"{_x(d['step_over_phase_sum'])} its serial phase sum"),
     Row("fully async (k=2) vs one step ahead, heavy-tailed lengths", "async.json", "python -m bench.async_rl",
-        lambda d: f"trained tokens/s {_x(d['k2_over_one_step_ahead'])} (target 1.5x "
-                  f"{'met' if d['k2_over_one_step_ahead'] >= 1.5 else 'not met'}; trainer-bound ceiling "
-                  f"{_x(d['trainer_bound_over_one_step_ahead'])}; k1 "
-                  f"{_x(d['speedup_over_one_step_ahead']['async_k1'])}, k4 "
-                  f"{_x(d['speedup_over_one_step_ahead']['async_k4'])}, in turn "
-                  f"{_x(d['speedup_over_one_step_ahead']['in_turn'])}); trainer idle "
-                  f"{d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
-                  f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}"),
+        lambda d: _async(d, f"trainer-bound ceiling {_x(d['trainer_bound_over_one_step_ahead'])}; ",
+                         f"trainer idle {d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
+                         f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}")),
     Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step)",
         "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 --repeats 2",
-        lambda d: f"trained tokens/s {_x(d['k2_over_one_step_ahead'])} (target 1.5x "
-                  f"{'met' if d['k2_over_one_step_ahead'] >= 1.5 else 'not met'}; k1 "
-                  f"{_x(d['speedup_over_one_step_ahead']['async_k1'])}, k4 "
-                  f"{_x(d['speedup_over_one_step_ahead']['async_k4'])}, in turn "
-                  f"{_x(d['speedup_over_one_step_ahead']['in_turn'])}); in turn's generation share "
-                  f"{d['modes']['in_turn']['trainer_idle_fraction']:.2f}"),
+        lambda d: _async(d, "", f"in turn's generation share {d['modes']['in_turn']['trainer_idle_fraction']:.2f}")),
     Row("rule rewards, 2 workers vs 1", "rewards.json", "python -m bench.rewards",
         lambda d: f"{_x(d['pool']['speedup_2_vs_1'])} ({d['pool']['samples']} math-verify samples); batched reward "
                   f"model {_x(d['reward_model']['speedup'])}"),

@@ -77,23 +77,15 @@ def worker(args) -> None:
     """One configuration, in this fresh process: fork its tp ranks and print one JSON line."""
     from grpo_mega.parallel.forked import run_ranks
 
-    res = run_ranks(
-        _rank_body, args.tp, args.impl, args.T, args.V, args.vocab_size, args.chunk, args.temperature, args.iters,
-        timeout=1800,
-    )
-    print(json.dumps(dict(
-        impl=args.impl, tp=args.tp, chunk=args.chunk,
-        peak_above_inputs_mib=max(r["peak_above_inputs_mib"] for r in res),
-        input_mib_per_rank=res[0]["input_mib"],
-        seconds=max(r["seconds"] for r in res),
-    )))
+    res = run_ranks(_rank_body, args.tp, args.impl, args.T, args.V, args.vocab_size, args.chunk, args.temperature,
+                    args.iters, timeout=1800)
+    worst = {k: max(r[k] for r in res) for k in ("peak_above_inputs_mib", "seconds")}
+    print(json.dumps(dict(impl=args.impl, tp=args.tp, chunk=args.chunk, input_mib_per_rank=res[0]["input_mib"],
+                          **worst)))
 
 
-CONFIGS = [
-    ("gathered", 1, None), ("vocab_parallel", 1, None), ("vocab_parallel", 1, 64),
-    ("gathered", 2, None), ("vocab_parallel", 2, None), ("vocab_parallel", 2, 64),
-    ("gathered", 4, None), ("vocab_parallel", 4, None), ("vocab_parallel", 4, 64),
-]
+CONFIGS = [(impl, tp, chunk) for tp in (1, 2, 4)
+           for impl, chunk in (("gathered", None), ("vocab_parallel", None), ("vocab_parallel", 64))]
 
 
 def main() -> int:

@@ -37,7 +37,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,13 +75,6 @@ def _child_env(threads: int) -> dict:
                 PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
-def write_prompts(path: Path, count: int, seed: int) -> Path:
-    """`count` arithmetic prompts in verl's schema (.jsonl), read by both systems."""
-    from grpo_mega.data.arithmetic import make_rows, write
-
-    return write(make_rows(count, seed=seed), path)
-
-
 # ---- grpo-mega: python -m grpo_mega.train, phases from its metrics.jsonl -------------------------------------
 
 
@@ -117,13 +109,8 @@ def run_trl(args, data: Path, out: Path) -> dict:
     cfg = dict(model=args.model, data=str(data), out=str(out), steps=args.steps, prompts=args.prompts, n=args.n,
                max_new_tokens=args.max_new_tokens, threads=args.threads, seed=args.seed)
     t0 = time.perf_counter()
-    proc = subprocess.run([args.trl_python, "-m", "bench.vs_trl", "--trl-worker", json.dumps(cfg)], cwd=REPO,
-                          env=_child_env(args.threads), preexec_fn=_pinned(args.threads), capture_output=True,
-                          text=True, timeout=args.timeout)
-    if proc.returncode:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"TRL run failed (exit {proc.returncode})")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = common.run_worker([args.trl_python, "-m", "bench.vs_trl", "--trl-worker", json.dumps(cfg)], "TRL run",
+                               args.timeout, env=_child_env(args.threads), preexec_fn=_pinned(args.threads))
     result["process_s"] = time.perf_counter() - t0
     return result
 
@@ -144,9 +131,12 @@ def trl_worker(cfg: dict) -> None:
     rows = [json.loads(line) for line in Path(cfg["data"]).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list([dict(prompt=r["prompt"], ground_truth=r["reward_model"]["ground_truth"]) for r in rows])
     regex = re.compile(FORMAT_PATTERN)
+    rewards: list[float] = []  # each step's mean
 
     def format_reward(completions, **_):
-        return [1.0 if regex.fullmatch(c[0]["content"] if isinstance(c, list) else c) else 0.0 for c in completions]
+        r = [1.0 if regex.fullmatch(c[0]["content"] if isinstance(c, list) else c) else 0.0 for c in completions]
+        rewards.append(sum(r) / len(r))
+        return r
 
     k, n = cfg["prompts"], cfg["n"]
     args = GRPOConfig(
@@ -170,7 +160,6 @@ def trl_worker(cfg: dict) -> None:
         return wrapper
 
     lengths: list[float] = []
-    rewards: list[float] = []
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -203,13 +192,8 @@ def trl_worker(cfg: dict) -> None:
                               response_length_mean=lengths[-1] if lengths else None,
                               reward_mean=rewards[-1] if rewards else None))
 
-    def scored(completions, **kw):
-        r = format_reward(completions, **kw)
-        rewards.append(sum(r) / len(r))
-        return r
-
-    scored.__name__ = "format_reward"
-    trainer = Timed(model=cfg["model"], reward_funcs=[scored], args=args, train_dataset=dataset, callbacks=[Clock()])
+    trainer = Timed(model=cfg["model"], reward_funcs=[format_reward], args=args, train_dataset=dataset,
+                    callbacks=[Clock()])
     trainer._generate = timed("generation", trainer._generate)
     trainer._compute_loss = timed("loss_forward", trainer._compute_loss)
     trainer.training_step = timed("training_step", trainer.training_step)
@@ -255,12 +239,12 @@ def main() -> int:
     if args.trl_worker:
         trl_worker(json.loads(args.trl_worker))
         return 0
-    systems = args.systems.split(",")
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad or args.steps < 2 or args.rounds < 1 or args.threads < 1:
-        ap.error(f"--systems={args.systems} must name {', '.join(SYSTEMS)}; --steps={args.steps} must be >= 2 "
-                 f"(step 1 is warm-up), --rounds={args.rounds} and --threads={args.threads} >= 1")
+    systems = common.names(args.systems, SYSTEMS, "--systems")
+    if args.steps < 2 or args.rounds < 1 or args.threads < 1:
+        ap.error(f"--steps={args.steps} must be >= 2 (step 1 is warm-up), --rounds={args.rounds} and "
+                 f"--threads={args.threads} >= 1")
     from grpo_mega.cli.prepare_model import default_out
+    from grpo_mega.data import arithmetic  # the prompts both systems read (verl's schema, .jsonl)
 
     args.model = args.model or str(default_out())
     if not (Path(args.model) / "config.json").exists():
@@ -271,7 +255,7 @@ def main() -> int:
               "or --systems grpo_mega)", file=sys.stderr)
         return 2
     work = Path(args.workdir or REPO / "outputs" / "bench_vs_trl")
-    data = write_prompts(work / "prompts.jsonl", args.prompts * args.steps, args.seed)
+    data = arithmetic.write(arithmetic.make_rows(args.prompts * args.steps, seed=args.seed), work / "prompts.jsonl")
     load_start, runs = os.getloadavg(), []
     for r in range(args.rounds):
         order = systems if r % 2 == 0 else systems[::-1]
