@@ -60,6 +60,9 @@ REPEATABLE = ("/generate", "/health", "/model_info", "/flush_cache", "/get_weigh
               "/grpo_mega/weight_checksums")
 """The calls a transient failure repeats: they change nothing a second call would change again."""
 
+POOLED = 32
+"""Idle kept-alive connections kept per server."""
+
 API_KEY_ENV = "GRPO_MEGA_SERVER_API_KEY"
 """The environment variable holding the dedicated servers' API key (unset: servers without a key)."""
 
@@ -210,7 +213,8 @@ class ServerClient(RolloutEngine):
         headers = {"Content-Type": "application/json", **auth_headers()}
         timeout = timeout or self.timeout_s
         # a kept-alive connection (which the server may close meanwhile) only for a call that may be repeated
-        conn = self._connection(url, timeout, reuse=path in REPEATABLE)
+        reuse = path in REPEATABLE
+        conn = self._connection(url, timeout, reuse)
         try:
             conn.request("GET" if body is None else "POST", urllib.parse.urlsplit(url).path.rstrip("/") + path,
                          body=data, headers=headers)
@@ -221,8 +225,8 @@ class ServerClient(RolloutEngine):
             raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} "
                               f"within {timeout:.0f} s: {type(e).__name__}: {e}; is it running? (rollout.servers)",
                               transient=True) from None
-        if resp.will_close:
-            conn.close()
+        if resp.will_close or not reuse or self._pools[url].qsize() >= POOLED:
+            conn.close()  # an idle connection holds one of the stand-in's threads: the pool stays small
         else:
             self._pools[url].put(conn)
         if resp.status >= 400:

@@ -4,6 +4,7 @@ an unreachable server is named at start-up, and a server killed mid-run stops ev
 line naming its URL."""
 
 import os
+import socket
 import select
 import signal
 import subprocess
@@ -125,6 +126,26 @@ def test_outstanding_tokens_not_counts_decide():
     shares = client.assign([[1] * 10, [1] * 10, [1] * 10], n=2, max_new_tokens=20)
     # each prompt costs 2 * (10 + 20) = 60 tokens: b takes the first two (0 -> 60 -> 120), a the third
     assert shares == [[2], [0, 1]]
+
+
+@pytest.mark.parametrize("servers", [1], indirect=True)
+def test_kept_alive_connections_stay_few_and_are_replaced_when_closed(servers):
+    """Calls that may be repeated reuse kept-alive connections (at most client.POOLED idle), the others close
+    theirs: each idle connection holds one of the stand-in's threads, and a client that kept every connection (one
+    per weight-update call) had all of them held after ~50 steps, its next call waiting 120 s for a thread. A pooled
+    connection the server has closed is not used."""
+    from grpo_mega.engines import client as client_mod
+
+    (proc, url), = servers
+    client = ServerClient([url], timeout_s=30, retries=0)  # a failed call is not tried again
+    for _ in range(standin_server.THREADS + 50):  # more than the stand-in's threads, each answered at once
+        client._call(url, "/update_weight_version", {"new_version": 0}, timeout=10)
+        client._call(url, "/flush_cache", {}, timeout=10)
+    assert 1 <= client._pools[url].qsize() <= client_mod.POOLED
+    stale = client._pools[url].get_nowait()
+    stale.sock.shutdown(socket.SHUT_RDWR)  # as if dropped: the next call must not send on it
+    client._pools[url].put(stale)
+    assert client._call(url, "/health", None, timeout=10) == {}
 
 
 def test_a_dedicated_run_trains_against_a_server(tmp_path):
