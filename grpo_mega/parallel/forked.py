@@ -50,6 +50,10 @@ class RankFailed(AssertionError):
     """A forked rank raised, died, or ran past its timeout."""
 
 
+# After the first failure, how long the other ranks still have to report or die before they are ended.
+GRACE_S = 1.0
+
+
 def _child(rank: int, world_size: int, store_path: str, conn, fn: Callable, args: tuple, kwargs: dict):
     # Own process group, so that the parent can end this rank together with anything it started
     # (dist_checkpointing's Manager, a server) by this PID alone.
@@ -107,11 +111,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
         died: list[int] = []
         deadline = time.monotonic() + timeout
         pending = set(range(world_size))
+        grace = False
         try:
             while pending:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    failures.append(f"ranks {sorted(pending)} still running after {timeout:.0f} s (hang?)")
+                    if not grace:
+                        failures.append(f"ranks {sorted(pending)} still running after {timeout:.0f} s (hang?)")
                     break
                 ready = mp.connection.wait([conns[r] for r in pending], timeout=min(remaining, 0.5))
                 # A rank that died may have left a child of its own (a Manager) holding the pipe open, so its
@@ -131,9 +137,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                         results[rank] = value
                     else:
                         failures.append(f"rank {rank} raised:\n{value}")
-                if failures or died:
-                    # One rank failed: the others are likely blocked in a collective with it.
-                    break
+                if (failures or died) and not grace:
+                    # One rank failed: the others are likely blocked in a collective with it. Their exits
+                    # still count for a moment: a rank that died often reaches its peers' sockets before its
+                    # own pipe and exit code reach us, and the death is the cause worth naming.
+                    grace = True
+                    deadline = min(deadline, time.monotonic() + GRACE_S)
         finally:
             # Every rank has answered or failed: end each rank's process group (the rank and anything it
             # started) before reaping, so that the PID cannot have been reused.
@@ -143,7 +152,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                 p.join(5)
             for c in conns:
                 c.close()
-        failures += [f"rank {r} exited with code {procs[r].exitcode} and no result" for r in died]
+        failures = [f"rank {r} exited with code {procs[r].exitcode} and no result" for r in died] + failures
         if failures:
             raise RankFailed("\n".join(failures))
         return results

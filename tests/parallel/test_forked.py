@@ -34,6 +34,19 @@ def test_a_raising_rank_fails_fast_with_its_traceback():
     assert time.monotonic() - t0 < 30
 
 
+def _rank0_dies_after_its_peer_noticed():
+    if dist.get_rank() == 0:
+        time.sleep(0.3)  # its peer's error reaches the parent first, as when gloo sees a closed socket
+        os._exit(3)
+    raise RuntimeError("Connection closed by peer")
+
+
+def test_a_dead_rank_is_named_first_even_when_its_peer_reports_first():
+    with pytest.raises(RankFailed) as e:
+        run_ranks(_rank0_dies_after_its_peer_noticed, 2, timeout=60)
+    assert str(e.value).startswith("rank 0 exited with code 3 and no result\nrank 1 raised:")
+
+
 def _hang(pid_file):
     with open(f"{pid_file}.{dist.get_rank()}", "w") as f:
         f.write(str(os.getpid()))
