@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from grpo_mega.engines.embedded import EmbeddedEngine
+from grpo_mega.engines.embedded import EmbeddedEngine, sample_rows
 
 
 @dataclass
@@ -232,13 +232,8 @@ class ContinuousBatcher:
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         if sampled:
             every = len(sampled) == len(rows)
-            probs = (logp_all if every else logp_all[sampled]).exp()
-            nucleus = [k for k, i in enumerate(sampled) if rows[i].top_p < 1]
-            if nucleus:  # EmbeddedEngine's filter, row by row: rows with top_p = 1 are not renormalised
-                probs[nucleus] = torch.stack([_top_p(probs[k], rows[sampled[k]].top_p) for k in nucleus])
-            cdf = probs.double().cumsum(-1)
             u = torch.tensor([rows[i].uniforms[len(rows[i].tokens)] for i in sampled], dtype=torch.float64, device=dev)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+            pick = sample_rows(logp_all if every else logp_all[sampled], [rows[i].top_p for i in sampled], u)
             if every:
                 tok = pick
             else:
@@ -286,9 +281,3 @@ class ContinuousBatcher:
         job.left -= 1
         if job.left == 0:
             job.event.set()
-
-
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    from grpo_mega.engines.embedded import _top_p_filter
-
-    return _top_p_filter(probs[None], top_p)[0]

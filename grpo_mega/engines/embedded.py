@@ -35,6 +35,23 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum(-1, keepdim=True)
 
 
+def sample_rows(logp: torch.Tensor, top_p: float | list[float], uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logp` [b, V] (log-probabilities at the row's temperature) by inverse CDF: each row's
+    nucleus (`top_p`, one for all rows or one per row; 1 leaves a row as it is), then the first token whose
+    cumulative probability exceeds uniforms[r] x the row's total, so never one of probability 0. The embedded
+    engine and the stand-in's continuous batcher both sample here: a row's tokens depend on its uniforms alone."""
+    probs = logp.exp()
+    if isinstance(top_p, (int, float)):
+        probs = _top_p_filter(probs, top_p)
+    else:
+        for r, p in enumerate(top_p):
+            if p < 1:
+                probs[r] = _top_p_filter(probs[r:r + 1], p)[0]
+    cdf = probs.double().cumsum(-1)
+    tok = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return tok.clamp(max=cdf.shape[1] - 1)
+
+
 def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors under their checkpoint names (what the weight sync sends): the parameters, except
     that transformers 5 holds a Qwen3-MoE layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, h],
@@ -263,11 +280,7 @@ class EmbeddedEngine(RolloutEngine):
             if temperature == 0:
                 tok = scaled.argmax(-1)
             else:
-                probs = _top_p_filter(logp_all.exp(), top_p)
-                cdf = probs.double().cumsum(-1)
-                # The first token whose cumulative probability exceeds u x total: never one of probability 0.
-                tok = torch.searchsorted(cdf, (uniforms[:, step] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-                tok = tok.clamp(max=cdf.shape[1] - 1)
+                tok = sample_rows(logp_all, top_p, uniforms[:, step])
             lp = logp_all.gather(1, tok[:, None])[:, 0]
             tok_l, lp_l = tok.tolist(), lp.tolist()
             for r in range(b):
