@@ -274,66 +274,6 @@ def _diff(a, b):
     return None if a is None or b is None else a - b
 
 
-def _short(filename: str) -> str:
-    """A frame's file relative to the repository or site-packages."""
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    return filename[len(root):] if filename.startswith(root) else filename
-
-
-def _site(frames: list) -> tuple[str, str]:
-    """An allocation's site: the innermost Python frame outside torch itself (the code that asked), and the
-    innermost frame of all (what allocated)."""
-    if not frames:
-        return "(no stack recorded)", ""
-    inner = frames[0]
-    via = f"{_short(inner.get('filename', '?'))}:{inner.get('line', '?')} {inner.get('name', '?')}"
-    for f in frames:
-        name = _short(f.get("filename", "?"))
-        if not (name.startswith("torch/") or name.startswith("<")):
-            return f"{name}:{f.get('line', '?')} {f.get('name', '?')}", via
-    return via, via
-
-
-def top_allocation_sites(snapshot: dict, n: int = 12, device: int = 0, max_entries: int = 0) -> dict:
-    """torch.cuda.memory._snapshot() taken after _record_memory_history: replays the device's alloc/free trace
-    to the moment the bytes allocated since recording began peaked, and sums the blocks live then by
-    allocation site (`_site`), largest first: what the peak is made of, by name. Blocks allocated before
-    recording began are not in the trace (their frees are ignored)."""
-    trace = snapshot.get("device_traces", [[]])[device] if snapshot.get("device_traces") else []
-    cur = peak = 0
-    peak_i = -1
-    sizes = {}
-    for i, ev in enumerate(trace):
-        if ev["action"] == "alloc":
-            sizes[ev["addr"]] = ev["size"]
-            cur += ev["size"]
-            if cur > peak:
-                peak, peak_i = cur, i
-        elif ev["action"] == "free_requested":
-            cur -= sizes.pop(ev["addr"], 0)
-    live = {}
-    for ev in trace[: peak_i + 1]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-        elif ev["action"] == "free_requested":
-            live.pop(ev["addr"], None)
-    by_site: dict = {}
-    for ev in live.values():
-        site, via = _site(ev.get("frames") or [])
-        d = by_site.setdefault(site, dict(bytes=0, blocks=0, largest_block_bytes=0, via=via))
-        d["bytes"] += ev["size"]
-        d["blocks"] += 1
-        d["largest_block_bytes"] = max(d["largest_block_bytes"], ev["size"])
-    top = sorted(by_site.items(), key=lambda kv: -kv[1]["bytes"])[:n]
-    return dict(trace_events=len(trace), trace_truncated=bool(max_entries) and len(trace) >= max_entries,
-                peak_gib_since_recording=peak / 2**30, sites_at_peak=len(by_site),
-                top=[dict(site=k, gib=v["bytes"] / 2**30, blocks=v["blocks"],
-                          largest_block_gib=v["largest_block_bytes"] / 2**30, via=v["via"]) for k, v in top])
-
-
 def plan_one_gpu(cfg, micro: int, seq: int, num_microbatches: int, dtype: str, **kw):
     """grpo-mega-plan's plan at this benchmark's layout: one GPU, TP1, flash attention, the reference on the GPU,
     the batch config's default logprob chunk and fused output; `kw`: layer_spec (default local), gpu_gib."""
@@ -381,6 +321,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     from grpo_mega.engines.embedded import EmbeddedEngine
     from grpo_mega.engines.weight_sync import sync_weights
     from grpo_mega.trainer.actor import Actor
+    from grpo_mega.trainer.memory import MemorySites
     from grpo_mega.trainer.reference import Reference
     from grpo_mega.trainer.timing import model_flops, peak_bf16_flops
 
@@ -391,12 +332,9 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
     c = _configs(groups, n, response_len, micro, dtype)
     seq = prompt_len + response_len
     measured, t = {}, {}
-    history = cuda and memory_top > 0  # allocation sites, recorded from here through the first update
-    max_entries = 2_000_000
-    if history:
+    sites = MemorySites(memory_top if cuda else 0)  # run.memory_sites's recording, from here through the first update
+    if sites.recording:
         warmup = max(warmup, 1)  # the recorded (slower) first update is not timed
-        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                 max_entries=max_entries)
 
     base = mem.now()
     actor = Actor(cfg, ParallelConfig(), **c)
@@ -423,12 +361,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         dt = common.timed(lambda: actor.update(rb, 1.0), cuda)[0]
         if i == 0:
             first_peak, after_first = mem.peak(), mem.now()
-            if history:
-                snapshot = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                t["memory_sites"] = top_allocation_sites(snapshot, memory_top, torch.cuda.current_device(),
-                                                         max_entries)
-                del snapshot
+            t["memory_sites"] = sites.report(1)
         if i >= warmup:
             times.append(dt)
     measured["optimizer"] = _diff(after_first, after_ref)  # Adam's m and v, allocated by the first step
@@ -511,7 +444,7 @@ def gpu_report(name: str, steps: int, warmup: int, groups: int, n: int, prompt_l
         weight_sync_bytes=stats.bytes, weight_sync_seconds=min(sync_s), weight_sync_gb_per_s=sync_rate / 1e9,
         device_copy_gb_per_s=copy_rate / 1e9, weight_sync_over_copy=sync_rate / copy_rate,
         engine_decode=engine_decode, plain_transformers_step=plain_out,
-        memory_sites_at_first_update_peak=t.get("memory_sites"),
+        memory_sites_at_first_update_peak=t["memory_sites"],
         memory_gib=dict(measured=measured, planned=planned,
                         measured_over_planned={k: (measured[k] / planned[k] if measured.get(k) is not None
                                                    and planned[k] else None) for k in planned}),

@@ -48,6 +48,7 @@ QUICK = [
     "tests/trainer/test_actor.py",
     "tests/trainer/test_checkpoint_store.py",
     "tests/trainer/test_watchdog.py",
+    "tests/trainer/test_memory.py",
     "tests/trainer/test_offpolicy_world.py",  # world_offpolicy on 2 forked ranks vs one process (~2 s)
     "tests/toolcalls/test_toolcalls.py",
     "tests/trainer/test_packing.py::test_first_fit",

@@ -17,9 +17,16 @@ class RunConfig:
     """Training steps (one generation and one update each); a resumed run continues to this step."""
     seed: int = 1234
     """Seeds the model's initialisation, the data order and sampling."""
+    memory_sites: int = 0
+    """On CUDA: record every allocation (torch's memory history) from before the models are built through the first
+    step's update, then write the Python lines (this many) holding the most memory at the peak to
+    memory_sites.rank<r>.json in the run's output directory (rank 0 prints the top five): what to cut when a layout
+    does not fit. Slows that step; 0: off; without a GPU nothing is recorded."""
 
     def __post_init__(self):
         positive("run.steps", self.steps)
+        if not isinstance(self.memory_sites, int) or self.memory_sites < 0:
+            raise ValueError(f"run.memory_sites={self.memory_sites!r} must be an integer >= 0 (0: off)")
 
 
 @dataclass(kw_only=True)

@@ -81,6 +81,7 @@ def train(run: Run, log: Optional[Callable[[dict], None]] = None) -> History:
             rb.is_batch_mean = world_is_batch_mean(rb, owned, cfg.algo.correction())
         with timer("update"):
             updates = actor.update(rb, temperature, run.reference)
+        run.memory.report(step)  # run.memory_sites: what the peak so far is made of, after the first update only
         diverged = run.skips.check(step, updates)  # non-finite mini-batches in a row (stops after the metrics)
         if cfg.skips_old_logprob_pass:  # the update's own forward was the pass on the trainer's weights
             routing = actor.routing_agreement()

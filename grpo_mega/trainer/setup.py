@@ -22,6 +22,7 @@ from grpo_mega.engines.validate import OutputSpec
 from grpo_mega.trainer.actor import Actor
 from grpo_mega.trainer.reference import AdapterOffReference, Reference
 from grpo_mega.trainer.guards import RewardBudget, RunStopped, SkipStreak
+from grpo_mega.trainer.memory import MemorySites
 from grpo_mega.data.tasks import Task
 from grpo_mega.trainer.watchdog import StepWatchdog
 
@@ -101,6 +102,7 @@ class Run:
                                      d.watchdog_factor if out_dir is not None else 0.0, d.watchdog_min_s)
         self.n, self.steps = cfg.rollout.n, cfg.run.steps
         cfg.check_layout(model, torch.distributed.get_world_size())
+        self.memory = MemorySites(cfg.run.memory_sites, out_dir, torch.distributed.get_rank())  # before any model
         self.actor = Actor(model, cfg.parallel, cfg.precision, cfg.optim, cfg.algo, cfg.batch, lora=cfg.lora)
         if hf_dir is not None:
             from megatron.core import parallel_state as ps
