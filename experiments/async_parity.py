@@ -8,7 +8,7 @@ a 20-prompt validation); the headline is each run's median first step at --targe
 reaches it counts as the slowest), async's over each in-turn run's (issue 39's bar: at most 1.3x), and the tokens'
 version lag (async/token_lag_*: tokens from more than one version).
 
-    python -m experiments.async_parity [--steps 200] [--k 2] [--segment-tokens 2] [--seeds 0,1,2] \
+    python -m experiments.async_parity [--steps 200] [--k 2] [--segment-tokens 2] [--seeds 0,1,2,3,4] \
         [--async-set rollout.fresh_groups=false] [--out bench_results/async_parity.json]
 """
 
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2, help="rollout.off_policy_steps of the async run")
     ap.add_argument("--segment-tokens", type=int, default=2, help="rollout.segment_tokens of the async run")
     ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--seeds", default="0,1,2", help="run.seed of each trio of runs, comma-separated")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="run.seed of each trio of runs, comma-separated")
     ap.add_argument("--async-set", action="append", default=[], help="an extra override for the async run only, "
                     "e.g. rollout.fresh_groups=false (bench_results/async_parity_run_to_cap.json)")
     ap.add_argument("--set", action="append", default=[], help="an extra override for both runs")
