@@ -145,13 +145,14 @@ class RolloutConfig:
     weights go to the servers after every update without waiting for generations in flight (docs/design.md,
     "Versions and off-policy")."""
     partial_rollouts: bool = True
-    """mode=async: responses are generated in segments of segment_tokens tokens, continued from their token prefix,
-    so that a response in flight when new weights arrive continues under them (each token records its version).
-    false: each response is generated in one request and keeps the version it started on (the weight update
-    waits for the server's request in flight)."""
-    segment_tokens: int = 16
-    """mode=async with partial_rollouts: the tokens a response gets per request (groups join and leave a server's
-    batch between two requests; a weight update interrupts a request in flight)."""
+    """mode=async: a response in flight when new weights arrive is interrupted and continued under them from its
+    token prefix (each token records its version). false: each response is generated in one request and keeps the
+    version it started on (the weight update waits for the server's requests in flight)."""
+    segment_tokens: int = 0
+    """mode=async with partial_rollouts: at most this many tokens per request, the response then sent again from its
+    prefix (a weight update interrupts a request in flight whatever this is). 0: a response is one request until
+    it ends or is interrupted; every further request costs the server a scheduling round and the trainer's core
+    a round trip."""
     fresh_groups: bool = True
     """mode=async: start no new group while a batch of complete groups waits for the trainer, unless the trainer had
     to wait for its last batch. When generation outpaces training the samples are then about one version old
@@ -197,8 +198,9 @@ class RolloutConfig:
             if not isinstance(self.off_policy_steps, int) or self.off_policy_steps < 1:
                 raise ValueError(f"rollout.mode=async needs rollout.off_policy_steps=k >= 1 (the staleness bound: a "
                                  f"sample's oldest token at most k versions behind the trainer); got {self.off_policy_steps}")
-            if not isinstance(self.segment_tokens, int) or self.segment_tokens < 1:
-                raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 1")
+            if not isinstance(self.segment_tokens, int) or self.segment_tokens < 0:
+                raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 0 (0: a response is one "
+                                 "request until it ends or a weight update interrupts it)")
         elif self.off_policy_steps not in (0, 1):
             raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1 with rollout.mode=sync "
                              "(rollout.mode=async takes any k >= 1 as its staleness bound)")

@@ -5,8 +5,8 @@ groups are complete and fresh enough (docs/design.md, "Versions and off-policy")
 Rank 0 runs one worker thread per server. A worker keeps its server's share of the batch's responses
 (train_batch_size / servers groups x rollout.n) unfinished in flight, one request per response, all at once (the
 server decodes them in one loop: SGLang's continuous batching, the stand-in's too): a request carries the prompt and
-the response's tokens so far (token in), for at most `rollout.segment_tokens` more tokens; an answered response is
-sent again at once, a finished group leaves, and new groups join while fewer responses than that are unfinished (a
+the response's tokens so far (token in), for the rest of its budget (at most `rollout.segment_tokens` more tokens
+where that is set); an interrupted or cut response is sent again at once, a finished group leaves, and new groups join while fewer responses than that are unfinished (a
 group waiting on one long response leaves the room of its finished ones to new groups). A weight sync never waits for
 a response to finish: the client interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the
 stand-in implements too), and a response continues under the new weights from its token prefix (between two syncs a
@@ -88,7 +88,7 @@ class AsyncRolloutScheduler:
     """The loop's source of samples in rollout.mode=async. Collective where RolloutScheduler's is."""
 
     def __init__(self, engines: Engines, draw: Callable[[int], list], batch_size: int, sampling: SamplingArgs,
-                 staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 16,
+                 staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 0,
                  share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None,
                  get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None,
                  fresh: bool = True):
@@ -149,7 +149,8 @@ class AsyncRolloutScheduler:
         s, m = self.sampling, len(r.tokens)
         left = s.max_new_tokens - m
         seed = r.seed if m == 0 else sample_seed(r.seed, m, 0) % (2**31)  # a continuation's own stream
-        return dict(temperature=s.temperature, top_p=s.top_p, max_new_tokens=min(left, self.segment) if self.partial else left,
+        return dict(temperature=s.temperature, top_p=s.top_p,
+                    max_new_tokens=min(left, self.segment) if self.partial and self.segment else left,
                     stop_token_ids=list(s.stop_token_ids), sampling_seed=seed, skip_special_tokens=False,
                     no_stop_trim=True, custom_params={"sample_seed": r.seed, "generated": m})
 

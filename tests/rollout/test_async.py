@@ -401,6 +401,7 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
     from grpo_mega.rollout.scheduler import SamplingArgs
 
     long_seed, lock, flying, seen = sample_seed(3 * 1_000_003, 0, 0) % (2**31), threading.Lock(), [], []
+    budgets = set()
 
     class Client:
         urls = ["u"]
@@ -408,6 +409,7 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
         def generate_segment(self, url, inputs, params):  # group 0's first response takes 6 segments, others one
             seeds = [p["custom_params"]["sample_seed"] for p in params]
             with lock:
+                budgets.update((p["custom_params"]["generated"], p["max_new_tokens"]) for p in params)
                 flying.extend(seeds)
                 seen.append(list(flying))
             time.sleep(0.05)
@@ -418,7 +420,7 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
                      p["custom_params"]["generated"] < 5 else "stop", 0) for p in params]
 
     draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
-    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 2, SamplingArgs(2, 1.0, 1.0, 8, [], seed=3),
+    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 2, SamplingArgs(2, 1.0, 1.0, 40, [], seed=3),
                               staleness=2, fresh=False)  # nothing trains: the workers run on to the cap
     s._start_workers()
     try:
@@ -430,6 +432,8 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
     assert max(len(f) for f in seen) == 5, seen  # the tail (1) + two new groups (4); by groups alone it would be 1 + 2
     assert any(len(f) == 5 and long_seed in f for f in seen), seen  # beside the tail, not after it
     assert [g.index for g in s.done][-1] == 0 and len(s.done[-1].responses[0].tokens) == 6
+    # rollout.segment_tokens=0 (the default): each request asks for the rest of the response's budget of 40
+    assert budgets == {(g, 40 - g) for g in range(6)}, budgets
 
 
 def test_fresh_groups_start_none_while_a_batch_waits():
