@@ -214,7 +214,8 @@ SUPPLEMENTS = {
     "weight_sync_tp1.json": "weight_sync at TP1xDP2",
     "overlap_demo_shape.json": "async_rl's overlap.json command at the demo's shape (its docstring)",
     "decode_static_vs_dynamic_cpu.json": "the embedded engine's static vs dynamic KV cache, CPU seconds A/B at toy size",
-    "async_parity_run_to_cap.json": "experiments.async_parity --seeds 0,1,2 --async-set rollout.fresh_groups=false (the README is full)",
+    "async_parity_run_to_cap.json": "experiments.async_parity --seeds 0,1,2 --async-set rollout.fresh_groups=false "
+                                    "(the README is full)",
     "async_parity_whole_responses.json": "experiments.async_parity --segment-tokens 0: rollout.segment_tokens's default",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",

@@ -6,14 +6,14 @@ Rank 0 runs one worker thread per server. A worker keeps its server's share of t
 (train_batch_size / servers groups x rollout.n) unfinished in flight, one request per response, all at once (the
 server decodes them in one loop: SGLang's continuous batching, the stand-in's too): a request carries the prompt and
 the response's tokens so far (token in), for the rest of its budget (at most `rollout.segment_tokens` more tokens
-where that is set); an interrupted or cut response is sent again at once, a finished group leaves, and new groups join while fewer responses than that are unfinished (a
-group waiting on one long response leaves the room of its finished ones to new groups). A weight sync never waits for
-a response to finish: the client interrupts the requests in flight (SGLang's /pause_generation, mode abort, which the
-stand-in implements too), and a response continues under the new weights from its token prefix (between two syncs a
-server starts a segment from the keys and values of its response so far: SGLang's radix cache, the stand-in's prefix
-cache); each of its tokens records the version that produced it and its behaviour logprob. With
-`rollout.partial_rollouts=false` a response is generated in one request and keeps its version: rank 0 sends no new
-request and waits for those in flight before the sync.
+where that is set); an interrupted or cut response is sent again at once, a finished group leaves, and new groups
+join while fewer responses than that are unfinished (a group waiting on one long response leaves the room of its
+finished ones to new groups). A weight sync never waits for a response to finish: the client interrupts the requests
+in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too), and a response continues
+under the new weights from its token prefix (between two syncs a server starts a segment from the keys and values of
+its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens records the version that
+produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is generated in one request
+and keeps its version: rank 0 sends no new request and waits for those in flight before the sync.
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are

@@ -42,7 +42,8 @@ def test_the_peak_is_summed_by_the_innermost_line_outside_torch():
     assert out["peak_gib_since_recording"] == 1050 / 2**30
     assert out["trace_events"] == 8 and out["trace_truncated"] and out["sites_at_peak"] == 2
     actor, build = out["top"]
-    assert actor["site"] == "/repo/grpo_mega/trainer/actor.py:88 update" and actor["via"] == "torch/nn/modules/linear.py:125 forward"
+    assert actor["site"] == "/repo/grpo_mega/trainer/actor.py:88 update"
+    assert actor["via"] == "torch/nn/modules/linear.py:125 forward"
     assert (actor["gib"], actor["blocks"], actor["largest_block_gib"]) == (700 / 2**30, 2, 500 / 2**30)
     assert build["site"].endswith("optimizer.py:30 build") and build["gib"] == 350 / 2**30
     assert top_allocation_sites({"device_traces": [[], trace]}, n=1, device=1)["top"] == [actor]
