@@ -4,7 +4,7 @@ server (the demo's tiny model and toy task) pinned to the last core of this proc
 (`common.train`) to the first, each one torch thread. Runs alternate between the modes (`--repeats` rounds): the
 machine is shared, and a core is only one core when nobody else is running on it (the load average is recorded).
 
-    python -m bench.async_rl [--steps 12] [--median 8] [--sigma 0.9] [--decode-ms 0] [--repeats 1] [--out bench_results/async.json]
+    python -m bench.async_rl [--steps 30] [--median 8] [--sigma 0.9] [--decode-ms 0] [--repeats 1] [--out bench_results/async.json]
     python -m bench.async_rl --modes in_turn,one_step_ahead --natural-lengths --response-length 64 --repeats 3 \
         --out bench_results/overlap.json
 
@@ -90,7 +90,8 @@ def _summary(runs: list[list[dict]]) -> dict:
 
 def main(argv=None) -> int:
     ap = common.parser(__doc__, "async")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=30,
+                    help="per run; 30: an async run's first steps (the servers filling their queue) are not its steady state")
     ap.add_argument("--median", type=float, default=8.0, help="the median response length (tokens)")
     ap.add_argument("--sigma", type=float, default=0.9, help="the lognormal's sigma")
     ap.add_argument("--natural-lengths", action="store_true",
