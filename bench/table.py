@@ -64,7 +64,8 @@ def _gpu(d):
 def _async(d, ceiling: str, tail: str):
     k2, vs = d["k2_over_one_step_ahead"], d["speedup_over_one_step_ahead"]
     return (f"trained tokens/s {_x(k2)} (target 1.5x {'met' if k2 >= 1.5 else 'not met'}; {ceiling}k1 "
-            f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}, in turn {_x(vs['in_turn'])}); {tail}")
+            f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}, in turn {_x(vs['in_turn'])}); {tail}; k2 dropped "
+            f"{d['modes']['async_k2']['dropped_stale_samples']} samples as stale in {d['modes']['async_k2']['steps_measured']} steps")
 
 
 def _kill(d, to="the uninterrupted run"):
