@@ -19,8 +19,9 @@ Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds versio
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
 dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped
 so far were started in all, v the servers' version (AReaL's rule): a group started on version v can still be trained
-at step v+k+1, so only the long tail of a group that waits past that is dropped. A group's advantages are computed
-after all its samples are done (the batch only holds complete groups); a group may span versions.
+at step v+k+1, so only the long tail of a group that waits past that is dropped; a run that drops more than a tenth
+of what the servers complete over 10 steps is told so once. A group's advantages are computed after all its samples
+are done (the batch only holds complete groups); a group may span versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
 step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.
@@ -40,10 +41,11 @@ Long on purpose: the workers, the take and the checkpoint read and change one se
 from __future__ import annotations
 
 import copy
+import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -53,6 +55,11 @@ from grpo_mega.parallel import comm
 from grpo_mega.engines.interface import Generation, sample_seed
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.rollout.scheduler import SamplingArgs, StepSamples
+
+log = logging.getLogger(__name__)
+
+DROP_WINDOW, DROP_WARN = 10, 0.1
+"""Said once a run: over the last DROP_WINDOW steps more than DROP_WARN of the completed samples were dropped."""
 
 
 @dataclass
@@ -122,6 +129,8 @@ class AsyncRolloutScheduler:
         self.generated_tokens = 0
         self.dropped = 0  # samples dropped for staleness since the last step
         self.dropped_groups = 0  # groups dropped for staleness, over the run
+        self.drops: deque = deque(maxlen=DROP_WINDOW)  # (samples trained, samples dropped) of the last steps
+        self.drops_said = False
         self.mark = time.perf_counter()
         self._metrics: dict = {}
         self.waited = self.generated = 0.0
@@ -296,6 +305,7 @@ class AsyncRolloutScheduler:
                                       f"{floor}..{step - 1}: a server was updated by someone else, or restarted "
                                       "without its weights", False)}, waited
         responses = [r for g in groups for r in g.responses]
+        self._say_drops(len(responses), dropped)
         token_lags = Counter(step - 1 - v for r in responses for v in r.versions)
         sample_lags = Counter(step - 1 - min(r.versions) for r in responses)
         ntok = sum(token_lags.values())
@@ -310,6 +320,20 @@ class AsyncRolloutScheduler:
             metrics[f"async/token_lag_{lag}"] = token_lags.get(lag, 0) / ntok if ntok else 0.0
             metrics[f"async/sample_lag_{lag}"] = sample_lags.get(lag, 0) / len(responses)
         return {"groups": groups, "metrics": metrics}, waited
+
+    def _say_drops(self, trained: int, dropped: int) -> None:
+        """Once a run: a warning when the staleness bound drops more than DROP_WARN of what the servers complete."""
+        self.drops.append((trained, dropped))
+        lost, total = sum(d for _, d in self.drops), sum(t + d for t, d in self.drops)
+        if self.drops_said or len(self.drops) < DROP_WINDOW or lost <= DROP_WARN * total:
+            return
+        self.drops_said = True
+        log.warning("rollout.mode=async: %d of the %d samples completed in the last %d steps (%.0f%%) were dropped as "
+                    "older than rollout.off_policy_steps=%d allows (a group is as old as its first token, and a long "
+                    "response finishing after later groups ages it): their generation was wasted. A larger "
+                    "rollout.off_policy_steps keeps more of them (staler samples, for algo.rollout_correction to "
+                    "weigh), as does a shorter batch.max_response_length", lost, total, DROP_WINDOW,
+                    100 * lost / total, self.k)
 
     def result(self, step: int, submit_next: bool = True) -> StepSamples:
         """Collective: the batch step `step` trains on: train_batch_size complete groups, none older than the bound."""

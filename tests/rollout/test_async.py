@@ -487,6 +487,34 @@ def test_fresh_groups_start_none_while_a_batch_waits():
         s.close()
 
 
+def test_a_run_that_drops_many_samples_as_stale_is_told_once(caplog):
+    """Over the last 10 steps more than 10% of the completed samples dropped for staleness: one warning naming the
+    share and the bound, not one a step; a run that drops fewer is not warned."""
+    from types import SimpleNamespace
+
+    from grpo_mega.rollout.async_scheduler import DROP_WINDOW, AsyncRolloutScheduler, Group, Response
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    def group(version):
+        return Group(0, _Example([1, 2]), [Response(0, [5], [-0.1], [version], "stop") for _ in range(2)])
+
+    for stale_every, warned in ((1, True), (5, False)):  # a stale group in every step's 3 (1/3) or every 5th (1/16)
+        s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=SimpleNamespace(urls=["u"])),
+                                  lambda size: [], 2, SamplingArgs(2, 1.0, 1.0, 8, [], seed=3), staleness=1)
+        caplog.clear()
+        for step in range(1, 2 * DROP_WINDOW + 1):
+            s.done = ([group(step - 3)] if step % stale_every == 0 else []) + [group(step - 1), group(step - 2)]
+            out, _ = s._take(step)
+            assert [g.oldest for g in out["groups"]] == [step - 1, step - 2]
+        said = [r.getMessage() for r in caplog.records if "dropped as older" in r.getMessage()]
+        if warned:
+            assert len(said) == 1 and said[0].startswith(
+                "rollout.mode=async: 20 of the 60 samples completed in the last 10 steps (33%) were dropped as older "
+                "than rollout.off_policy_steps=1 allows"), said
+        else:
+            assert said == [], said
+
+
 def test_refusals():
     from grpo_mega.conf.rollout import RolloutConfig
     from grpo_mega.conf.schema import TrainConfig
