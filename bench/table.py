@@ -62,10 +62,17 @@ def _gpu(d):
 
 
 def _async(d, ceiling: str, tail: str):
-    k2, vs = d["k2_over_one_step_ahead"], d["speedup_over_one_step_ahead"]
+    k2, vs, k2_run = d["k2_over_one_step_ahead"], d["speedup_over_one_step_ahead"], d["modes"]["async_k2"]
     return (f"trained tokens/s {_x(k2)} (target 1.5x {'met' if k2 >= 1.5 else 'not met'}; {ceiling}k1 "
             f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}, in turn {_x(vs['in_turn'])}); {tail}; k2 dropped "
-            f"{d['modes']['async_k2']['dropped_stale_samples']} samples as stale in {d['modes']['async_k2']['steps_measured']} steps")
+            f"{k2_run['dropped_stale_samples']} samples as stale in {k2_run['steps_measured']} steps")
+
+
+def _decode(d):
+    wall, cpu, med = d["over_first_mode"], d["cpu_over_first_mode"], d["median_seconds"]
+    return (f"{_x(1 / wall['transformers_dynamic'])} the time ({med['embedded_dynamic']:.2f} s vs "
+            f"{med['transformers_dynamic']:.2f} s, {d['generated_tokens']:,} tokens; CPU s "
+            f"{_x(1 / cpu['transformers_dynamic'])})")
 
 
 def _kill(d, to="the uninterrupted run"):
@@ -167,8 +174,7 @@ ROWS = [
         lambda d: f"{_x(d['summary']['world4']['hash_bytes_vs_rank0'])} the bytes, "
                   f"{_x(d['summary']['world4']['hash_cpu_vs_rank0'])} the CPU s per rank"),
     Row("embedded engine vs transformers' `generate`", "decode.json", "python -m bench.decode",
-        lambda d: f"{_x(d['embedded_over_transformers'])} the time ({d['median_seconds']['embedded']:.2f} s vs "
-                  f"{d['median_seconds']['transformers_generate']:.2f} s, {d['generated_tokens']:,} tokens)"),
+        _decode),
     Row("response-only output layer vs every position", "response_only.json", "python -m bench.response_only",
         lambda d: f"{_x(d['result']['logits_bytes_ratio'])} the logits bytes, update "
                   f"{_x(d['result']['update_cpu_speedup'])} faster (CPU s)"),

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a killed client's reset is the experiment, not news
+            super().handle_error(request, client_address)
 
 
 class ForwardingProxy:
@@ -60,7 +67,7 @@ class ForwardingProxy:
             def log_message(self, fmt, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
