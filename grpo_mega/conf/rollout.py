@@ -143,7 +143,9 @@ class RolloutConfig:
     stream, the trainer takes the first train_batch_size completed groups whose oldest token's weight version is
     at least its own minus off_policy_steps (the staleness bound k >= 1; older groups are dropped and counted), and
     weights go to the servers after every update without waiting for generations in flight (docs/design.md,
-    "Versions and off-policy")."""
+    "Versions and off-policy"). It pays where generation is the longer part of a step (one step ahead's trainer
+    still waits: `timing/generate_wait`); where training is, it is no faster than one step ahead and drops samples
+    (docs/benchmarks.md, "Fully asynchronous")."""
     partial_rollouts: bool = True
     """mode=async: a response in flight when new weights arrive is interrupted and continued under them from its
     token prefix (each token records its version). false: each response is generated in one request and keeps the
