@@ -91,7 +91,7 @@ def _summary(runs: list[list[dict]]) -> dict:
 def main(argv=None) -> int:
     ap = common.parser(__doc__, "async")
     ap.add_argument("--steps", type=int, default=30,
-                    help="per run; 30: an async run's first steps (servers filling their queue) are not its steady state")
+                    help="per run; 30: the first steps of an async run (servers filling their queue) are not steady")
     ap.add_argument("--median", type=float, default=8.0, help="the median response length (tokens)")
     ap.add_argument("--sigma", type=float, default=0.9, help="the lognormal's sigma")
     ap.add_argument("--natural-lengths", action="store_true",
