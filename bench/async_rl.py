@@ -27,7 +27,9 @@ serial phase sum (generation plus everything the trainer does: what a step would
 metrics (server idle fraction, lag histogram, dropped samples). Headlines: `k2_over_one_step_ahead` (the target
 is >= 1.5), beside `trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the
 most that ending the trainer's wait can give on this workload while the trainer's own work per step stays the
-same; with in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's), `step_ratio_bound` (the
+same, and `server_bound_over_one_step_ahead`, the most one server kept full can give (the async runs' best rate of
+generated tokens per busy second makes one step ahead's tokens per step in no less than tokens / rate); with in
+turn and one step ahead, `step_ratio` (one step ahead's step / in turn's), `step_ratio_bound` (the
 best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation + the rest)) and
 one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7).
 """
@@ -39,6 +41,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from bench import common
 
@@ -74,6 +77,8 @@ def _summary(runs: list[list[dict]]) -> dict:
                step_over_phase_sum=med(r["timing/step"] / s for r, s in zip(steady, serial)),
                overlap=med(r["perf/overlap"] for r in steady),
                response_length=statistics.mean(r["response_length"] for r in steady),
+               generated_tokens_per_step=statistics.mean(r["perf/generated_tokens_per_s"] * r["timing/generate"]
+                                                         for r in steady),
                val_reward_last=[rows[-1].get("val_reward") for rows in runs],
                weight_versions=[r["weight_version"] for r in runs[0]],
                per_step=[dict(step_s=[r["timing/step"] for r in rows], generate_s=[r["timing/generate"] for r in rows],
@@ -135,6 +140,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def _server_bound(runs: dict) -> Optional[float]:
+    """What one server kept full can give at most over one step ahead: its full rate (the async runs' generated
+    tokens per second over their busy fraction, the best of them) generates one step ahead's tokens per step in
+    tokens / rate seconds at least, and no step is shorter than that. None without one step ahead and an async run."""
+    rates = [r["generated_tokens_per_s"] / (1 - r["server_idle_fraction"]) for m, r in runs.items()
+             if m.startswith("async") and r["server_idle_fraction"] < 1]
+    if "one_step_ahead" not in runs or not rates:
+        return None
+    one = runs["one_step_ahead"]
+    return one["step_s"] / (one["generated_tokens_per_step"] / max(rates))
+
+
 def _result(args, rows, order, length, trainer_core, server_core, load_before) -> dict:
     modes = [m for m in rows if rows[m]]
     runs = {m: _summary(rows[m]) for m in modes}
@@ -162,6 +179,7 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before) -
         # for generation can give at most on this workload, as long as the trainer's step is the one-step-ahead one's
         trainer_bound_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])
                                            if "one_step_ahead" in runs else None),
+        server_bound_over_one_step_ahead=_server_bound(runs),
         step_ratio=runs["one_step_ahead"]["step_s"] / runs["in_turn"]["step_s"] if pair else None,
         step_ratio_bound=bound if pair else None,
         step_over_phase_sum=runs["one_step_ahead"]["step_over_phase_sum"] if "one_step_ahead" in runs else None,

@@ -87,6 +87,9 @@ def test_bench_async_rl_both_workloads(tmp_path):
     assert 0 <= k2["server_idle_fraction"] <= 1 and sum(k2["token_lag"].values()) == pytest.approx(1.0)
     assert data["config"]["max_response_length"] == 16 and data["config"]["decode_ms"] == 1
     assert data["trainer_bound_over_one_step_ahead"] >= 1 and data["step_ratio"] is None
+    one = data["modes"]["one_step_ahead"]  # the server's full rate: k2's tokens per busy second
+    rate = k2["generated_tokens_per_s"] / (1 - k2["server_idle_fraction"])
+    assert data["server_bound_over_one_step_ahead"] == pytest.approx(one["step_s"] * rate / one["generated_tokens_per_step"])
 
 
 def test_bench_routing_writes_json(tmp_path):
