@@ -13,7 +13,9 @@ than four, rank R % world writes writer R's file. Per repeat, from a barrier: ev
 sharded way. Hash time is each rank's wall time in its hashing (and its thread CPU time: on a machine with
 fewer cores than ranks the ranks' wall times include waiting for a core). Medians over repeats.
 The 70B projection: bytes of the actor's bf16 weights, fp32 main weights, Adam m and v, and the bf16 reference
-(parameter count from grpo_mega.planning), shared evenly over 64 ranks, at the measured single-rank hash rate.
+(written once algo.ref_update_interval has reset it; until then it is the model path's weights, not written:
+`total_without_reference_gb`), parameter count from grpo_mega.planning, shared evenly over 64 ranks, at the
+measured single-rank hash rate (the times are those with the reference: the worst case).
 """
 
 from __future__ import annotations
@@ -107,10 +109,12 @@ def projection_70b(rate_bytes_s: float, cpu_rate_bytes_s: float, ranks: int = 64
 
     model = load_model_config("llama-3.1-70b")
     n = sum(s.total for s in planning.stage_params(model, ParallelConfig(tp=1, pp=1)))
-    parts = {"weights_bf16": 2 * n, "main_fp32": 4 * n, "adam_m_v_fp32": 8 * n, "reference_bf16": 2 * n}
-    total = sum(parts.values())
+    # the reference is written only once algo.ref_update_interval has reset it (before, it is the model path's)
+    parts = {"weights_bf16": 2 * n, "main_fp32": 4 * n, "adam_m_v_fp32": 8 * n}
+    total = sum(parts.values()) + 2 * n
     per_rank = total / ranks + piece_bytes  # the plan's bound: an even share plus at most one piece
-    return dict(model="llama-3.1-70b", params=n, ranks=ranks, bytes=parts, total_bytes=total,
+    return dict(model="llama-3.1-70b", params=n, ranks=ranks, bytes=parts, reference_bf16_once_reset=2 * n,
+                total_bytes=total, total_without_reference_gb=sum(parts.values()) / 1e9,
                 total_gb=total / 1e9, per_rank_bytes_bound=per_rank, per_rank_gb=per_rank / 1e9,
                 hash_rate_gb_s=rate_bytes_s / 1e9, hash_rate_cpu_gb_s=cpu_rate_bytes_s / 1e9,
                 rank0_alone_s=total / rate_bytes_s, per_rank_s=per_rank / rate_bytes_s, timeout_s=TIMEOUT_S,

@@ -10,6 +10,11 @@ an MoE model's dense MLP layers carry adapters: `peft_refusal`),
 `rollout_routes.safetensors` when an in-flight batch carries routed experts (algo.routing_replay=rollout or measure;
 `save_routes`), and the store's manifest.json over all of them.
 
+The reference is not written while it is the weights of the model path (an HF directory) it was loaded from, before
+`algo.ref_update_interval` first resets it: loop_state.json keeps the path and the sha256 of its weight files under
+"reference_from", and a resume checks them against its own model's (the reference of a random-init model, and one
+that was reset, is written).
+
 Under LoRA (lora.rank) `model/` holds the adapters and their optimizer state alone: the frozen base weights come from
 the model path, whose identity loop_state.json keeps under "lora"; a resume on another base model, or with other
 adapter shapes, is refused (grpo_mega/trainer/lora_checkpoint.py).
@@ -32,7 +37,8 @@ import torch.distributed as dist
 
 from grpo_mega.parallel import comm
 from grpo_mega.trainer.checkpoint_store import CheckpointError, CheckpointStore, hash_share, merge_digests
-from grpo_mega.trainer.lora_checkpoint import _lora, check_lora, export_peft, lora_state, peft_refusal
+from grpo_mega.trainer.lora_checkpoint import (_lora, check_lora, describe_base, export_peft, lora_state, peft_refusal,
+                                               same_base)
 
 # The DistributedOptimizer's default checkpoint format needs TE/Apex on CPU ("ShardedTensor.flattened_range
 # is not supported"); fully_reshardable also lets a checkpoint load at another TP/PP/DP.
@@ -254,9 +260,12 @@ def load_routes(path: Path, ref: dict) -> list:
 
 
 def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
-         export: Optional[dict] = None, task_files: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
+         export: Optional[dict] = None, task_files: Optional[Callable[[Path], None]] = None,
+         reference_from: Optional[dict] = None) -> Optional[Path]:
     """Collective: every rank writes its shards, then every rank hashes its share of them and rank 0 seals
     (`seal`). Returns the path on rank 0.
+    `reference_from` (base_model_identity of the model path; None: the reference is written): the reference is
+    still that path's weights, so it is not written and loop_state.json names the weights (`load` checks them).
     `export` (model_cfg, dtype, hf_dir) also writes the actor as an HF directory `hf/` into the checkpoint.
     `task_files(dir)` (rank 0) writes the task's non-JSON state (a reward model in training) into `task/`."""
     from megatron.core import dist_checkpointing
@@ -269,7 +278,8 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
     (tmp / "model").mkdir(exist_ok=True)
     dist.barrier()
     prime_optimizer(actor)  # before the first optimizer step (a run stopped at step 1) there is no state yet
-    dist_checkpointing.save(_sharded(actor, reference, loading=False), str(tmp / "model"))
+    written = reference if reference_from is None else None
+    dist_checkpointing.save(_sharded(actor, written, loading=False), str(tmp / "model"))
     if export is not None:
         if dist.get_rank() == 0:
             from grpo_mega.models.hf_io import read_hf_config
@@ -297,7 +307,8 @@ def save(store: CheckpointStore, step: int, actor, reference, loop_state: dict,
             loop_state = {**loop_state, "rollout": {**rollout, "routed_experts": save_routes(tmp, rollout["routed_experts"])}}
         with open(tmp / "loop_state.json", "w") as f:
             json.dump({**loop_state, "scheduler": actor.scheduler.state_dict(), "world_size": dist.get_world_size(),
-                       "rng_device": _rng_device(), "has_reference": reference is not None}, f)
+                       "rng_device": _rng_device(), "has_reference": reference is not None,
+                       "reference_from": reference_from if reference is not None else None}, f)
     dist.barrier()
     final = seal(store, step, tmp, meta={"step": step})
     return final if dist.get_rank() == 0 else None
@@ -402,9 +413,16 @@ def load(path: Path, actor, reference, base_model: Optional[dict] = None) -> dic
             f"{path} was saved without a reference model (algo.kl_coef={kl}), and this run needs one for its KL "
             "term: the reference is the initial policy, which the checkpoint no longer holds. Resume with "
             "algo.kl_coef=0 (and kl_in_reward=false), or start a new run")
+    source = state.get("reference_from")  # not written: the model path's weights, which this run has loaded
+    if reference is not None and not lora and source is not None and not same_base(source, base_model):
+        raise CheckpointError(
+            f"{path} holds no reference model: its reference is the initial policy, the weights of "
+            f"{describe_base(source)}, and this run's model is {describe_base(base_model)}: resume with the model the run "
+            "started from (model=...), or start a new run in another checkpoint.dir")
     _patch_distrib_optimizer_load()
     prime_optimizer(actor)
-    loaded = dist_checkpointing.load(_sharded(actor, reference, loading=True), str(path / "model"))
+    read = reference if source is None else None
+    loaded = dist_checkpointing.load(_sharded(actor, read, loading=True), str(path / "model"))
     if lora:  # the adapters; the base weights are the model path's, already loaded
         with torch.no_grad():
             for key, t in loaded["actor"].items():
@@ -418,7 +436,7 @@ def load(path: Path, actor, reference, base_model: Optional[dict] = None) -> dic
         group["max_lr"], group["min_lr"] = actor.optim.lr, actor.optim.min_lr
     _unshare_steps(actor)
     actor.optimizer.reload_model_params()
-    if reference is not None and not lora:
+    if read is not None and not lora:
         reference.built.gpt.load_state_dict({k[len("reference."):] if k.startswith("reference.") else k: v
                                              for k, v in loaded["reference"].items()})
     actor.scheduler.load_state_dict(state["scheduler"])

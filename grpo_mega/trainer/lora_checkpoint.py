@@ -1,6 +1,7 @@
 """What a LoRA checkpoint adds to a training checkpoint (grpo_mega/trainer/checkpoint.py): the identity of the base
 model the adapters were trained on (`base_model_identity`, kept in loop_state.json under "lora" with the adapters'
-shape settings, `lora_state`), the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
+shape settings, `lora_state`; also what names a full checkpoint's unwritten reference, grpo_mega/trainer/checkpoint.py),
+the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
 adapters as a PEFT LoRA directory (`export_peft`, `peft_refusal`) beside the merged HF export."""
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def lora_state(actor, base_model: Optional[dict]) -> Optional[dict]:
             "base_model": base_model}
 
 
-def _describe(base: Optional[dict]) -> str:
+def describe_base(base: Optional[dict]) -> str:
+    """The weights a base_model_identity names, for a message."""
     if not base:
         return "an unrecorded base model"
     digest = base.get("weights_sha256") or base.get("sha256")
@@ -71,7 +73,8 @@ def _describe(base: Optional[dict]) -> str:
     return f"{base['path']} (random init, run.seed={base.get('init_seed')})"
 
 
-def _same_base(a: Optional[dict], b: Optional[dict]) -> bool:
+def same_base(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Do two base_model_identity records name the same weights?"""
     for key in ("weights_sha256", "sha256"):
         if a and b and key in a and key in b:
             return a[key] == b[key]  # the same bytes, wherever they were moved
@@ -100,9 +103,9 @@ def check_lora(path: Path, state: dict, actor, base_model: Optional[dict]) -> No
     if diffs:
         raise CheckpointError(f"{path} was trained with other adapters: {', '.join(diffs)}; resume with its lora "
                               "settings, or start a new run in another checkpoint.dir")
-    if not _same_base(saved.get("base_model"), base_model):
-        raise CheckpointError(f"{path} holds LoRA adapters trained on base model {_describe(saved.get('base_model'))}, "
-                              f"not on this run's {_describe(base_model)}: resume with the base model it was trained "
+    if not same_base(saved.get("base_model"), base_model):
+        raise CheckpointError(f"{path} holds LoRA adapters trained on base model {describe_base(saved.get('base_model'))}, "
+                              f"not on this run's {describe_base(base_model)}: resume with the base model it was trained "
                               "on (model=...), or start a new run in another checkpoint.dir")
 
 

@@ -121,17 +121,21 @@ class Run:
         self.reward_budget = RewardBudget(cfg.reward.max_error_fraction, cfg.reward.error_window)
         self.skips = SkipStreak(cfg.optim.max_consecutive_skips)
         self.first_step, self.store, state, self.saved_step = 1, None, None, None
-        self.base_model = None  # under LoRA with checkpoints: what the adapters are trained on (hashed once)
+        # with checkpoints, what the initial weights are (hashed once): LoRA's base, or the model path a reference
+        # still holds (then not written into checkpoints); it stops being that path's when algo.ref_update_interval
+        # resets it
+        self.base_model, self.reference_initial = None, True
         if cfg.checkpoint.dir:
             from grpo_mega.trainer import checkpoint, lora_checkpoint
 
-            if cfg.lora.enabled:
+            if cfg.lora.enabled or (hf_dir is not None and isinstance(self.reference, Reference)):
                 self.base_model = lora_checkpoint.base_model_identity(
                     cfg.model, hf_dir, cfg.run.seed, torch.distributed.get_rank(), torch.distributed.get_world_size(),
                     gather=comm.all_gather_objects)
             self.store, state = checkpoint.open_for_run(cfg.checkpoint, self.actor, self.reference, cfg.to_dict(),
                                                         base_model=self.base_model)
             if state is not None:
+                self.reference_initial = state.get("reference_from") is not None
                 self.first_step = state["step"] + 1
                 self.saved_step = state["step"]
                 if task.set_state is not None:
@@ -180,6 +184,7 @@ class Run:
         every = self.cfg.algo.ref_update_interval
         if self.reference is not None and every and step % every == 0:
             self.reference.load_from(self.actor)
+            self.reference_initial = False
 
     def eval_due(self, step: int) -> bool:
         """Validation before step 1 (step 0), every eval.interval steps and after the last; never with interval 0."""
@@ -229,8 +234,14 @@ class Run:
         checkpoint.save(self.store, step, self.actor, self.reference, state,
                         export=dict(model_cfg=self.model, dtype=self.actor.params_dtype, hf_dir=self.hf_dir,
                                     hf=c.export_hf),
-                        task_files=self.task.save_files)
+                        task_files=self.task.save_files, reference_from=self._reference_from())
         self.saved_step = step
+
+    def _reference_from(self) -> Optional[dict]:
+        """The model path's identity while the reference (a copy of its own) still holds its weights; None: the
+        reference is written (a random-init model's, one reset by algo.ref_update_interval, or none)."""
+        holds = self.reference_initial and isinstance(self.reference, Reference)
+        return self.base_model if holds and "weights_sha256" in (self.base_model or {}) else None
 
     def stop(self, step: int, why: str, trained: bool) -> None:
         """Collective, the same on every rank (grpo_mega.trainer.guards): checkpoint the last good state, then

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from tests.bench import run_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,3 +23,5 @@ def test_bench_checkpoint_writes_json(tmp_path):
     assert data["summary"]["world2"]["hash_bytes_vs_rank0"] < 0.7
     p = data["projection_70b"]
     assert p["ranks"] == 64 and 1.0e12 < p["total_bytes"] < 1.3e12 and p["per_rank_s"] < p["rank0_alone_s"] / 50
+    assert p["total_bytes"] - p["total_without_reference_gb"] * 1e9 == pytest.approx(p["reference_bf16_once_reset"])
+    assert p["reference_bf16_once_reset"] == 2 * p["params"]

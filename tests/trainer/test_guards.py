@@ -111,6 +111,9 @@ def prompts(tmp_path_factory):
     return tiny_chat_hf(d / "model"), d / "arith.jsonl"
 
 
+KL = "algo.kl_coef=0.01"
+
+
 def _cli(out: Path, prompts, reward: str, *extra, steps: int = 3):
     model, data = prompts
     argv = [f"hydra.run.dir={out}", "task=prompts", *demo_settings(), f"model={model}", f"data.train_files={data}",
@@ -136,11 +139,13 @@ def test_a_numpy_reward_trains(prompts, tmp_path):
 def test_failed_rewards_stop_the_run_after_a_checkpoint_that_resumes_into_the_uninterrupted_run(prompts, tmp_path):
     """The reward turns NaN at step 2: the run stops there with one line and exit 2, step 2 untrained, after a
     checkpoint of step 1 (the data cursor rewound to before step 2's prompts). Resumed with the reward fixed, it
-    trains steps 2 and 3 exactly as a run that never failed."""
-    whole = _cli(tmp_path / "whole", prompts, "numpy_reward")
+    trains steps 2 and 3 exactly as a run that never failed. With a KL term: the checkpoint holds no reference (the
+    model path's weights, loaded again on resume: tests/trainer/test_resume.py), and the KL resumes exactly too."""
+    whole = _cli(tmp_path / "whole", prompts, "numpy_reward", KL)
     assert whole.returncode == 0, whole.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
-    failed = _cli(tmp_path / "failed", prompts, "fails_after_four", f"checkpoint.dir={ckpt}", "reward.error_window=1")
+    failed = _cli(tmp_path / "failed", prompts, "fails_after_four", f"checkpoint.dir={ckpt}", "reward.error_window=1",
+                  KL)
     assert failed.returncode == 2, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: the reward failed on 4 of 4 samples in step 2 (more than reward.max_error_fraction"
@@ -149,12 +154,13 @@ def test_failed_rewards_stop_the_run_after_a_checkpoint_that_resumes_into_the_un
     assert "Traceback" not in failed.stderr
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_00000001"]
     assert list(_rows(tmp_path / "failed")) == [1]  # step 2 was not trained (no row)
-    resumed = _cli(tmp_path / "resumed", prompts, "numpy_reward", f"checkpoint.dir={ckpt}")
+    assert json.loads((ckpt / "step_00000001" / "loop_state.json").read_text())["reference_from"]["weights_sha256"]
+    resumed = _cli(tmp_path / "resumed", prompts, "numpy_reward", f"checkpoint.dir={ckpt}", KL)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = _rows(tmp_path / "whole"), _rows(tmp_path / "resumed")
-    assert list(b) == [2, 3]
+    assert list(b) == [2, 3] and a[3]["kl"] > 0
     for s in (2, 3):
-        for key in ("reward", "loss", "grad_norm", "entropy"):
+        for key in ("reward", "loss", "grad_norm", "entropy", "kl"):
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-6, abs=1e-6), (s, key)
 
 

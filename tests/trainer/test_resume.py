@@ -183,3 +183,54 @@ def test_resume_reports_changed_settings_and_a_changed_lr_takes_effect(uninterru
     assert saved["config"]["optim"]["lr"] == 0.002 and saved["weight_version"] == 3
     again = run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path)  # already at run.steps
     assert again.returncode == 0 and "nothing to do: the run resumed at run.steps=3" in again.stdout
+
+
+# ---- the reference of a model path is not written while it is that path's weights ---------------------------------
+
+def _tensors(step: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(step / "model")).read_metadata()
+    return [k for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")]
+
+
+def test_the_reference_of_a_model_path_is_checked_not_written_until_it_is_reset(tmp_path):
+    """An HF model with a KL term (algo.kl_coef) and algo.ref_update_interval=2: the step-1 checkpoint holds no
+    reference tensor and names the model's weights (its sha256); step 2 reset the reference to the policy, so its
+    checkpoint holds it. Resumed from step 1 with a model of other weights (same shapes), the run is refused in one
+    line naming both. (A resume from such a checkpoint trains as the run that never stopped:
+    tests/trainer/test_guards.py's failed-rewards resume, with a KL term.)"""
+    from grpo_mega.trainer.lora_checkpoint import base_model_identity
+    from tests.models.hf_fixtures import demo_settings, tiny_chat_hf
+
+    model, other = tiny_chat_hf(tmp_path / "model"), tiny_chat_hf(tmp_path / "other", seed=1)
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+                                        "reward_model": {"ground_truth": str(a + b)}}) + "\n"
+                            for a, b in [(2, 3), (4, 4), (7, 1), (3, 5)]))
+    ckpt = tmp_path / "ckpt"
+
+    def train(out: str, path: Path, steps: int):
+        argv = [f"hydra.run.dir={tmp_path / out}", "task=prompts", *demo_settings(), f"model={path}",
+                f"data.train_files={data}", "batch.train_batch_size=2", "rollout.n=2", "batch.ppo_mini_batch_size=2",
+                "batch.micro_batch_size=4", "batch.max_response_length=4", "eval.interval=0", f"run.steps={steps}",
+                "algo.kl_coef=0.01", "algo.ref_update_interval=2", f"checkpoint.dir={ckpt}", "checkpoint.interval=1",
+                "checkpoint.keep_last=null"]
+        (tmp_path / out).mkdir()
+        return run_main(argv, timeout=300, cwd=ROOT, scratch=tmp_path)
+
+    proc = train("run", model, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = ckpt / "step_00000001", ckpt / "step_00000002"
+    state = json.loads((first / "loop_state.json").read_text())
+    assert state["has_reference"] and state["reference_from"] == base_model_identity(str(model), str(model), 0)
+    assert state["reference_from"]["weights_sha256"] and not [k for k in _tensors(first) if k.startswith("reference.")]
+    assert json.loads((second / "loop_state.json").read_text())["reference_from"] is None
+    written = [k for k in _tensors(second) if k.startswith("reference.")]
+    assert written and len(written) == len([k for k in _tensors(second) if not k.startswith(("reference.", "optimizer."))])
+    shutil.rmtree(second)
+    proc = train("other_run", other, 2)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "holds no reference model" in line]
+    assert len(errors) == 1 and f"the weights of {model.resolve()} (sha256 of its weights " in errors[0] \
+        and f"this run's model is {other.resolve()} (sha256" in errors[0], proc.stderr[-3000:]
