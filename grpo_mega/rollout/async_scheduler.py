@@ -13,7 +13,9 @@ in flight (SGLang's /pause_generation, mode abort, which the stand-in implements
 under the new weights from its token prefix (between two syncs a server starts a segment from the keys and values of
 its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens records the version that
 produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is generated in one request
-and keeps its version: rank 0 sends no new request and waits for those in flight before the sync.
+and keeps its version: rank 0 sends no new request and waits for those in flight before the sync. Each request in
+flight holds a connection, so the workers start only once rank 0's soft limit on open files covers them (raised to
+the hard limit when short; a hard limit too low is every rank's error, naming the limits and the way out).
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
@@ -52,11 +54,16 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
+from grpo_mega.engines.client import POOLED
 from grpo_mega.engines.interface import Generation, sample_seed
+from grpo_mega.processes import open_files_for
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.rollout.scheduler import SamplingArgs, StepSamples
 
 log = logging.getLogger(__name__)
+
+FILES_BESIDE = 1024
+"""Open files counted for the rest of rank 0's process (libraries, gloo's sockets, checkpoint files, reward workers)."""
 
 DROP_WINDOW, DROP_WARN = 10, 0.1
 """Said once a run: over the last DROP_WINDOW steps more than DROP_WARN of the completed samples were dropped."""
@@ -259,6 +266,19 @@ class AsyncRolloutScheduler:
     def _start_workers(self) -> None:
         urls = self.engines.local.urls
         slots = -(-self.batch_size // len(urls)) * self.sampling.n  # responses each server decodes at once
+        # a connection per request in flight (and the client's idle ones) on top of what the process holds already
+        needed = len(urls) * (slots + self.sampling.n + POOLED) + FILES_BESIDE
+        try:
+            open_files_for(needed)
+        except ValueError as e:
+            with self.cond:
+                self.error = (f"rollout.mode=async keeps one request per unfinished response in flight, each on a "
+                              f"connection of its own ({len(urls)} servers x {slots + self.sampling.n} from "
+                              f"batch.train_batch_size={self.batch_size} x rollout.n={self.sampling.n}), so rank 0 "
+                              f"{e}: raise the job's limit on open files, or lower batch.train_batch_size x "
+                              "rollout.n per server (more servers)", False)
+                self.cond.notify_all()
+            return
         self.mark = time.perf_counter()
         for url in urls:
             t = threading.Thread(target=self._work, args=(url, slots), name=f"rollout-async-{url}", daemon=True)

@@ -515,6 +515,41 @@ def test_a_run_that_drops_many_samples_as_stale_is_told_once(caplog):
             assert said == [], said
 
 
+OPEN_FILES = """
+import resource, sys
+from types import SimpleNamespace
+from grpo_mega.processes import open_files_for
+from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+from grpo_mega.rollout.scheduler import SamplingArgs
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+assert open_files_for(100) == 256 and open_files_for(1000) == 4096  # raised to the hard limit when short
+assert resource.getrlimit(resource.RLIMIT_NOFILE) == (4096, 4096)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2000))
+s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=SimpleNamespace(urls=["u1", "u2"])), lambda size: [], 64,
+                          SamplingArgs(16, 1.0, 1.0, 8, [], seed=3), staleness=2)
+s._start_workers()  # 2 servers x (32 x 16 + 16 in flight + 32 idle) + 1024 > 2000: no worker, the error for every rank
+print(s._take(1)[0]["error"][0], len(s.workers))
+"""
+
+
+def test_rank_0_makes_room_for_a_connection_per_response_or_names_the_limit():
+    """Async mode holds a connection per unfinished response: the soft limit on open files (1024 on many clusters) is
+    raised to the hard limit when short, and a hard limit too low for the batch is named, with the way out, for every
+    rank (as a worker's error) before any request is sent. Run in a process of its own (it lowers its limits)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", OPEN_FILES], capture_output=True, text=True, cwd=REPO, env=ENV,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == (
+        "rollout.mode=async keeps one request per unfinished response in flight, each on a connection of its own (2 "
+        "servers x 528 from batch.train_batch_size=64 x rollout.n=16), so rank 0 needs about 2144 open files and this "
+        "process may open 256 (soft limit), at most 2000 (hard limit, ulimit -Hn): raise the job's limit on open "
+        "files, or lower batch.train_batch_size x rollout.n per server (more servers) 0"), done.stdout
+
+
 def test_refusals():
     from grpo_mega.conf.rollout import RolloutConfig
     from grpo_mega.conf.schema import TrainConfig
