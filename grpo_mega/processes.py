@@ -1,5 +1,5 @@
 """Process utilities shared by the launchers, the trainer's helpers and the tests: free ports, ending a process
-tree by PID (never by name), the last lines of a log, and room for open files."""
+tree by PID (never by name), and the last lines of a log."""
 
 from __future__ import annotations
 
@@ -76,21 +76,3 @@ def stop(proc) -> None:
 
 
 
-
-def open_files_for(needed: int) -> int:
-    """This process's soft limit on open files (RLIMIT_NOFILE) raised to its hard limit when it is below `needed`
-    (a connection is a file: many clusters start jobs at a soft limit of 1024); returns the soft limit now.
-    ValueError naming both limits when the hard limit is below `needed`: only the job's or the node's settings
-    (ulimit -Hn, Slurm's or the container's limits) can raise it."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    infinite = resource.RLIM_INFINITY
-    if soft == infinite or soft >= needed:
-        return soft
-    if hard != infinite and hard < needed:
-        raise ValueError(f"needs about {needed} open files and this process may open {soft} (soft limit), at most "
-                         f"{hard} (hard limit, ulimit -Hn)")
-    target = max(needed, 65536) if hard == infinite else hard
-    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    return target

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import queue
+import resource
 import select
 import socket
 import threading
@@ -70,6 +71,23 @@ API_KEY_ENV = "GRPO_MEGA_SERVER_API_KEY"
 def auth_headers() -> dict:
     key = os.environ.get(API_KEY_ENV)
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def open_files_for(needed: int) -> int:
+    """This process's soft limit on open files (RLIMIT_NOFILE) raised to its hard limit when it is below `needed`
+    (a connection is a file: many clusters start jobs at a soft limit of 1024); returns the soft limit now.
+    ValueError naming both limits when the hard limit is below `needed`: only the job's or the node's settings
+    (ulimit -Hn, Slurm's or the container's limits) can raise it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = resource.RLIM_INFINITY
+    if soft == infinite or soft >= needed:
+        return soft
+    if hard != infinite and hard < needed:
+        raise ValueError(f"needs about {needed} open files and this process may open {soft} (soft limit), at most "
+                         f"{hard} (hard limit, ulimit -Hn)")
+    target = max(needed, 65536) if hard == infinite else hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return target
 
 
 def routable_address(urls: list[str]) -> str:

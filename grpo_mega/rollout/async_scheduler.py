@@ -54,9 +54,8 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.engines.client import POOLED
+from grpo_mega.engines.client import POOLED, open_files_for
 from grpo_mega.engines.interface import Generation, sample_seed
-from grpo_mega.processes import open_files_for
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.rollout.scheduler import SamplingArgs, StepSamples
 

@@ -518,7 +518,7 @@ def test_a_run_that_drops_many_samples_as_stale_is_told_once(caplog):
 OPEN_FILES = """
 import resource, sys
 from types import SimpleNamespace
-from grpo_mega.processes import open_files_for
+from grpo_mega.engines.client import open_files_for
 from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
 from grpo_mega.rollout.scheduler import SamplingArgs
 
