@@ -75,4 +75,3 @@ def stop(proc) -> None:
     proc.wait(timeout=30)
 
 
-
