@@ -19,10 +19,12 @@ the hard limit when short; a hard limit too low is every rank's error, naming th
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
-dropped and counted. Groups are started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped
-so far were started in all, v the servers' version (AReaL's rule): a group started on version v can still be trained
-at step v+k+1, so only the long tail of a group that waits past that is dropped; a run that drops more than a tenth
-of what the servers complete over 10 steps is told so once. A group's advantages are computed after all its samples
+dropped and counted, and so is a group still in flight as soon as its oldest token falls behind the bound (its
+responses are not sent again: with partial rollouts the next sync interrupts them). Groups are started only while
+fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v the servers' version
+(AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the long tail of a group
+that waits past that is dropped; a run that drops more than a tenth of what the servers complete over 10 steps is
+told so once. A group's advantages are computed after all its samples
 are done (the batch only holds complete groups); a group may span versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
@@ -96,6 +98,12 @@ class Group:
     def oldest(self) -> int:
         return min(v for r in self.responses for v in r.versions)
 
+    @property
+    def started_on(self) -> Optional[int]:
+        """The oldest version among its tokens so far (None before its first token): a response's versions only grow,
+        so its first token's."""
+        return min((r.versions[0] for r in self.responses if r.versions), default=None)
+
 
 class AsyncRolloutScheduler:
     """The loop's source of samples in rollout.mode=async. Collective where RolloutScheduler's is."""
@@ -125,6 +133,7 @@ class AsyncRolloutScheduler:
         self.holding = False  # no new request: a sync waits for those in flight (partial rollouts off)
         self.last_groups: list[Group] = []  # the last step's (rewind puts them back)
         self.started = 0
+        self.floor = -self.k  # the oldest version the trainer's next batch may hold (set by each take)
         self.error: Optional[tuple[str, bool]] = None
         self.closing = False
         self.workers: list[threading.Thread] = []
@@ -205,6 +214,10 @@ class AsyncRolloutScheduler:
                         if isinstance(rows, Exception):
                             raise rows
                         ids, lps, reason, version = rows[0]
+                        self.generated_tokens += len(ids)
+                        sending.discard(id(r))
+                        if not any(a is g for a in active):  # dropped as stale while this request ran
+                            continue
                         r.tokens += ids
                         r.logprobs += lps
                         r.versions += [version] * len(ids)
@@ -212,11 +225,15 @@ class AsyncRolloutScheduler:
                         # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
                         if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
                             r.finish = "length" if reason == "abort" else reason
-                        self.generated_tokens += len(ids)
-                        sending.discard(id(r))
                         if g.done:
                             self.done.append(g)
                             active.remove(g)
+                    # a group older than the trainer's bound can never be trained: its responses are not sent again
+                    # (with partial rollouts every sync interrupts them), and its room goes to new groups
+                    for g in [g for g in active if g.started_on is not None and g.started_on < self.floor]:
+                        active.remove(g)
+                        self.dropped += len(g.responses)
+                        self.dropped_groups += 1
                     if answers:
                         answers.clear()
                         self.cond.notify_all()
@@ -292,6 +309,8 @@ class AsyncRolloutScheduler:
         floor = (step - 1) - self.k
         short = False  # the trainer waited for samples (rollout.fresh_groups then lets the servers run ahead)
         with self.cond:
+            self.floor = floor
+            self.cond.notify_all()  # the workers drop the groups in flight this leaves behind
             while True:
                 if self.error is not None:
                     return {"error": self.error}, time.perf_counter() - t0

@@ -436,6 +436,52 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
     assert budgets == {(g, 40 - g) for g in range(6)}, budgets
 
 
+def test_a_group_in_flight_that_falls_behind_the_bound_is_dropped_at_once():
+    """k = 1: group 0's first response never ends (each request a cut segment), so it started on version 0 and can
+    never be trained once the trainer takes step 3 (versions >= 1). It is dropped then, in flight: counted, out of
+    the checkpoint's groups, its response not sent again (a server's time goes to groups that can train)."""
+    import threading
+    from types import SimpleNamespace
+
+    from grpo_mega.engines.interface import sample_seed
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    long_seed, lock, version, sent = sample_seed(3 * 1_000_003, 0, 0) % (2**31), threading.Lock(), [0], []
+
+    class Client:
+        urls = ["u"]
+
+        def generate_segment(self, url, inputs, params):
+            time.sleep(0.01)
+            with lock:
+                sent.extend(p["custom_params"]["sample_seed"] for p in params)
+                return [([5], [-0.1], "length" if p["custom_params"]["sample_seed"] == long_seed else "stop",
+                         version[0]) for p in params]
+
+    draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
+    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 1, SamplingArgs(2, 1.0, 1.0, 10_000, [],
+                              seed=3), staleness=1, fresh=False)
+    s._start_workers()
+    try:
+        for step in (1, 2, 3):
+            out, _ = s._take(step)
+            assert "error" not in out and out["groups"][0].index != 0, out
+            with s.cond:  # the sync after the step
+                s.version = version[0] = step
+                s.cond.notify_all()
+        time.sleep(0.5)  # a request in flight at the drop comes back
+        with lock:
+            long_requests = sent.count(long_seed)
+        time.sleep(0.3)
+        with lock:
+            assert sent.count(long_seed) == long_requests >= 2, "sent again before the drop, never after"
+        with s.cond:
+            assert s.dropped_groups == 1 and 0 not in [g.index for g in s._saved()[0]]  # what a checkpoint holds
+    finally:
+        s.close()
+
+
 def test_fresh_groups_start_none_while_a_batch_waits():
     """rollout.fresh_groups: with generation far faster than training, no group starts while a batch of complete
     groups waits; taking the batch lets the workers start again (without it they run to the staleness cap). A
