@@ -156,7 +156,8 @@ ROWS = [
         lambda d: f"step {d['modes']['in_turn']['step_s']:.3f} -> {d['modes']['one_step_ahead']['step_s']:.3f} s "
                   f"({_x(d['step_ratio'])}; at best {_x(d['step_ratio_bound'])}); "
                   f"{_x(d['step_over_phase_sum'])} its serial phase sum"),
-    Row("fully async (k=2) vs one step ahead, heavy-tailed lengths", "async.json", "python -m bench.async_rl --repeats 4",
+    Row("fully async (k=2) vs one step ahead, heavy-tailed lengths", "async.json",
+        "python -m bench.async_rl --repeats 4",
         lambda d: _async(d, f"ceilings: trainer-bound {_x(d['trainer_bound_over_one_step_ahead'])}, server kept full "
                             f"{_x(d['server_bound_over_one_step_ahead'])}; ",
                          f"trainer idle {d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "

@@ -24,8 +24,8 @@ responses are not sent again: with partial rollouts the next sync interrupts the
 fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v the servers' version
 (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the long tail of a group
 that waits past that is dropped; a run that drops more than a tenth of what the servers complete over 10 steps is
-told so once. A group's advantages are computed after all its samples
-are done (the batch only holds complete groups); a group may span versions.
+told so once. A group's advantages are computed after all its samples are done (the batch only holds complete
+groups); a group may span versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
 step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.

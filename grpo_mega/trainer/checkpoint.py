@@ -417,8 +417,8 @@ def load(path: Path, actor, reference, base_model: Optional[dict] = None) -> dic
     if reference is not None and not lora and source is not None and not same_base(source, base_model):
         raise CheckpointError(
             f"{path} holds no reference model: its reference is the initial policy, the weights of "
-            f"{describe_base(source)}, and this run's model is {describe_base(base_model)}: resume with the model the run "
-            "started from (model=...), or start a new run in another checkpoint.dir")
+            f"{describe_base(source)}, and this run's model is {describe_base(base_model)}: resume with the model "
+            "the run started from (model=...), or start a new run in another checkpoint.dir")
     _patch_distrib_optimizer_load()
     prime_optimizer(actor)
     read = reference if source is None else None

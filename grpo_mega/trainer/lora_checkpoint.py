@@ -1,7 +1,7 @@
 """What a LoRA checkpoint adds to a training checkpoint (grpo_mega/trainer/checkpoint.py): the identity of the base
 model the adapters were trained on (`base_model_identity`, kept in loop_state.json under "lora" with the adapters'
-shape settings, `lora_state`; also what names a full checkpoint's unwritten reference, grpo_mega/trainer/checkpoint.py),
-the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
+shape settings, `lora_state`; also what names a full checkpoint's unwritten reference,
+grpo_mega/trainer/checkpoint.py), the refusal of a checkpoint that cannot continue this run (`check_lora`), and the
 adapters as a PEFT LoRA directory (`export_peft`, `peft_refusal`) beside the merged HF export."""
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def check_lora(path: Path, state: dict, actor, base_model: Optional[dict]) -> No
         raise CheckpointError(f"{path} was trained with other adapters: {', '.join(diffs)}; resume with its lora "
                               "settings, or start a new run in another checkpoint.dir")
     if not same_base(saved.get("base_model"), base_model):
-        raise CheckpointError(f"{path} holds LoRA adapters trained on base model {describe_base(saved.get('base_model'))}, "
-                              f"not on this run's {describe_base(base_model)}: resume with the base model it was trained "
-                              "on (model=...), or start a new run in another checkpoint.dir")
+        trained_on, ours = describe_base(saved.get("base_model")), describe_base(base_model)
+        raise CheckpointError(f"{path} holds LoRA adapters trained on base model {trained_on}, not on this run's "
+                              f"{ours}: resume with the base model it was trained on (model=...), or start a new "
+                              "run in another checkpoint.dir")
 
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -89,7 +89,8 @@ def test_bench_async_rl_both_workloads(tmp_path):
     assert data["trainer_bound_over_one_step_ahead"] >= 1 and data["step_ratio"] is None
     one = data["modes"]["one_step_ahead"]  # the server's full rate: k2's tokens per busy second
     rate = k2["generated_tokens_per_s"] / (1 - k2["server_idle_fraction"])
-    assert data["server_bound_over_one_step_ahead"] == pytest.approx(one["step_s"] * rate / one["generated_tokens_per_step"])
+    bound = one["step_s"] * rate / one["generated_tokens_per_step"]
+    assert data["server_bound_over_one_step_ahead"] == pytest.approx(bound)
 
 
 def test_bench_routing_writes_json(tmp_path):

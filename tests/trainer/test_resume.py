@@ -227,7 +227,8 @@ def test_the_reference_of_a_model_path_is_checked_not_written_until_it_is_reset(
     assert state["reference_from"]["weights_sha256"] and not [k for k in _tensors(first) if k.startswith("reference.")]
     assert json.loads((second / "loop_state.json").read_text())["reference_from"] is None
     written = [k for k in _tensors(second) if k.startswith("reference.")]
-    assert written and len(written) == len([k for k in _tensors(second) if not k.startswith(("reference.", "optimizer."))])
+    actor = [k for k in _tensors(second) if not k.startswith(("reference.", "optimizer."))]
+    assert written and len(written) == len(actor)
     shutil.rmtree(second)
     proc = train("other_run", other, 2)
     assert proc.returncode != 0
