@@ -94,12 +94,11 @@ class Group:
     def done(self) -> bool:
         return all(r.finish is not None for r in self.responses)
 
-    @property
-    def oldest(self) -> int:
-        return min(v for r in self.responses for v in r.versions)
+    stale: bool = False
+    """Dropped while in flight: it fell behind the staleness bound (its requests' answers are thrown away)."""
 
     @property
-    def started_on(self) -> Optional[int]:
+    def oldest(self) -> Optional[int]:
         """The oldest version among its tokens so far (None before its first token): a response's versions only grow,
         so its first token's."""
         return min((r.versions[0] for r in self.responses if r.versions), default=None)
@@ -216,7 +215,7 @@ class AsyncRolloutScheduler:
                         ids, lps, reason, version = rows[0]
                         self.generated_tokens += len(ids)
                         sending.discard(id(r))
-                        if not any(a is g for a in active):  # dropped as stale while this request ran
+                        if g.stale:  # dropped while this request ran
                             continue
                         r.tokens += ids
                         r.logprobs += lps
@@ -230,7 +229,8 @@ class AsyncRolloutScheduler:
                             active.remove(g)
                     # a group older than the trainer's bound can never be trained: its responses are not sent again
                     # (with partial rollouts every sync interrupts them), and its room goes to new groups
-                    for g in [g for g in active if g.started_on is not None and g.started_on < self.floor]:
+                    for g in [g for g in active if g.oldest is not None and g.oldest < self.floor]:
+                        g.stale = True
                         active.remove(g)
                         self.dropped += len(g.responses)
                         self.dropped_groups += 1
@@ -314,11 +314,11 @@ class AsyncRolloutScheduler:
             while True:
                 if self.error is not None:
                     return {"error": self.error}, time.perf_counter() - t0
-                stale = [g for g in self.done if g.oldest < floor]
+                stale = [g for g in self.done if g.oldest is not None and g.oldest < floor]  # (None: refused below)
                 if stale:
                     self.dropped += sum(len(g.responses) for g in stale)
                     self.dropped_groups += len(stale)
-                    self.done = [g for g in self.done if g.oldest >= floor]
+                    self.done = [g for g in self.done if g.oldest is None or g.oldest >= floor]
                     self.cond.notify_all()
                 if len(self.done) >= self.batch_size:
                     break
