@@ -50,8 +50,12 @@ class RankFailed(AssertionError):
     """A forked rank raised, died, or ran past its timeout."""
 
 
-# After the first failure, how long the other ranks still have to report or die before they are ended.
+# After the first failure, how long the other ranks still have to report or die before they are ended; longer
+# (PEER_LOST_GRACE_S) while a reported failure is a lost connection to a peer: that peer most likely died, and a
+# loaded machine can take seconds to let its exit reach us.
 GRACE_S = 1.0
+PEER_LOST_GRACE_S = 10.0
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def _child(rank: int, world_size: int, store_path: str, conn, fn: Callable, args: tuple, kwargs: dict):
@@ -142,7 +146,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                     # still count for a moment: a rank that died often reaches its peers' sockets before its
                     # own pipe and exit code reach us, and the death is the cause worth naming.
                     grace = True
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                    peer_lost = not died and any(m in f for f in failures for m in _PEER_LOST)
+                    deadline = min(deadline, time.monotonic() + (PEER_LOST_GRACE_S if peer_lost else GRACE_S))
         finally:
             # Every rank has answered or failed: end each rank's process group (the rank and anything it
             # started) before reaping, so that the PID cannot have been reused.

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpo_mega.parallel.forked import RankFailed, run_ranks
+from grpo_mega.parallel.forked import GRACE_S, RankFailed, run_ranks
 
 
 def _all_reduce_rank():
@@ -35,8 +35,11 @@ def test_a_raising_rank_fails_fast_with_its_traceback():
 
 
 def _rank0_dies_after_its_peer_noticed():
+    dist.barrier()  # both ranks past gloo's connection setup: rank 1's error is the test's, not a failed init
     if dist.get_rank() == 0:
-        time.sleep(0.3)  # its peer's error reaches the parent first, as when gloo sees a closed socket
+        # its peer's error reaches the parent first, as when gloo sees a closed socket, and rank 0's death only
+        # after forked.GRACE_S: a lost connection keeps the harness listening longer (PEER_LOST_GRACE_S)
+        time.sleep(GRACE_S + 0.5)
         os._exit(3)
     raise RuntimeError("Connection closed by peer")
 
