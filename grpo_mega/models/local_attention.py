@@ -28,9 +28,9 @@ class SDPACoreAttention(_dot_product_attention()):
     forward(query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask, ...) -> [s, b, np*hn]: causal
     attention per row when attention_mask is None. For a packed row ([S, 1, ...]) `attention_mask` carries the
     offsets of its sequences instead of a mask (`packed_row_mask`: [k+1] int32, cu[0] = 0); the row's positions
-    from cu[-1] on are padding. The sequences are gathered into k rows of the longest one's length, attend
-    causally in one SDPA call (a sequence's padding comes after it: causality keeps it unseen) and are
-    scattered back; the padding's output is 0. Carried in the mask's argument, the offsets reach every layer and
+    from cu[-1] on are padding. The sequences are gathered into a few buckets of similar lengths (`_buckets`), each
+    bucket's into rows of its longest one's length, attend causally in one SDPA call a bucket (a sequence's padding
+    comes after it: causality keeps it unseen) and are scattered back; the padding's output is 0. Carried in the mask's argument, the offsets reach every layer and
     megatron's activation recomputation (selective or full) as an input of the checkpointed function, as a
     mask would. A dense mask is refused: no row built here needs one."""
 
@@ -54,21 +54,57 @@ class SDPACoreAttention(_dot_product_attention()):
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, np*hn]
-        gather, scatter, n, width = _packed_index(attention_mask, s, b)
-        if n == 0:
+        buckets, scatter = _packed_index(attention_mask, s, b)
+        if not buckets:
             return query.new_zeros(s, b, q.shape[1] * q.shape[3])
-        # [1, heads, S, hn] -> [n, heads, width, hn]: sequence j's tokens at row j, then its padding
-        q, k, v = (t.index_select(2, gather).unflatten(2, (n, width)).transpose(0, 2).squeeze(2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
-        out = out.permute(0, 2, 1, 3).reshape(n * width, -1)  # [n * width, np*hn]
-        out = torch.cat([out, out.new_zeros(1, out.shape[1])])  # slot n * width: the row's padding
-        return out.index_select(0, scatter).view(s, b, -1)
+        outs = []
+        for gather, n, width in buckets:  # sequences of similar lengths together: less padding to attend over
+            # [1, heads, S, hn] -> [n, heads, width, hn]: sequence j's tokens at row j, then its padding
+            qb, kb, vb = (t.index_select(2, gather).unflatten(2, (n, width)).transpose(0, 2).squeeze(2)
+                          for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+            outs.append(out.permute(0, 2, 1, 3).reshape(n * width, -1))  # [n * width, np*hn]
+        outs.append(outs[0].new_zeros(1, outs[0].shape[1]))  # the last slot: the row's padding
+        return torch.cat(outs).index_select(0, scatter).view(s, b, -1)
+
+
+CALL_SLOTS = 64
+"""What one more SDPA call costs, in slots of the [n, width] layout (on one CPU core a call over 1 x 48 slots took what
+~70 slots of a 32 x 48 one did): the sequences are cut into another bucket where that saves more padding."""
+MAX_BUCKETS = 4
+
+
+def _buckets(lens: list[int]) -> list[list[int]]:
+    """The sequences (indices into `lens`) in at most MAX_BUCKETS buckets of similar lengths, longest first: the
+    split of the sorted lengths with the fewest slots (a bucket's count x its longest) plus CALL_SLOTS a bucket."""
+    order = sorted(range(len(lens)), key=lambda j: -lens[j])
+    w = [max(lens[j], 1) for j in order]
+    n = len(order)
+    # best[b][i]: the cost of the first i sorted sequences in b buckets; cut[b][i]: where the last bucket starts
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(MAX_BUCKETS + 1)]
+    cut = [[0] * (n + 1) for _ in range(MAX_BUCKETS + 1)]
+    best[0][0] = 0
+    for b in range(1, MAX_BUCKETS + 1):
+        for i in range(1, n + 1):
+            for j in range(b - 1, i):  # the last bucket holds sorted sequences j..i-1, as wide as the j-th
+                c = best[b - 1][j] + (i - j) * w[j] + CALL_SLOTS
+                if c < best[b][i]:
+                    best[b][i], cut[b][i] = c, j
+    b = min(range(1, MAX_BUCKETS + 1), key=lambda b: best[b][n])
+    out, i = [], n
+    while b:
+        j = cut[b][i]
+        out.append(order[j:i])
+        i, b = j, b - 1
+    return out[::-1]
 
 
 def _packed_index(cu: torch.Tensor, s: int, b: int):
-    """For a packed row of `s` positions cut at `cu`: gather [n * width] (row position of each slot of the
-    [n, width] layout; slots past a sequence's end repeat its last token), scatter [s] (each row position's slot;
-    n * width for the padding), n, width. Cached on the offsets tensor: one computation per micro-batch."""
+    """For a packed row of `s` positions cut at `cu`: the buckets [(gather [n * width], n, width)] (the row position
+    of each slot of a bucket's [n, width] layout; slots past a sequence's end repeat its last token), and scatter [s]
+    (each row position's slot in the buckets' slots one after the other; the last slot, after them all, for the
+    padding). Cached on the offsets tensor: one computation per micro-batch."""
     cached = getattr(cu, "_grpo_packed_index", None)
     if cached is not None and cached[0] == s:
         return cached[1:]
@@ -78,19 +114,23 @@ def _packed_index(cu: torch.Tensor, s: int, b: int):
     offsets = cu.tolist()
     if b != 1 or not offsets or offsets[0] != 0 or offsets[-1] > s or any(y < x for x, y in zip(offsets, offsets[1:])):
         raise ValueError(f"SDPACoreAttention: cu_seqlens {offsets} do not cut a packed row of {s} tokens (batch {b})")
-    starts = torch.tensor(offsets[:-1], dtype=torch.long, device=cu.device)
-    lens = torch.tensor(offsets[1:], dtype=torch.long, device=cu.device) - starts
-    n, width = len(starts), max([int(x) for x in lens.tolist()] + [1])
-    within = torch.arange(width, device=cu.device)
-    gather = (starts[:, None] + torch.minimum(within[None, :], (lens[:, None] - 1).clamp(min=0))).flatten()
-    pos = torch.arange(s, device=cu.device)
-    if n:
-        seq = torch.searchsorted(torch.tensor(offsets[1:], device=cu.device), pos, right=True).clamp(max=n - 1)
-        scatter = torch.where(pos < offsets[-1], seq * width + pos - starts[seq], n * width)
-    else:
-        scatter = torch.zeros_like(pos)
-    cu._grpo_packed_index = (s, gather, scatter, n, width)
-    return gather, scatter, n, width
+    lens = [y - x for x, y in zip(offsets, offsets[1:])]
+    buckets, scatter, base = [], [0] * s, 0
+    for seqs in (_buckets(lens) if lens else []):
+        width = max([lens[j] for j in seqs] + [1])
+        gather = []
+        for row, j in enumerate(seqs):
+            start, n = offsets[j], lens[j]
+            gather += [start + min(t, max(n - 1, 0)) for t in range(width)]
+            for t in range(n):
+                scatter[start + t] = base + row * width + t
+        buckets.append((torch.tensor(gather, dtype=torch.long, device=cu.device), len(seqs), width))
+        base += len(seqs) * width
+    for pos in range(offsets[-1], s):
+        scatter[pos] = base
+    scatter = torch.tensor(scatter, dtype=torch.long, device=cu.device)
+    cu._grpo_packed_index = (s, buckets, scatter)
+    return buckets, scatter
 
 
 def packed_row_mask(cu_seqlens: torch.Tensor, sequences: int) -> torch.Tensor:

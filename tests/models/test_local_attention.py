@@ -1,6 +1,6 @@
 """SDPACoreAttention (the local spec's core attention) against megatron-core's own DotProductAttention: padded
-causal rows, and a packed row against megatron's attention under a dense block-causal mask built here by hand;
-outputs and the gradients of query, key and value, with grouped-query attention.
+causal rows, and packed rows (in one SDPA call, and in buckets of lengths) against megatron's attention under a dense
+block-causal mask built here by hand; outputs and the gradients of query, key and value, with grouped-query attention.
 
 Tolerances, as max |difference| over max |megatron's| per tensor: fp32 1e-6 (measured ~1e-7); bf16 1e-2 (bf16 has
 8 significant bits, 4e-3 relative per rounding; the two round the scores and the softmax at different points).
@@ -56,14 +56,17 @@ def _compare(dtype_name):
         g = torch.Generator().manual_seed(0)
         out = {}
         # (name, [s, b], seq_lens of a packed row or None)
-        for name, (s, b), lens in (("padded", (19, 3), None), ("packed", (24, 1), [7, 1, 9])):
+        # "buckets": lengths that _buckets splits into more than one SDPA call
+        for name, (s, b), lens in (("padded", (19, 3), None), ("packed", (24, 1), [7, 1, 9]),
+                                   ("buckets", (80, 1), BUCKETED)):
             q = torch.randn(s, b, 4, 8, generator=g).to(dtype)
             k, v = (torch.randn(s, b, 2, 8, generator=g).to(dtype) for _ in range(2))
             grad_out = torch.randn(s, b, 32, generator=g).to(dtype)
             if lens is None:
                 mask_ours = mask_theirs = None
             else:
-                cu = torch.tensor([0, 7, 8, 17, 24], dtype=torch.int32)  # as packed_micro_batch: padding 17..24
+                # as packed_micro_batch: the row's padding after the sequences
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), s], dtype=torch.int32)
                 mask_ours, mask_theirs = packed_row_mask(cu, len(lens)), block_causal_mask(lens, s)
             res = []
             for module, mask in ((ours, mask_ours), (theirs, mask_theirs)):
@@ -86,9 +89,23 @@ def _compare(dtype_name):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
 def test_sdpa_core_attention_equals_megatrons_dot_product_attention(dtype, tol):
     (out,) = run_ranks(_compare, 1, dtype, timeout=120)
-    for name in ("padded", "packed"):
+    for name in ("padded", "packed", "buckets"):
         assert max(out[name]) <= tol, (name, out[name])  # output, dq, dk, dv: max |diff| / max |megatron's|
-    assert out["packed_padding_max"] == 0.0
+    assert out["packed_padding_max"] == out["buckets_padding_max"] == 0.0
+
+
+BUCKETED = [30, 2, 2, 2, 2, 2, 2, 2, 2, 25, 1, 3]
+
+
+def test_buckets_hold_every_sequence_once_in_fewer_slots():
+    from grpo_mega.models.local_attention import CALL_SLOTS, MAX_BUCKETS, _buckets
+
+    buckets = _buckets(BUCKETED)
+    assert 1 < len(buckets) <= MAX_BUCKETS
+    assert sorted(j for bucket in buckets for j in bucket) == list(range(len(BUCKETED)))
+    cost = sum(len(bk) * max(BUCKETED[j] for j in bk) + CALL_SLOTS for bk in buckets)
+    assert cost < len(BUCKETED) * max(BUCKETED) + CALL_SLOTS  # one bucket of the longest's width costs more
+    assert _buckets([5] * 8) == [list(range(8))]  # equal lengths: one call
 
 
 def _refusals():
