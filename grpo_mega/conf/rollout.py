@@ -155,6 +155,14 @@ class RolloutConfig:
     prefix (a weight update interrupts a request in flight whatever this is). 0: a response is one request until
     it ends or is interrupted; every further request costs the server a scheduling round and the trainer's core
     a round trip."""
+    pause_mode: str = "abort"
+    """mode=async with partial_rollouts: how a weight update pauses the requests in flight (SGLang's
+    /pause_generation mode). 'abort': they end with their tokens so far and are sent again from that prefix (one
+    more request per response in flight per update, and its prefix prefilled again). 'retract': they leave the
+    server's running batch, open, and the server prefills them again under the new weights and samples on, each
+    token's version in SGLang's weight_versions spans: no resend, but SGLang servers must run with
+    --disable-radix-cache (checked at start-up; `python -m grpo_mega.engines.sglang_launch --training-flags` adds it),
+    as its radix cache would hand them their prefix's old keys and values."""
     fresh_groups: bool = True
     """mode=async: start no new group while a batch of complete groups waits for the trainer, unless the trainer had
     to wait for its last batch. When generation outpaces training the samples are then about one version old
@@ -200,6 +208,9 @@ class RolloutConfig:
             if not isinstance(self.off_policy_steps, int) or self.off_policy_steps < 1:
                 raise ValueError(f"rollout.mode=async needs rollout.off_policy_steps=k >= 1 (the staleness bound: a "
                                  f"sample's oldest token at most k versions behind the trainer); got {self.off_policy_steps}")
+            if self.pause_mode not in ("abort", "retract"):
+                raise ValueError(f"rollout.pause_mode={self.pause_mode!r} must be 'abort' or 'retract' (SGLang's "
+                                 "/pause_generation modes that keep each token's version known)")
             if not isinstance(self.segment_tokens, int) or self.segment_tokens < 0:
                 raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 0 (0: a response is one "
                                  "request until it ends or a weight update interrupts it)")

@@ -57,8 +57,8 @@ from grpo_mega.engines.interface import Bucket, Generation, RolloutEngine, sampl
 
 log = logging.getLogger(__name__)
 
-REPEATABLE = ("/generate", "/health", "/model_info", "/flush_cache", "/get_weights_by_name",
-              "/grpo_mega/weight_checksums")
+REPEATABLE = ("/generate", "/health", "/model_info", "/server_info", "/flush_cache", "/get_weights_by_name",
+              "/grpo_mega/weight_checksums", "/abort_request")
 """The calls a transient failure repeats: they change nothing a second call would change again."""
 
 POOLED = 32
@@ -183,7 +183,8 @@ class ServerClient(RolloutEngine):
         self._audit_route: dict[str, str] = {}  # URL -> how its weights are read back (see weight_checksums)
         self.weight_version = 0
         self.moe_layers = moe_layers
-        self.interrupt = False  # update_weights ends the requests in flight (rollout.mode=async, partial rollouts)
+        self.interrupt = False  # update_weights pauses the requests in flight (rollout.mode=async, partial rollouts)
+        self.pause_mode = "abort"  # how: SGLang's /pause_generation mode (rollout.pause_mode)
         for url in self.urls:  # named before any training starts
             self._call(url, "/health", None, what="the start-up health check")
 
@@ -337,15 +338,20 @@ class ServerClient(RolloutEngine):
         with self._counting:
             self.outstanding[url] += tokens
 
-    def generate_segment(self, url: str, inputs: list[list[int]], params: list[dict]) -> list[tuple]:
+    def generate_segment(self, url: str, inputs: list[list[int]], params: list[dict],
+                         rids: Optional[list[str]] = None) -> list[tuple]:
         """One /generate of `inputs` (token ids: a prompt and the response so far) on server `url`, each with its own
-        sampling params (SGLang's names); per input (token ids, logprobs, finish reason, weight version), every
-        field checked. The fully asynchronous scheduler's call (grpo_mega.rollout.async_scheduler): a response
-        is continued from its token prefix, so the weights may change between two of its segments."""
+        sampling params (SGLang's names) and request id (`rids`, for abort_request); per input (token ids, logprobs,
+        finish reason, each token's weight version), every field checked. The fully asynchronous scheduler's call
+        (grpo_mega.rollout.async_scheduler): a response is continued from its token prefix, so the weights may change
+        between two of its segments, and with pause_mode "retract" within one (SGLang's weight_versions spans)."""
         tokens = sum(len(x) + int(p.get("max_new_tokens", 0)) for x, p in zip(inputs, params))
+        body = dict(input_ids=inputs, sampling_params=params, return_logprob=True)
+        if rids is not None:
+            body["rid"] = rids
         self._count(url, tokens)
         try:
-            out = self._call(url, "/generate", dict(input_ids=inputs, sampling_params=params, return_logprob=True))
+            out = self._call(url, "/generate", body)
         finally:
             self._count(url, -tokens)
         if not isinstance(out, list) or len(out) != len(inputs):
@@ -360,8 +366,39 @@ class ServerClient(RolloutEngine):
             if len(ids) > int(params[k].get("max_new_tokens", len(ids))):
                 raise ServerError(f"rollout server {url} answered {len(ids)} tokens for output {k}, more than its "
                                   f"max_new_tokens={params[k].get('max_new_tokens')}")
-            rows.append((ids, lps, reason, self._sample_version(url, o["meta_info"])))
+            if self.pause_mode == "retract":
+                try:
+                    versions = validate.token_versions(o["meta_info"], len(ids))
+                except validate.BadOutput as e:
+                    raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
+            else:  # a request is never paused in place: one version a request
+                versions = [self._sample_version(url, o["meta_info"])] * len(ids)
+            rows.append((ids, lps, reason, versions))
         return rows
+
+    def abort_requests(self, url: str, rids: list[str]) -> None:
+        """SGLang's /abort_request for each of `rids` on server `url`: those requests end at once with their tokens so
+        far (finish reason "abort"); one already ended is no error."""
+        for rid in rids:
+            self._call(url, "/abort_request", {"rid": rid}, what="ending a request the trainer no longer needs")
+
+    def check_retract(self) -> None:
+        """pause_mode "retract" keeps the requests open across a weight update and SGLang prefills them again under
+        the new weights, but its radix cache would hand them their prompt's old keys and values (SGLang's /flush_cache
+        refuses while requests wait): each server must run without it. ServerError naming the server and the flag
+        otherwise. A server without /server_info (the stand-in, whose prefix cache a weight load empties) passes."""
+        for url in self.urls:
+            try:
+                info = self._call(url, "/server_info", None, what="checking its radix cache (rollout.pause_mode)")
+            except ServerError as e:
+                if e.status == 404:
+                    continue
+                raise
+            if isinstance(info, dict) and info.get("disable_radix_cache") is False:
+                raise ServerError(f"rollout server {url} runs SGLang's radix cache, which would give the requests that "
+                                  "rollout.pause_mode=retract keeps open across a weight update the old weights' keys "
+                                  "and values of their prefix: start it with --disable-radix-cache, or set "
+                                  "rollout.pause_mode=abort")
 
     def _routed_experts(self, url: str, meta: dict, positions: int) -> torch.Tensor:
         """SGLang's meta_info["routed_experts"] (0.5.23, `return_routed_experts`: base64 of int32
@@ -430,20 +467,22 @@ class ServerClient(RolloutEngine):
     def update_weights(self, version: int, buckets: Iterable[Bucket]) -> None:
         """One weight-update session on every server (SGLang accepts /update_weights_from_distributed only
         between /begin_weight_update and /end_weight_update); the KV caches are flushed after it. With `interrupt`
-        (rollout.mode=async with partial rollouts), SGLang's /pause_generation (mode abort) first ends the requests
-        in flight with their tokens so far (continued by the caller from that prefix under the new weights) and holds
-        new ones until /continue_generation: no request sees half-updated weights or a stale cache, and the flush
-        finds the server idle."""
+        (rollout.mode=async with partial rollouts), SGLang's /pause_generation first holds new requests until
+        /continue_generation and, with `pause_mode` "abort", ends those in flight with their tokens so far (continued
+        by the caller from that prefix under the new weights; the flush then finds the server idle), or with "retract"
+        takes them out of the running batch, open, to be prefilled again and continued under the new weights by the
+        server itself (no flush: SGLang refuses one while requests wait, and check_retract makes sure no radix cache
+        holds old keys and values). No request sees half-updated weights or a stale cache."""
         self._ensure_group()
         if self.interrupt:
-            self._on_all("/pause_generation", {"mode": "abort"})
+            self._on_all("/pause_generation", {"mode": self.pause_mode})
         try:
-            self._update(version, buckets)
+            self._update(version, buckets, flush=not (self.interrupt and self.pause_mode == "retract"))
         finally:
             if self.interrupt:
                 self._on_all("/continue_generation", {})
 
-    def _update(self, version: int, buckets: Iterable[Bucket]) -> None:
+    def _update(self, version: int, buckets: Iterable[Bucket], flush: bool = True) -> None:
         self._on_all("/begin_weight_update", {})
         sent = {}
         for bucket in buckets:
@@ -458,7 +497,8 @@ class ServerClient(RolloutEngine):
             _in_threads([(send, ())] + [(self._call, (u, "/update_weights_from_distributed", body)) for u in self.urls])
             sent.update({m.name: m.dtype for m in bucket.metas})
         self._on_all("/end_weight_update", {})
-        self._on_all("/flush_cache", {})
+        if flush:  # retracted requests keep SGLang from flushing (and its radix cache is off then: check_retract)
+            self._on_all("/flush_cache", {})
         self._sent_dtypes.update(sent)
         self.weight_version = version
 

@@ -1,18 +1,27 @@
 """Continuous batching for the stand-in server: one decode loop over every response in flight, whatever request it
 came in, as SGLang's scheduler runs it.
 
-A request's rows join the batch at the loop's next step (their input less its last token taken from the prefix cache,
-else prefilled together; the batch's key/value cache left-padded to the widest row), feed their last input token in
-the same forward as the active rows' last sampled tokens, and leave as soon as they end (a stop token, their budget,
-or an abort): a row never idles while another request's longest row runs on, and a new request never waits for the
-one before it. Sampling is EmbeddedEngine.generate's, row by row: the row's own seeded uniforms drawn up front,
-inverse-CDF sampling of softmax(logits / temperature) after the row's top-p filter, the logprob at the sampled
-token; a row's tokens do not depend on the others in the batch (up to float rounding of a wider padded batch).
+A request's rows join the batch at a coming step and leave as soon as they end (a stop token, their budget, or an
+abort): a row never idles while another request's longest row runs on, and a new request never waits for the one
+before it. A joining row whose input less its last token the prefix cache holds feeds that last token beside the
+active rows' last sampled ones; any other feeds its whole input in the same forward (a mixed prefill and decode
+step, as SGLang's --enable-mixed-chunk: one forward, not a prefill forward of its own), right-aligned, the shorter
+rows' padding masked and then dropped from the batch's key/value cache (`_compact`), which stays left-padded to the
+widest row. Rows that arrive one request at a time (rollout.mode=async) still join together, as a join copies the
+batch's cache: at once when no row is active, else once the waiting rows are JOIN_SHARE of the active ones or the
+first has waited JOIN_WAIT_STEPS steps. Sampling is EmbeddedEngine.generate's, row by row: the row's own seeded
+uniforms drawn up front, inverse-CDF sampling of softmax(logits / temperature) after the row's top-p filter, the
+logprob at the sampled token; a row's tokens do not depend on the others in the batch (up to float rounding of a
+wider padded batch).
 
 `hold(reason)` keeps new rows out (the active ones run on) until every reason is released; `idle()` waits until no
 row is active, so that weights are loaded between two steps and never under a row. A pending request held longer than
 `timeout_s` fails with the reason. A row that ends by its budget or an abort leaves its keys and values in the prefix
-cache for the request that continues it (rollout.mode=async's next segment).
+cache for the request that continues it (rollout.mode=async's next segment). `retract()` (SGLang's /pause_generation
+mode "retract") takes the active rows out after the current step, their keys and values dropped, and puts them first
+in line: when the holds are released they join again, prefilled with their input and tokens so far under the weights
+then loaded, and go on sampling where they stopped (their request stays open). Each token records the weight version
+that sampled it (`Row.versions`). `abort(rids)` ends the rows of those requests (SGLang's /abort_request).
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ import torch
 from grpo_mega.engines.embedded import EmbeddedEngine, sample_rows
 
 
+JOIN_SHARE = 1 / 8
+JOIN_WAIT_STEPS = 4
+
+
 @dataclass
 class Row:
     ids: list[int]
@@ -36,9 +49,14 @@ class Row:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: frozenset = frozenset()
+    rid: Optional[str] = None
+    """The request's id for /abort_request (None: only an abort of every request ends it)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Per token: the engine's weight version when it was sampled."""
     finish: Optional[str] = None
+    aborted: bool = False
     weight_version: int = 0
     job: Optional["Job"] = None
     uniforms: Optional[list[float]] = None
@@ -51,6 +69,8 @@ class Job:
     rows: list[Row]
     submitted: float
     left: int = 0
+    step: int = 0
+    """The decode loop's step count when it arrived."""
     error: Optional[str] = None
     event: threading.Event = field(default_factory=threading.Event)
 
@@ -65,6 +85,9 @@ class ContinuousBatcher:
         self.cond = threading.Condition()
         self.pending: list[Job] = []
         self.active: list[Row] = []
+        self.retracted: list[Row] = []  # taken out by retract(), first to join again
+        self.retracted_at = 0.0
+        self.retracting = False
         self.holds: set[str] = set()
         self.stepping = False
         self.closing = False
@@ -81,7 +104,7 @@ class ContinuousBatcher:
             if not r.ids or r.budget < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
                 raise ValueError(f"a row needs >= 1 input token, max_new_tokens >= 1, temperature >= 0 and top_p in "
                                  f"(0, 1]; got {len(r.ids)} tokens, {r.budget}, {r.temperature}, {r.top_p}")
-        job = Job(rows, time.monotonic(), len(rows))
+        job = Job(rows, time.monotonic(), len(rows), self.steps)
         for r in rows:
             r.job = job
             r.uniforms = torch.rand(r.budget, generator=torch.Generator().manual_seed(r.seed),
@@ -95,6 +118,32 @@ class ContinuousBatcher:
         if job.error is not None:
             raise RuntimeError(job.error)
         return rows
+
+    def retract(self) -> None:
+        """The active rows out of the batch after the current step (their caches dropped), first in line to join
+        again; with a hold on, `idle()` then holds."""
+        with self.cond:
+            self.retracting = True
+            self.cond.notify_all()
+
+    def abort(self, rids: Optional[set] = None) -> int:
+        """End the rows of the requests `rids` (every request's: None) at the next step, those waiting at once, with
+        their tokens so far and finish reason "abort"; returns how many rows were asked to end."""
+        with self.cond:
+            hit = [r for r in self.active + self.retracted + [r for j in self.pending for r in j.rows]
+                   if rids is None or r.rid in rids]
+            for r in hit:
+                r.aborted = True
+            waiting = [r for r in hit if r not in self.active]
+            self.retracted = [r for r in self.retracted if not r.aborted]
+            for j in self.pending:
+                j.rows = [r for r in j.rows if not r.aborted]
+            self.pending = [j for j in self.pending if j.rows]
+            for r in waiting:
+                r.finish = "abort"
+                self._done(r)
+            self.cond.notify_all()
+            return len(hit)
 
     def hold(self, reason: str) -> None:
         with self.cond:
@@ -118,6 +167,14 @@ class ContinuousBatcher:
 
     # ---- the loop -----------------------------------------------------------------------------
 
+    def _may_join(self) -> bool:
+        """Under cond: the waiting rows join at this step (module docstring)."""
+        if self.holds or not (self.pending or self.retracted):
+            return False
+        waiting = len(self.retracted) + sum(len(j.rows) for j in self.pending)
+        return (not self.active or waiting >= JOIN_SHARE * len(self.active) or self.retracted
+                or self.steps - self.pending[0].step >= JOIN_WAIT_STEPS)
+
     def _fail(self, jobs, message: str) -> None:
         for job in jobs:
             if not job.event.is_set():
@@ -127,72 +184,64 @@ class ContinuousBatcher:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.closing and not self.active and (self.holds or not self.pending):
+                if self.retracting:  # between two steps: out of the batch, first in line
+                    self.retracted, self.active, self.cache, self.mask = self.active + self.retracted, [], None, None
+                    self.retracted_at, self.retracting = time.monotonic(), False
+                    self.cond.notify_all()
+                while (not self.closing and not self.active and not self.retracting
+                       and (self.holds or not (self.pending or self.retracted))):
                     now = time.monotonic()
                     late = [j for j in self.pending if now - j.submitted > self.timeout_s]
+                    if self.retracted and now - self.retracted_at > self.timeout_s:
+                        late += [r.job for r in self.retracted]
+                        self.retracted = []
                     if late:
                         self.pending = [j for j in self.pending if j not in late]
                         self._fail(late, f"held by {', '.join(sorted(self.holds))} for over {self.timeout_s:.0f} s "
                                          "(a weight update or a pause began and did not end)")
                     self.cond.wait(timeout=0.5)
+                if self.retracting:
+                    continue
                 if self.closing:
-                    self._fail(self.pending + [r.job for r in self.active], "the server is shutting down")
+                    self._fail(self.pending + [r.job for r in self.active + self.retracted],
+                               "the server is shutting down")
                     return
-                joining = [] if self.holds else [r for j in self.pending for r in j.rows]
-                if not self.holds:
-                    self.pending = []
+                joining = self.retracted + [r for j in self.pending for r in j.rows] if self._may_join() else []
+                if joining:
+                    self.pending, self.retracted = [], []
                 self.stepping = True
             try:
                 self._step(joining)
             except Exception as e:  # noqa: BLE001 - every request in the step gets the error
-                self._fail({id(r.job): r.job for r in self.active + joining}.values(),
-                           f"generation failed: {type(e).__name__}: {e}")
+                with self.cond:
+                    self._fail({id(r.job): r.job for r in self.active + joining}.values(),
+                               f"generation failed: {type(e).__name__}: {e}")
                 self.active, self.cache, self.mask = [], None, None
             finally:
                 with self.cond:
                     self.stepping = False
                     self.cond.notify_all()
 
-    @torch.no_grad()
-    def _prefix(self, rows: list[Row]) -> list[Optional[list]]:
-        """Each joining row's keys and values of its input less the last token ([heads, tokens, dim] per layer; None
-        for a one-token input): from the prefix cache, the others prefilled together."""
-        engine, dev = self.engine, self.engine.device
-        cache = engine.prefix_cache
-        kvs = [cache.take(r.ids[:-1]) if cache is not None and len(r.ids) > 1 else None for r in rows]
-        fresh = [i for i, r in enumerate(rows) if kvs[i] is None and len(r.ids) > 1]
-        if fresh:
-            from transformers import DynamicCache
-
-            width = max(len(rows[i].ids) - 1 for i in fresh)
-            ids = torch.zeros(len(fresh), width, dtype=torch.long)
-            mask = torch.zeros(len(fresh), width, dtype=torch.long)
-            for k, i in enumerate(fresh):
-                n = len(rows[i].ids) - 1
-                ids[k, width - n:], mask[k, width - n:] = torch.tensor(rows[i].ids[:-1]), 1
-            pre = DynamicCache()
-            engine.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), past_key_values=pre, use_cache=True,
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(dev))
-            for k, i in enumerate(fresh):
-                n = len(rows[i].ids) - 1
-                kvs[i] = [(layer.keys[k, :, width - n:], layer.values[k, :, width - n:]) for layer in pre.layers]
-        return kvs
-
-    def _join(self, rows: list[Row]) -> None:
-        """The joining rows into the batch's cache (all left-padded to the widest); their last input token is fed
-        next."""
+    def _join(self, rows: list[Row]) -> list[list[int]]:
+        """The joining rows into the batch's cache (all left-padded to the widest); returns the tokens each feeds at
+        this step: its last one where the prefix cache holds the rest, else its whole input (and tokens so far),
+        prefilled in the step's own forward beside the other rows' next tokens."""
         from transformers import DynamicCache
 
-        kvs = self._prefix(rows)
-        for r in rows:
-            r.fed = len(r.ids) - 1
+        held = self.engine.prefix_cache
+        seqs = [r.ids + r.tokens for r in rows]  # a retracted row's tokens so far are input again
+        kvs = [held.take(x[:-1]) if held is not None and len(x) > 1 else None for x in seqs]
+        feeds = []
+        for r, x, kv in zip(rows, seqs, kvs):
+            r.fed = 0 if kv is None else len(x) - 1
+            feeds.append(x if kv is None else x[-1:])
         old = len(self.active)
         width = max([r.fed for r in self.active + rows] + [0])
-        if width == 0:  # nothing held yet (one-token inputs): the first forward fills the cache
+        if width == 0:  # nothing held yet: the step's forward fills the cache
             self.cache, self.mask = DynamicCache(), torch.zeros(old + len(rows), 0, dtype=torch.long)
-            return
-        held = [kv for kv in kvs if kv is not None]
-        proto = held[0] if held else [(layer.keys[0], layer.values[0]) for layer in self.cache.layers]
+            return feeds
+        found = [kv for kv in kvs if kv is not None]
+        proto = found[0] if found else [(layer.keys[0], layer.values[0]) for layer in self.cache.layers]
         dev = self.engine.device
         cache = DynamicCache()
         for li, (k0, v0) in enumerate(proto):
@@ -210,20 +259,47 @@ class ContinuousBatcher:
         for i, r in enumerate(self.active + rows):
             mask[i, width - r.fed:] = 1
         self.cache, self.mask = cache, mask
+        return feeds
+
+    def _compact(self, rows: list[Row], feeds: list[list[int]], width: int) -> None:
+        """After a forward that fed `feeds` (up to W tokens a row, right-aligned) onto a cache `width` wide: each
+        row's keys and values right-aligned again (its padding among the new columns dropped)."""
+        wide = max(len(f) for f in feeds)
+        counts = [r.fed + len(f) for r, f in zip(rows, feeds)]
+        new_width = max(counts)
+        index = torch.zeros(len(feeds), new_width, dtype=torch.long)
+        for i, (r, f) in enumerate(zip(rows, feeds)):
+            cols = list(range(width - r.fed, width)) + list(range(width + wide - len(f), width + wide))
+            index[i, new_width - len(cols):] = torch.tensor(cols, dtype=torch.long)
+        index = index.to(self.engine.device)
+        for layer in self.cache.layers:
+            at = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)
+        self.mask = (torch.arange(new_width)[None, :] >= new_width - torch.tensor(counts)[:, None]).long()
 
     @torch.no_grad()
     def _step(self, joining: list[Row]) -> None:
         engine = self.engine
-        if joining:
-            self._join(joining)
+        feeds = self._join(joining) if joining else []
         rows = self.active + joining
         if not rows:
             return
-        last = [r.tokens[-1] if r.tokens else r.ids[-1] for r in rows]
-        self.mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+        feeds = [[r.tokens[-1] if r.tokens else r.ids[-1]] for r in self.active] + feeds
+        wide, width = max(len(f) for f in feeds), self.mask.shape[1]
+        ids = torch.zeros(len(rows), wide, dtype=torch.long)
+        new = torch.zeros(len(rows), wide, dtype=torch.long)
+        pos = torch.zeros(len(rows), wide, dtype=torch.long)
+        for i, (r, f) in enumerate(zip(rows, feeds)):
+            n = len(f)
+            ids[i, wide - n:], new[i, wide - n:] = torch.tensor(f), 1
+            pos[i, wide - n:] = torch.arange(r.fed, r.fed + n)
+        self.mask = torch.cat([self.mask, new], dim=1)
         dev = engine.device
-        logits = engine._decode_step("dynamic")(torch.tensor(last, device=dev)[:, None], self.mask.to(dev),
-                                                torch.tensor([[r.fed] for r in rows], device=dev), self.cache)
+        logits = engine._decode_step("dynamic")(ids.to(dev), self.mask.to(dev), pos.to(dev), self.cache)
+        if wide > 1:  # a prefill in this step: the rows fed fewer tokens have padding among the new columns
+            self._compact(rows, feeds, width)
+        for r, f in zip(rows, feeds):
+            r.fed += len(f) - 1  # and the one below, as every row
         self.steps += 1
         temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=logits.dtype,
                              device=dev)
@@ -239,23 +315,25 @@ class ContinuousBatcher:
             else:
                 tok[sampled] = pick
         lp = logp_all.gather(1, tok[:, None])[:, 0]
-        aborting = engine.aborting.is_set()
+        aborting, version = engine.aborting.is_set(), engine.weight_version
         keep = []
         for i, (r, t, l) in enumerate(zip(rows, tok.tolist(), lp.tolist())):
             r.fed += 1
             r.tokens.append(t)
             r.logprobs.append(l)
+            r.versions.append(version)
             if t in r.stop:
                 r.finish = "stop"
             elif len(r.tokens) >= r.budget:
                 r.finish = "length"
-            elif aborting:
+            elif aborting or r.aborted:
                 r.finish = "abort"
             else:
                 keep.append(i)
         ended = [i for i in range(len(rows)) if rows[i].finish is not None]
-        for i in ended:
-            self._leave(rows[i], i)
+        with self.cond:  # a request's last row told under cond: abort() finishes waiting rows under it too
+            for i in ended:
+                self._leave(rows[i], i)
         self.active = [rows[i] for i in keep]
         if not keep:
             self.cache = self.mask = None
@@ -275,6 +353,10 @@ class ContinuousBatcher:
         if cache is not None and r.finish in ("length", "abort"):
             cache.put(r.ids + r.tokens[:-1], [(layer.keys[i, :, -r.fed:].clone(), layer.values[i, :, -r.fed:].clone())
                                               for layer in self.cache.layers])
+        self._done(r)
+
+    def _done(self, r: Row) -> None:
+        """Under cond: row `r` has ended; its request is told when its last row has."""
         r.weight_version = self.engine.weight_version
         r.uniforms = None
         job = r.job

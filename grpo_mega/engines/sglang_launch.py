@@ -10,10 +10,10 @@ server's `launch_command`), and this process's log records have it replaced by `
 `server_args={...}`, api_key included, at INFO: the Slurm output would carry it). Its other processes
 (scheduler, detokenizer) get the ServerArgs but do not log them.
 
-`python -m grpo_mega.engines.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a
-training run composed from those overrides needs of its servers (`training_flags`: token ids only, weight
-version 0, and `--enable-return-routed-experts` when algo.routing_replay=rollout or measure); slurm/train.sbatch
-builds its default server command with it."""
+`python -m grpo_mega.engines.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a training
+run composed from those overrides needs of its servers (`training_flags`: token ids only, weight version 0,
+`--enable-return-routed-experts` when algo.routing_replay=rollout or measure, and `--disable-radix-cache` with
+rollout.mode=async and rollout.pause_mode=retract); slurm/train.sbatch builds its default server command with it."""
 
 from __future__ import annotations
 
@@ -26,12 +26,15 @@ from grpo_mega.processes import free_port, stop, tail
 from grpo_mega.engines.client import API_KEY_ENV
 
 
-def training_flags(routing_replay: bool = False) -> list[str]:
+def training_flags(routing_replay: bool = False, retract: bool = False) -> list[str]:
     """The SGLang options the client relies on: token ids in and out (no tokenizer), weight version 0 until the
-    first sync, and with rollout routing replay the experts each token was routed to (SGLang 0.5.23 returns
-    meta_info["routed_experts"] only from a server started with --enable-return-routed-experts)."""
-    return ["--skip-tokenizer-init", "--weight-version", "0"] + (["--enable-return-routed-experts"] if routing_replay
-                                                                  else [])
+    first sync, with rollout routing replay the experts each token was routed to (SGLang 0.5.23 returns
+    meta_info["routed_experts"] only from a server started with --enable-return-routed-experts), and with
+    `retract` (rollout.mode=async, rollout.pause_mode=retract) no radix cache, whose old keys and values the requests
+    kept open across an update would be prefilled from."""
+    return (["--skip-tokenizer-init", "--weight-version", "0"] + (["--enable-return-routed-experts"] if routing_replay
+                                                                   else [])
+            + (["--disable-radix-cache"] if retract else []))
 
 
 def training_flags_for(overrides: list[str]) -> list[str]:
@@ -48,7 +51,10 @@ def training_flags_for(overrides: list[str]) -> list[str]:
     with initialize_config_module(config_module="grpo_mega.conf", version_base=None):
         cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
     GlobalHydra.instance().clear()
-    return training_flags(TrainConfig.from_hydra(cfg).algo.records_routes)
+    run = TrainConfig.from_hydra(cfg)
+    r = run.rollout
+    return training_flags(run.algo.records_routes,
+                          retract=r.mode == "async" and r.partial_rollouts and r.pause_mode == "retract")
 
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",

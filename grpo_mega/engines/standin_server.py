@@ -1,21 +1,24 @@
 """Rollout servers as processes of their own: our CPU stand-in for SGLang's server, and starting either.
 
-The stand-in (the embedded engine behind SGLang's HTTP API, in place of `python -m sglang.launch_server`)
-owns only the translation between SGLang's HTTP API (the subset grpo_mega.engines.client speaks, with
-SGLang's names and payload fields) and an EmbeddedEngine: GET /health, /model_info (also as
-/get_model_info); POST /generate (input_ids, sampling_params with sampling_seed, return_logprob ->
-output_ids and meta_info's output_token_logprobs, finish_reason, weight_version), /init_weights_update_group,
-/begin_weight_update and /end_weight_update (SGLang requires them around the updates; here new rows wait
-between them and a bucket loads only between two decode steps with no row in flight, so that no token comes from
-half-loaded weights), /update_weights_from_distributed (load_format "flattened_bucket": one broadcast of the
-bucket's bytes from rank 0 of the update group), /update_weight_version, /flush_cache, /pause_generation (mode abort
-ends the rows in flight after their current token, as SGLang's does) and /continue_generation (new rows wait between
-them). As SGLang's scheduler does, every request's rows decode in one loop (grpo_mega.engines.continuous: continuous
-batching; a request with return_routed_experts runs alone), and as its radix cache does, a request that continues a
-response cut by its budget starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache;
---disable-radix-cache). One extension of ours, POST /grpo_mega/weight_checksums, serves the weight audit (SGLang has
-none: the client reads SGLang's tensors back with /get_weights_by_name instead). Sampling, logprobs and loading are
-the embedded engine's.
+The stand-in (the embedded engine behind SGLang's HTTP API, in place of `python -m sglang.launch_server`) owns only
+the translation between SGLang's HTTP API (the subset grpo_mega.engines.client speaks, with SGLang's names and
+payload fields) and an EmbeddedEngine: GET /health, /model_info (also as /get_model_info); POST /generate
+(input_ids, sampling_params with sampling_seed, return_logprob -> output_ids and meta_info's output_token_logprobs,
+finish_reason, weight_version), /init_weights_update_group, /begin_weight_update and /end_weight_update (SGLang
+requires them around the updates; here new rows wait between them and a bucket loads only between two decode steps
+with no row in flight, so that no token comes from half-loaded weights), /update_weights_from_distributed
+(load_format "flattened_bucket": one broadcast of the bucket's bytes from rank 0 of the update group),
+/update_weight_version, /flush_cache, /pause_generation (mode abort ends the rows in flight after their current
+token, as SGLang's does; mode retract takes them out of the decode loop, their requests left open, to be prefilled
+again under the weights loaded before /continue_generation, as SGLang's retract does) and /continue_generation (new
+rows wait between them), /abort_request (by the request's `rid`, or abort_all). Every output's meta_info carries
+SGLang's `weight_versions` spans (the version that sampled each token: more than one where a request was retracted
+across an update). As SGLang's scheduler does, every request's rows decode in one loop
+(grpo_mega.engines.continuous: continuous batching; a request with return_routed_experts runs alone), and as its
+radix cache does, a request that continues a response cut by its budget starts from that response's keys and values
+(EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One extension of ours, POST
+/grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors back with
+/get_weights_by_name instead). Sampling, logprobs and loading are the embedded engine's.
 
     python -m grpo_mega.engines.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
@@ -182,18 +185,25 @@ class EngineServer:
                 raise ValueError("/generate: temperature must be >= 0 and top_p in (0, 1]")
         caps = [int(p.get("max_new_tokens", 128)) for p in params]
         ends = [self.simulated_length(p) if self.lengths is not None else None for p in params]
+        rids = req.get("rid")
+        rids = [rids] * len(ids) if isinstance(rids, str) or rids is None else rids
+        if (not isinstance(rids, list) or len(rids) != len(ids)
+                or not all(r is None or isinstance(r, str) for r in rids)):
+            raise ValueError(f"/generate got {len(ids)} input_ids and a rid that is not one string (or one each)")
         routed = bool(req.get("return_routed_experts")) and bool(self.engine.routers)
         if routed or self.batcher is None:
-            gens = self._generate_alone(ids, params, caps, ends, routed)
+            gens = [(t, lp, f, [v] * len(t), v, e) for t, lp, f, v, e in self._generate_alone(ids, params, caps, ends,
+                                                                                              routed)]
         else:  # every row joins the decode loop beside the other requests' (continuous batching)
-            rows = self.batcher.run([self._row(ids[i], params[i], caps[i], ends[i]) for i in range(len(ids))])
-            gens = [(r.tokens, r.logprobs, r.finish, r.weight_version, None) for r in rows]
+            rows = self.batcher.run([self._row(ids[i], params[i], caps[i], ends[i], rids[i]) for i in range(len(ids))])
+            gens = [(r.tokens, r.logprobs, r.finish, r.versions, r.weight_version, None) for r in rows]
         outs = []
-        for i, (tokens, logprobs, finish, version, experts) in enumerate(gens):
+        for i, (tokens, logprobs, finish, versions, version, experts) in enumerate(gens):
             if self.lengths is not None and finish != "abort":
                 finish = "stop" if ends[i] <= caps[i] else "length"
-            meta = dict(finish_reason={"type": finish}, weight_version=str(version), prompt_tokens=len(ids[i]),
-                        completion_tokens=len(tokens))
+            spans = _spans(versions, version)
+            meta = dict(finish_reason={"type": finish}, weight_version=spans[-1]["version"], weight_versions=spans,
+                        prompt_tokens=len(ids[i]), completion_tokens=len(tokens))
             if req.get("return_logprob"):
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
             if experts is not None:
@@ -201,12 +211,12 @@ class EngineServer:
             outs.append(dict(output_ids=tokens, meta_info=meta))
         return outs[0] if single else outs
 
-    def _row(self, ids: list[int], p: dict, cap: int, end: Optional[int]) -> Row:
+    def _row(self, ids: list[int], p: dict, cap: int, end: Optional[int], rid: Optional[str] = None) -> Row:
         """One input as a row of the decode loop: with --simulate-lengths it ends at its drawn length or its cap and
         ignores stop tokens."""
         stop = frozenset() if end is not None else frozenset(int(t) for t in p.get("stop_token_ids") or ())
         return Row(list(ids), min(cap, end) if end is not None else cap, int(p.get("sampling_seed", 0)),
-                   float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), stop)
+                   float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), stop, rid)
 
     def _generate_alone(self, ids, params, caps, ends, routed: bool) -> list[tuple]:
         """The request on the engine by itself, the decode loop held and idle (routing replay records every
@@ -280,12 +290,31 @@ class EngineServer:
     def pause_generation(self, req: dict) -> dict:
         """SGLang's /pause_generation (answered without waiting for the request in flight): /generate waits until
         /continue_generation; with mode "abort" (SGLang's default) the request in flight ends after its current
-        decode step, each unfinished response with its tokens so far and finish_reason "abort"."""
+        decode step, each unfinished response with its tokens so far and finish_reason "abort"; with mode "retract"
+        its rows leave the decode loop after the current step and wait, their requests open, to be prefilled again
+        (input and tokens so far) under the weights loaded before /continue_generation. Mode "in_place" (SGLang's
+        keeps the old keys and values, and 0.5.23 does not mark the tokens after the update with their version) is
+        refused."""
+        mode = req.get("mode", "abort")
+        if mode not in ("abort", "retract"):
+            raise ValueError(f"/pause_generation mode={mode!r}: this server pauses with 'abort' or 'retract'")
         self.paused = True
         self._gate()
-        if req.get("mode", "abort") == "abort":
+        if mode == "abort":
             self.engine.aborting.set()
+        elif self.batcher is not None:
+            self.batcher.retract()
         return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def abort_request(self, req: dict) -> dict:
+        """SGLang's /abort_request: the rows of request `rid` (every request's with abort_all) end at the next decode
+        step, those waiting at once, with their tokens so far and finish_reason "abort"."""
+        rid, every = req.get("rid"), bool(req.get("abort_all"))
+        if not every and not isinstance(rid, str):
+            raise ValueError("/abort_request needs a rid (the request's id) or abort_all: true")
+        if self.batcher is not None:
+            self.batcher.abort(None if every else {rid})
+        return {"success": True}
 
     def continue_generation(self, req: dict) -> dict:
         self.paused = False
@@ -373,6 +402,18 @@ class EngineServer:
         return {n: sums[n] for n in names if n in sums} if names else sums
 
 
+def _spans(versions: list[int], current: int) -> list[dict]:
+    """Per-token weight versions as SGLang 0.5.23's meta_info["weight_versions"]: [{version (str), start, end}] over
+    runs of one version ([{current, 0, 0}] for no token)."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]
+
+
 def slow_decode(engine: EmbeddedEngine, seconds: float) -> None:
     """--simulate-decode-ms: every decode step of `engine` takes `seconds` more."""
     import time
@@ -387,7 +428,8 @@ def slow_decode(engine: EmbeddedEngine, seconds: float) -> None:
 
 
 def make_handler(server: EngineServer):
-    posts = {"/generate": server.generate, "/init_weights_update_group": server.init_weights_update_group,
+    posts = {"/generate": server.generate, "/abort_request": server.abort_request,
+             "/init_weights_update_group": server.init_weights_update_group,
              "/update_weights_from_distributed": server.update_weights_from_distributed,
              "/update_weight_version": server.update_weight_version, "/flush_cache": server.flush_cache,
              "/begin_weight_update": server.begin_weight_update, "/end_weight_update": server.end_weight_update,
@@ -417,7 +459,7 @@ def make_handler(server: EngineServer):
 
         def _run(self, fn, *args) -> None:
             try:
-                if fn in (server.pause_generation, server.generate):  # the decode loop's: they never wait for it
+                if fn in (server.pause_generation, server.generate, server.abort_request):  # never wait for the loop
                     out = fn(*args)
                 else:
                     with server.lock:

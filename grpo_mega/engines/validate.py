@@ -147,6 +147,33 @@ def sglang_sample(out, spec: OutputSpec, aborted_ok: bool = False) -> tuple[list
     return ids, lps, finish_reason(kind, "meta_info.finish_reason.type")
 
 
+def token_versions(meta: dict, n: int) -> list[int]:
+    """The weight version of each of an output's `n` tokens: SGLang 0.5.23's meta_info["weight_versions"] spans
+    ([{version, start, end}], contiguous from 0 to n; several where the request was retracted across a weight update),
+    else meta_info["weight_version"] for every token. Versions are integers that never decrease."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        try:
+            return [int(meta.get("weight_version"))] * n
+        except (TypeError, ValueError):
+            raise BadOutput(f"meta_info.weight_version {meta.get('weight_version')!r} is not an integer (a server "
+                            "that never took this trainer's weights: start SGLang with --weight-version 0)") from None
+    out: list[int] = []
+    for i, span in enumerate(spans):
+        try:
+            v, start, end = int(span["version"]), int(span["start"]), int(span["end"])
+        except (TypeError, ValueError, KeyError):
+            raise BadOutput(f"meta_info.weight_versions[{i}] = {str(span)[:80]!r} is not "
+                            "{version, start, end}") from None
+        if start != len(out) or end < start or (out and v < out[-1]):
+            raise BadOutput(f"meta_info.weight_versions{_show(spans, i)} do not run from token 0 on in order of "
+                            "non-decreasing integer versions")
+        out += [v] * (end - start)
+    if len(out) != n:
+        raise BadOutput(f"meta_info.weight_versions cover {len(out)} tokens, the output has {n}")
+    return out
+
+
 def check_generation(gen, spec: OutputSpec, prompt_lens: Optional[Sequence[int]] = None) -> None:
     """Every sample of a Generation (an engine in this process, or the multi-turn engine): BadOutput naming the
     sample and the field otherwise. `prompt_lens` (per sample): the positions routed experts must cover."""

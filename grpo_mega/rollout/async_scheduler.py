@@ -8,19 +8,22 @@ server decodes them in one loop: SGLang's continuous batching, the stand-in's to
 the response's tokens so far (token in), for the rest of its budget (at most `rollout.segment_tokens` more tokens
 where that is set); an interrupted or cut response is sent again at once, a finished group leaves, and new groups
 join while fewer responses than that are unfinished (a group waiting on one long response leaves the room of its
-finished ones to new groups). A weight sync never waits for a response to finish: the client interrupts the requests
-in flight (SGLang's /pause_generation, mode abort, which the stand-in implements too), and a response continues
-under the new weights from its token prefix (between two syncs a server starts a segment from the keys and values of
-its response so far: SGLang's radix cache, the stand-in's prefix cache); each of its tokens records the version that
-produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a response is generated in one request
-and keeps its version: rank 0 sends no new request and waits for those in flight before the sync. Each request in
-flight holds a connection, so the workers start only once rank 0's soft limit on open files covers them (raised to
-the hard limit when short; a hard limit too low is every rank's error, naming the limits and the way out).
+finished ones to new groups). A weight sync never waits for a response to finish: the client pauses the requests in
+flight (SGLang's /pause_generation, which the stand-in implements too) and a response continues under the new
+weights from its token prefix: with rollout.pause_mode=abort its request ends and is sent again from that prefix
+(between two syncs a server starts a segment from the keys and values of its response so far: SGLang's radix cache,
+the stand-in's prefix cache); with retract its request stays open and the server prefills it again itself. Each of
+its tokens records the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a
+response is generated in one request and keeps its version: rank 0 sends no new request and waits for those in
+flight before the sync. Each request in flight holds a connection, so the workers start only once rank 0's soft
+limit on open files covers them (raised to the hard limit when short; a hard limit too low is every rank's error,
+naming the limits and the way out).
 
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
 dropped and counted, and so is a group still in flight as soon as its oldest token falls behind the bound (its
-responses are not sent again: with partial rollouts the next sync interrupts them). Groups are started only while
+responses are not sent again: with pause_mode=abort the next sync ends them, with retract their open requests are
+ended by id; a request open across updates counts as old as the version it was sent at). Groups are started only while
 fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v the servers' version
 (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the long tail of a group
 that waits past that is dropped; a run that drops more than a tenth of what the servers complete over 10 steps is
@@ -49,6 +52,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -56,7 +60,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
-from grpo_mega.engines.client import POOLED, open_files_for
+from grpo_mega.engines.client import POOLED, ServerError, open_files_for
 from grpo_mega.engines.interface import Generation, sample_seed
 from grpo_mega.rollout.placement import Engines, RolloutError
 from grpo_mega.rollout.scheduler import SamplingArgs, StepSamples
@@ -79,6 +83,9 @@ class Response:
     """Per token: the weight version that sampled it."""
     finish: Optional[str] = None
     segments: int = 0
+    sent_version: Optional[int] = None
+    """The servers' version when its request in flight was sent: no token of it is older (rollout.pause_mode=retract
+    keeps a request open across updates, its tokens unknown until it ends)."""
 
 
 @dataclass
@@ -103,6 +110,12 @@ class Group:
         so its first token's."""
         return min((r.versions[0] for r in self.responses if r.versions), default=None)
 
+    @property
+    def oldest_bound(self) -> Optional[int]:
+        """No token of it, known or still on a server, is older than this (None: none sampled or asked for yet)."""
+        firsts = [r.versions[0] if r.versions else r.sent_version for r in self.responses]
+        return min((v for v in firsts if v is not None), default=None)
+
 
 class AsyncRolloutScheduler:
     """The loop's source of samples in rollout.mode=async. Collective where RolloutScheduler's is."""
@@ -111,7 +124,7 @@ class AsyncRolloutScheduler:
                  staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 0,
                  share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None,
                  get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None,
-                 fresh: bool = True):
+                 fresh: bool = True, pause_mode: str = "abort"):
         if staleness < 1:
             raise ValueError(f"rollout.off_policy_steps={staleness}: the staleness bound must be >= 1")
         if len(engines.ranks) != 1 or engines.ranks[0] != 0:
@@ -121,8 +134,12 @@ class AsyncRolloutScheduler:
         self.share, self.get_state, self.set_state = share, get_state, set_state
         self.fresh = fresh  # rollout.fresh_groups: no new group while a batch of complete ones waits...
         self.trainer_waited = False  # ...unless the trainer had to wait for its last batch (the servers are behind)
-        if partial and hasattr(engines.local, "interrupt"):  # a sync ends the segments in flight (SGLang's abort)
-            engines.local.interrupt = True
+        if pause_mode not in ("abort", "retract"):
+            raise ValueError(f"rollout.pause_mode={pause_mode!r} must be 'abort' or 'retract'")
+        self.retract = partial and pause_mode == "retract"
+        if partial and hasattr(engines.local, "interrupt"):  # a sync pauses the requests in flight (SGLang's pause)
+            engines.local.interrupt, engines.local.pause_mode = True, pause_mode
+        self.rid_prefix = uuid.uuid4().hex[:12]  # request ids of this process (a killed run's may still be on a server)
         self.ahead = staleness
         self.version = 0  # the servers' weights (the last sync)
         self.cond = threading.Condition()
@@ -197,7 +214,8 @@ class AsyncRolloutScheduler:
 
         def send(g: Group, r: Response) -> None:
             try:
-                rows = client.generate_segment(url, [list(g.example.prompt_ids) + r.tokens], [self._params(r)])
+                rows = client.generate_segment(url, [list(g.example.prompt_ids) + r.tokens], [self._params(r)],
+                                               rids=[self._rid(g, r)])
             except Exception as e:  # noqa: BLE001 - raised by the worker
                 rows = e
             with self.cond:
@@ -212,14 +230,15 @@ class AsyncRolloutScheduler:
                     for g, r, rows in answers:
                         if isinstance(rows, Exception):
                             raise rows
-                        ids, lps, reason, version = rows[0]
+                        ids, lps, reason, versions = rows[0]
                         self.generated_tokens += len(ids)
                         sending.discard(id(r))
+                        r.sent_version = None
                         if g.stale:  # dropped while this request ran
                             continue
                         r.tokens += ids
                         r.logprobs += lps
-                        r.versions += [version] * len(ids)
+                        r.versions += versions
                         r.segments += 1
                         # "length": the segment's budget (or the response's); "abort": a weight update interrupted it
                         if reason == "stop" or len(r.tokens) >= self.sampling.max_new_tokens:
@@ -228,12 +247,16 @@ class AsyncRolloutScheduler:
                             self.done.append(g)
                             active.remove(g)
                     # a group older than the trainer's bound can never be trained: its responses are not sent again
-                    # (with partial rollouts every sync interrupts them), and its room goes to new groups
-                    for g in [g for g in active if g.oldest is not None and g.oldest < self.floor]:
+                    # (pause_mode=abort: every sync ends them; retract: their requests are aborted), and its room goes
+                    # to new groups
+                    ending = []
+                    for g in [g for g in active if g.oldest_bound is not None and g.oldest_bound < self.floor]:
                         g.stale = True
                         active.remove(g)
                         self.dropped += len(g.responses)
                         self.dropped_groups += 1
+                        if self.retract:
+                            ending += [self._rid(g, r) for r in g.responses if id(r) in sending]
                     if answers:
                         answers.clear()
                         self.cond.notify_all()
@@ -249,13 +272,16 @@ class AsyncRolloutScheduler:
                             active.append(self._new_group())
                         ready = [(g, r) for g in active for r in g.responses
                                  if r.finish is None and id(r) not in sending]
-                    if not ready:
+                    if not ready and not ending:
                         self.cond.wait(timeout=1.0)
                         continue
                     for g, r in ready:
                         sending.add(id(r))
+                        r.sent_version = self.version
                         self.requests += 1
                         self._sending(url, +1)
+                if ending:
+                    client.abort_requests(url, ending)
                 for item in ready:
                     todo.put(item)
         except Exception as e:  # noqa: BLE001 - handed to every rank by result()
@@ -266,6 +292,10 @@ class AsyncRolloutScheduler:
         finally:
             for _ in range(senders):
                 todo.put(None)
+
+    def _rid(self, g: Group, r: Response) -> str:
+        """The request id of response `r`'s request now (its group, its place in it, its tokens so far)."""
+        return f"grpo-{self.rid_prefix}-{g.index}-{g.responses.index(r)}-{len(r.tokens)}"
 
     def _sending(self, url: str, change: int) -> None:
         """Under cond: `change` more requests in flight on `url`; time with any counts as busy (0: count up to now)."""
@@ -285,7 +315,14 @@ class AsyncRolloutScheduler:
         # a connection per request in flight (and the client's idle ones) on top of what the process holds already
         needed = len(urls) * (slots + self.sampling.n + POOLED) + FILES_BESIDE
         try:
+            if self.retract:
+                self.engines.local.check_retract()
             open_files_for(needed)
+        except ServerError as e:
+            with self.cond:
+                self.error = (str(e), False)
+                self.cond.notify_all()
+            return
         except ValueError as e:
             with self.cond:
                 self.error = (f"rollout.mode=async keeps one request per unfinished response in flight, each on a "

@@ -130,7 +130,7 @@ def test_holds_idle_timeouts_and_abort(engine):
 
 def test_a_continued_row_starts_from_its_held_keys_and_values():
     """With a prefix cache (the stand-in's radix cache) a request continuing rows that ended by their budget feeds
-    only each continued row's last token (and the new rows' prompts less their last token), and samples what an
+    only each continued row's last token (the new rows their whole prompt, in the same forward), and samples what an
     engine without the cache samples from the whole input, with transformers' no-cache logprobs; loading weights
     drops what is held (the next continuation is prefilled under the new weights)."""
     from grpo_mega.engines.weight_sync import pack_buckets
@@ -140,7 +140,8 @@ def test_a_continued_row_starts_from_its_held_keys_and_values():
     plain = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
     cached.enable_prefix_cache()
     fed = []  # tokens fed to the model per forward (transformers' model, a hook)
-    cached.model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    cached.model.register_forward_pre_hook(lambda m, args, kw: fed.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
     batcher = ContinuousBatcher(cached)
     kw = dict(n=1, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=0)
     try:
@@ -152,9 +153,9 @@ def test_a_continued_row_starts_from_its_held_keys_and_values():
             fed.clear()
             got = batcher.run([Row(list(i), 5, s) for i, s in zip(inputs, [9, 8, 7, 6])])
             want = plain.generate(inputs, max_new_tokens=5, row_seeds=[9, 8, 7, 6], **kw)
-            # round 0: the new row's prompt less its last token (3), then one token per row per step;
-            # round 1: every row continues
-            assert fed == ([3] if round == 0 else []) + [4] * 5, (round, fed)
+            # round 0: the new row's prompt (4 tokens) beside the continued rows' last tokens, then one token per row
+            # per step; round 1: every row continues (the continued inputs are 9 to 13 tokens: not fed again)
+            assert fed == [(4, 4 if round == 0 else 1)] + [(4, 1)] * 4, (round, fed)
             assert [r.tokens for r in got] == want.token_ids and [r.finish for r in got] == want.finish_reasons
             worst = max(abs(a - b) for i, r in zip(inputs, got)
                         for a, b in zip(r.logprobs, _no_cache_logprobs(cached, i, r.tokens, 1.0)))
@@ -166,8 +167,73 @@ def test_a_continued_row_starts_from_its_held_keys_and_values():
         assert cached.prefix_cache.bytes == 0 and not cached.prefix_cache.entries
         fed.clear()
         got = batcher.run([Row(inputs[0], 2, 5)])[0]
-        assert fed[0] == len(inputs[0]) - 1  # prefilled again, under the new weights
+        assert fed[0] == (1, len(inputs[0]))  # prefilled again, under the new weights
         ref = _no_cache_logprobs(cached, inputs[0], got.tokens, 1.0)
         assert max(abs(a - b) for a, b in zip(got.logprobs, ref)) < 1e-4
     finally:
         batcher.close()
+
+
+def test_a_retracted_row_rejoins_under_the_new_weights_and_records_each_tokens_version():
+    """retract() (SGLang's pause mode "retract") takes a decoding row out of the batch with its request open; after a
+    weight load it is prefilled again (input and tokens so far) and samples on: its tokens before the load carry
+    version 0 and transformers' no-cache logprobs under the old weights, those after carry version 1 and the new
+    weights' logprobs (each within 1e-4, float32 against float64 over a 4-layer model; the other weights' would be off
+    by far more)."""
+    from grpo_mega.engines.weight_sync import pack_buckets
+
+    live = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    old = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    batcher = ContinuousBatcher(live)
+    got = []
+    prompt = [5, 17, 33, 2]
+    try:
+        runner = threading.Thread(target=lambda: got.append(batcher.run([Row(prompt, 40, 1)])[0]))
+        runner.start()
+        while batcher.steps < 10:
+            time.sleep(0.001)
+        batcher.hold("load")
+        batcher.retract()
+        assert batcher.idle(10) and not got  # out of the batch, its request still open
+        for bucket in pack_buckets(iter({n: p * 1.5 for n, p in live.params.items()}.items()), 1 << 30):
+            live.load_bucket(bucket)
+        live.weight_version = 1
+        batcher.release("load")
+        runner.join(timeout=60)
+    finally:
+        batcher.close()
+    (row,) = got
+    m = row.versions.index(1)
+    assert row.finish == "length" and len(row.tokens) == 40 and row.versions == [0] * m + [1] * (40 - m) and 0 < m < 40
+    before = _no_cache_logprobs(old, prompt, row.tokens[:m], 1.0)
+    after = [_no_cache_logprobs(live, prompt + row.tokens[:t], [row.tokens[t]], 1.0)[0] for t in range(m, 40)]
+    assert max(abs(a - b) for a, b in zip(row.logprobs, before + after)) < 1e-4
+    wrong = _no_cache_logprobs(old, prompt, row.tokens, 1.0)[m:]
+    assert max(abs(a - b) for a, b in zip(row.logprobs[m:], wrong)) > 1e-2
+
+
+def test_abort_by_request_id_ends_those_rows_wherever_they_are(engine):
+    batcher = ContinuousBatcher(engine)
+    got = {}
+    try:
+        running = threading.Thread(target=lambda: got.update(x=batcher.run([Row([1, 2], 5000, 1, rid="x")])))
+        other = threading.Thread(target=lambda: got.update(z=batcher.run([Row([3, 4], 30, 2, rid="z")])))
+        running.start()
+        while not batcher.active:
+            time.sleep(0.001)
+        batcher.hold("pause")
+        waiting = threading.Thread(target=lambda: got.update(y=batcher.run([Row([1, 2], 50, 3, rid="y")])))
+        waiting.start()
+        while not batcher.pending:
+            time.sleep(0.001)
+        other.start()
+        assert batcher.abort({"x", "y"}) == 2
+        running.join(timeout=30)
+        waiting.join(timeout=30)
+        batcher.release("pause")
+        other.join(timeout=60)
+    finally:
+        batcher.close()
+    assert got["x"][0].finish == "abort" and 0 < len(got["x"][0].tokens) < 5000
+    assert got["y"][0].finish == "abort" and got["y"][0].tokens == []  # never joined
+    assert got["z"][0].finish is not None and got["z"][0].finish != "abort"

@@ -62,9 +62,9 @@ class _SlowClient:
     def __init__(self, client):
         self.client, self.urls = client, client.urls
 
-    def generate_segment(self, url, inputs, params):
+    def generate_segment(self, url, inputs, params, **kw):
         time.sleep(SEGMENT_S)
-        return self.client.generate_segment(url, inputs, params)
+        return self.client.generate_segment(url, inputs, params, **kw)
 
     def update_weights(self, *args, **kwargs):
         return self.client.update_weights(*args, **kwargs)
@@ -135,18 +135,46 @@ def _ref_logprobs(model, prompt, tokens):
     return torch.stack([lp[p - 1 + t, tok] for t, tok in enumerate(tokens)])
 
 
-def test_bound_groups_versions_and_behaviour_logprobs(batches):
-    rank0, rank1 = batches
-    engine = _engine()
-    base = {n: p.detach().clone() for n, p in engine.params.items()}
+def _models_at(model, base: dict):
+    """v -> a float64 copy of `model` holding version v's weights (_weights of `base`), made once a version."""
     models = {}
 
     def model_at(v):
         if v not in models:
-            m = copy.deepcopy(engine.model).double()
+            m = copy.deepcopy(model).double()
             m.load_state_dict({k: t.double() for k, t in _weights(base, v).items()}, strict=False)
             models[v] = m
         return models[v]
+    return model_at
+
+
+def _own_version_logprobs(model_at, prompt, tokens, lps, vs, tol) -> float:
+    """Each token's behaviour logprob is a float64 recomputation's under its own version (within `tol`), and the
+    next version's weights would not pass; returns the largest difference."""
+    got = torch.tensor(lps, dtype=torch.float64)
+    under = {v: _ref_logprobs(model_at(v), prompt, tokens) for v in set(vs) | {v + 1 for v in vs}}
+    want = torch.stack([under[v][t] for t, v in enumerate(vs)])
+    assert torch.allclose(got, want, atol=tol, rtol=0), (got - want).abs().max()
+    assert (got - torch.stack([under[v + 1][t] for t, v in enumerate(vs)])).abs().max() > 1e-2
+    return float((got - want).abs().max())
+
+
+def _counting_client(url, sent: list, **kw):
+    """The real client, recording the request id of every /generate it sends in `sent`."""
+    from grpo_mega.engines.client import ServerClient
+
+    class Counting(ServerClient):
+        def generate_segment(self, url, inputs, params, rids=None):
+            sent.append(rids[0])
+            return super().generate_segment(url, inputs, params, rids=rids)
+
+    return Counting([url], **kw)
+
+
+def test_bound_groups_versions_and_behaviour_logprobs(batches):
+    rank0, rank1 = batches
+    engine = _engine()
+    model_at = _models_at(engine.model, {n: p.detach().clone() for n, p in engine.params.items()})
 
     continued, checked = 0, 0
     for (step, prompts, gen, metrics), (step1, prompts1, tokens1, metrics1) in zip(rank0, rank1):
@@ -160,12 +188,7 @@ def test_bound_groups_versions_and_behaviour_logprobs(batches):
             continued += len(set(vs)) > 1
             if checked < 6 and len(set(vs)) > 1:  # behaviour logprobs are those of each token's own version
                 checked += 1
-                got = torch.tensor(lps, dtype=torch.float64)
-                under = {v: _ref_logprobs(model_at(v), prompts[i // N], tokens) for v in set(vs) | {v + 1 for v in vs}}
-                want = torch.stack([under[v][t] for t, v in enumerate(vs)])
-                assert torch.allclose(got, want, atol=2e-4, rtol=0), (got - want).abs().max()
-                other = torch.stack([under[v + 1][t] for t, v in enumerate(vs)])
-                assert (got - other).abs().max() > 1e-2  # another version's weights would not pass
+                _own_version_logprobs(model_at, prompts[i // N], tokens, lps, vs, 2e-4)
         assert sum(metrics[f"async/token_lag_{j}"] for j in range(K + 1)) == pytest.approx(1.0)
         assert 0 <= metrics["async/trainer_idle_fraction"] <= 1 and 0 <= metrics["async/server_idle_fraction"] <= 1
         assert metrics["async/continued_samples"] == sum(len(set(v)) > 1 for v in versions)
@@ -406,7 +429,7 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
     class Client:
         urls = ["u"]
 
-        def generate_segment(self, url, inputs, params):  # group 0's first response takes 6 segments, others one
+        def generate_segment(self, url, inputs, params, rids=None):  # group 0's first response: 6 segments, others 1
             seeds = [p["custom_params"]["sample_seed"] for p in params]
             with lock:
                 budgets.update((p["custom_params"]["generated"], p["max_new_tokens"]) for p in params)
@@ -417,7 +440,7 @@ def test_a_group_waiting_on_its_long_tail_leaves_its_finished_responses_room_to_
                 for x in seeds:
                     flying.remove(x)
             return [([5], [-0.1], "length" if p["custom_params"]["sample_seed"] == long_seed and
-                     p["custom_params"]["generated"] < 5 else "stop", 0) for p in params]
+                     p["custom_params"]["generated"] < 5 else "stop", [0]) for p in params]
 
     draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
     s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 2, SamplingArgs(2, 1.0, 1.0, 40, [], seed=3),
@@ -452,12 +475,12 @@ def test_a_group_in_flight_that_falls_behind_the_bound_is_dropped_at_once():
     class Client:
         urls = ["u"]
 
-        def generate_segment(self, url, inputs, params):
+        def generate_segment(self, url, inputs, params, rids=None):
             time.sleep(0.01)
             with lock:
                 sent.extend(p["custom_params"]["sample_seed"] for p in params)
                 return [([5], [-0.1], "length" if p["custom_params"]["sample_seed"] == long_seed else "stop",
-                         version[0]) for p in params]
+                         [version[0]]) for p in params]
 
     draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
     s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 1, SamplingArgs(2, 1.0, 1.0, 10_000, [],
@@ -485,6 +508,129 @@ def test_a_group_in_flight_that_falls_behind_the_bound_is_dropped_at_once():
         s.close()
 
 
+def test_with_pause_mode_retract_a_group_that_falls_behind_has_its_open_requests_aborted():
+    """rollout.pause_mode=retract: a request stays open across updates, its tokens unknown until it ends, so a group
+    is as old as the version its requests were sent at; once the trainer's bound passes that, its open request is
+    ended on the server by its request id (SGLang's /abort_request) and the group is dropped."""
+    import threading
+    from types import SimpleNamespace
+
+    from grpo_mega.engines.interface import sample_seed
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    long_seed, open_, aborted, version = sample_seed(3 * 1_000_003, 0, 0) % (2**31), {}, [], [0]
+
+    class Client:
+        urls = ["u"]
+        interrupt, pause_mode = False, "abort"
+
+        def check_retract(self):
+            pass
+
+        def generate_segment(self, url, inputs, params, rids=None):
+            if params[0]["custom_params"]["sample_seed"] != long_seed:
+                time.sleep(0.01)
+                return [([5], [-0.1], "stop", [version[0]])]
+            open_[rids[0]] = threading.Event()  # runs until aborted
+            assert open_[rids[0]].wait(30)
+            return [([5, 6], [-0.1, -0.2], "abort", [0, 1])]
+
+        def abort_requests(self, url, rids):
+            aborted.extend(rids)
+            for rid in rids:
+                if rid in open_:
+                    open_[rid].set()
+
+    draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
+    client = Client()
+    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=client), draw, 1, SamplingArgs(2, 1.0, 1.0, 100, [],
+                              seed=3), staleness=1, fresh=False, pause_mode="retract")
+    assert client.interrupt and client.pause_mode == "retract"
+    s._start_workers()
+    try:
+        for step in (1, 2):  # version 0's groups are trainable through step 2
+            out, _ = s._take(step)
+            assert "error" not in out and out["groups"][0].index != 0, out
+            with s.cond:
+                s.version = version[0] = step
+                s.cond.notify_all()
+            time.sleep(0.3)  # the quick responses sent at the version before have come back
+        assert not aborted
+        out, _ = s._take(3)  # needs versions >= 1: group 0, sent at version 0, can never train
+        with s.cond:
+            assert s.cond.wait_for(lambda: aborted, timeout=10)
+        assert aborted == list(open_) and aborted[0].split("-")[2] == "0"  # group 0's request, the one open
+        with s.cond:
+            assert s.dropped_groups == 1 and 0 not in [g.index for g in s._saved()[0]]
+    finally:
+        for e in open_.values():
+            e.set()
+        s.close()
+
+
+def _run_retract(url):
+    """pause_mode=retract against the stand-in (each decode step slowed): one request per response, every sync
+    landing while responses decode; rank 0 returns the batches and the /generate requests sent."""
+    from grpo_mega.engines.weight_sync import pack_buckets
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    base = {n: p.detach().clone() for n, p in _engine().params.items()}
+    sent = []
+
+    class Engines:
+        ranks, local = [0], _counting_client(url, sent, timeout_s=60)
+
+        def sync(self, gpt, version):
+            self.local.update_weights(version, pack_buckets(iter(_weights(base, version).items()), 1 << 20))
+
+    stream = _Stream()
+    s = AsyncRolloutScheduler(Engines(), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K, STEPS,
+                              partial=True, pause_mode="retract")
+    s.sync_weights(None, version=0)
+    out = []
+    try:
+        for step in range(1, STEPS + 1):
+            got = s.result(step)
+            out.append((step, [e.prompt_ids for e in got.examples], got.gen, s.metrics()))
+            deadline = time.monotonic() + 20  # training: until a response is in flight, then the sync lands
+            while s.requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(0.05)
+            s.sync_weights(None, version=step)
+    finally:
+        s.close()
+    return out, sent
+
+
+@pytest.mark.timeout(300)
+def test_pause_mode_retract_continues_a_response_across_updates_in_one_request():
+    """rollout.pause_mode=retract against the stand-in: every sync retracts the responses decoding (their requests
+    stay open), the server prefills them again under the new weights and samples on; each response is one request
+    (none resent), its tokens carry the version that sampled them (SGLang's weight_versions spans), within the
+    staleness bound, with behaviour logprobs equal to a float64 recomputation under each token's own version."""
+    proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(VOCAB),
+                                       "--simulate-decode-ms", "10"], env=ENV, cwd=REPO, timeout_s=120)
+    try:
+        ((batches, sent),) = run_ranks(_run_retract, 1, url, timeout=240)
+    finally:
+        stop(proc)
+    engine = _engine()
+    model_at = _models_at(engine.model, {n: p.detach().clone() for n, p in engine.params.items()})
+    assert len(sent) == len(set(sent))  # no request sent twice: a retracted one stays open
+    continued = checked = 0
+    for step, prompts, gen, metrics in batches:
+        for i, (tokens, lps, vs) in enumerate(zip(gen.token_ids, gen.logprobs, gen.extra["token_versions"])):
+            assert len(tokens) == len(lps) == len(vs) >= 1 and vs == sorted(vs)
+            assert step - 1 - K <= min(vs) and max(vs) <= step - 1, (step, vs)
+            continued += len(set(vs)) > 1
+            if checked < 4 and len(set(vs)) > 1:
+                checked += 1
+                _own_version_logprobs(model_at, prompts[i // N], tokens, lps, vs, 2e-4)
+    assert continued >= 1 and checked >= 1
+
+
 def test_fresh_groups_start_none_while_a_batch_waits():
     """rollout.fresh_groups: with generation far faster than training, no group starts while a batch of complete
     groups waits; taking the batch lets the workers start again (without it they run to the staleness cap). A
@@ -497,8 +643,8 @@ def test_fresh_groups_start_none_while_a_batch_waits():
     class Client:
         urls = ["u"]
 
-        def generate_segment(self, url, inputs, params):
-            return [([5], [-0.1], "stop", 0) for _ in params]
+        def generate_segment(self, url, inputs, params, rids=None):
+            return [([5], [-0.1], "stop", [0]) for _ in params]
 
     draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
     for fresh, started in ((False, 6), (True, 2)):
@@ -520,7 +666,7 @@ def test_fresh_groups_start_none_while_a_batch_waits():
         finally:
             s.close()
     class SlowClient(Client):
-        def generate_segment(self, url, inputs, params):
+        def generate_segment(self, url, inputs, params, rids=None):
             time.sleep(0.05)
             return super().generate_segment(url, inputs, params)
 
@@ -611,6 +757,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="rollout.mode=async with algo.dynamic_sampling=refill"):
         TrainConfig(rollout=r, algo=dict(dynamic_sampling="refill"))
     TrainConfig(rollout=r, checkpoint=dict(dir="/tmp/x"))  # checkpoints resume (the test above)
+    with pytest.raises(ValueError, match="rollout.pause_mode='in_place' must be 'abort' or 'retract'"):
+        RolloutConfig(**r, pause_mode="in_place")
     from types import SimpleNamespace
 
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler

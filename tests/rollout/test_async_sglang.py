@@ -3,19 +3,22 @@ tier): the scheduler's segments are SGLang /generate requests continued from the
 to the server through SGLang's own update API between two of them while responses are in flight. Every token handed
 out lies within the staleness bound and carries the version SGLang reports for the request that sampled it; a
 response continued across an update has the tokens after it from the new version, with behaviour logprobs equal to
-a float64 recomputation under each token's own version (and not under the next one's)."""
+a float64 recomputation under each token's own version (and not under the next one's). With rollout.pause_mode=retract
+(SGLang's /pause_generation mode "retract", on a server started with --disable-radix-cache; refused on one with its
+radix cache) a response is one request kept open across the updates, and its tokens' versions come from SGLang's
+weight_versions spans, the logprobs after an update again the new version's."""
 
-import copy
 import os
 import time
 
 import pytest
 import torch
 
-from grpo_mega.parallel.forked import run_ranks
+from grpo_mega.parallel.forked import RankFailed, run_ranks
 from grpo_mega.processes import stop
 from tests.models.hf_fixtures import tiny_hf
-from tests.rollout.test_async import GROUPS, MAX_NEW, N, _ref_logprobs, _steps, _Stream, _weights
+from tests.rollout.test_async import (GROUPS, MAX_NEW, N, _counting_client, _models_at, _own_version_logprobs,
+                                      _ref_logprobs, _steps, _Stream, _weights)
 
 pytestmark = pytest.mark.sglang
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,29 +34,43 @@ def _base(hf_dir):
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(hf_dir, url, partial):
-    """The loop's calls to the scheduler; each sync sends version v's weights (_weights) through SGLang's update API."""
-    from grpo_mega.engines.client import ServerClient
+def _run(hf_dir, url, partial, pause_mode="abort"):
+    """The loop's calls to the scheduler; each sync sends version v's weights (_weights) through SGLang's update API.
+    With pause_mode "retract" rank 0 also returns the request ids sent."""
     from grpo_mega.engines.weight_sync import pack_buckets
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
     from grpo_mega.rollout.scheduler import SamplingArgs
 
     _, base = _base(hf_dir)
+    sent = []
 
     class Engines:
         ranks = [0]
 
-        def __init__(self):
-            self.local = ServerClient([url], timeout_s=120, group_name=f"async_partial_{partial}")  # a group a run
+        def __init__(self):  # an update group a run
+            self.local = _counting_client(url, sent, timeout_s=120, group_name=f"async_{partial}_{pause_mode}")
 
         def sync(self, gpt, version):
             self.local.update_weights(version, pack_buckets(iter(_weights(base, version).items()), 1 << 20))
 
     stream = _Stream()
-    s = AsyncRolloutScheduler(Engines(), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K, STEPS,
-                              partial=partial, segment_tokens=4, get_state=stream.get_state, set_state=stream.set_state)
+    max_new = MAX_NEW if pause_mode == "abort" else 4 * MAX_NEW  # retract: long enough to be decoding at a sync
+    s = AsyncRolloutScheduler(Engines(), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, max_new, [], seed=3), K, STEPS,
+                              partial=partial, segment_tokens=4 if pause_mode == "abort" else 0,
+                              get_state=stream.get_state, set_state=stream.set_state, pause_mode=pause_mode)
     s.sync_weights(None, version=0)
     try:
+        if partial and pause_mode == "retract":  # each sync lands while responses decode (their requests open)
+            out = []
+            for step in range(1, STEPS + 1):
+                got = s.result(step)
+                out.append((step, [e.index for e in got.examples], got.gen, s.metrics()))
+                deadline = time.monotonic() + 20
+                while s.requests == 0 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                time.sleep(0.05)
+                s.sync_weights(None, version=step)
+            return out, sent
         if partial:
             return _steps(s, range(1, STEPS + 1))
         out = []
@@ -83,18 +100,19 @@ def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
     try:
         (batches,) = run_ranks(_run, 1, hf_dir, url, True, timeout=400)
         (whole,) = run_ranks(_run, 1, hf_dir, url, False, timeout=400)
+        with pytest.raises(RankFailed, match="--disable-radix-cache"):  # this server runs its radix cache
+            run_ranks(_run, 1, hf_dir, url, True, "retract", timeout=400)
+    finally:
+        stop(proc)
+    # pause_mode=retract: one request per response, kept open across the updates, on a server without a radix cache
+    ((proc, url),) = launch_sglang(hf_dir, count=1, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True,
+                                   extra=("--disable-radix-cache",))
+    try:
+        ((retracted, sent),) = run_ranks(_run, 1, hf_dir, url, True, "retract", timeout=400)
     finally:
         stop(proc)
 
-    engine, base = _base(hf_dir)
-    models = {}
-
-    def model_at(v):
-        if v not in models:
-            m = copy.deepcopy(engine).double()
-            m.load_state_dict({k: t.double() for k, t in _weights(base, v).items()}, strict=False)
-            models[v] = m
-        return models[v]
+    model_at = _models_at(*_base(hf_dir))
 
     prompts = _Stream().draw(64)
     continued, checked, worst = 0, 0, 0.0
@@ -107,14 +125,8 @@ def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
             continued += len(set(vs)) > 1
             if checked < 4 and len(set(vs)) > 1:  # each token's behaviour logprob is its own version's
                 checked += 1
-                prompt = prompts[idx[row // N]].prompt_ids
-                got = torch.tensor(lps, dtype=torch.float64)
-                under = {v: _ref_logprobs(model_at(v), prompt, tokens) for v in set(vs) | {v + 1 for v in vs}}
-                want = torch.stack([under[v][t] for t, v in enumerate(vs)])
-                worst = max(worst, float((got - want).abs().max()))
-                assert torch.allclose(got, want, atol=LOGP_TOL, rtol=0), (got - want).abs().max()
-                other = torch.stack([under[v + 1][t] for t, v in enumerate(vs)])
-                assert (got - other).abs().max() > 1e-2  # another version's weights would not pass
+                worst = max(worst, _own_version_logprobs(model_at, prompts[idx[row // N]].prompt_ids, tokens, lps, vs,
+                                                         LOGP_TOL))
         assert metrics["async/continued_samples"] == sum(len(set(v)) > 1 for v in versions)
     assert continued >= 1 and checked >= 1
     assert sum(m["requests_at_sync"] > 0 for _, _, _, m in whole) >= 2  # syncs met requests in flight
@@ -124,5 +136,16 @@ def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
             if row < 2:
                 want = _ref_logprobs(model_at(vs[0]), prompts[idx[row // N]].prompt_ids, tokens)
                 assert torch.allclose(torch.tensor(lps, dtype=torch.float64), want, atol=LOGP_TOL, rtol=0)
-    print(f"SGLang async: {continued} responses continued across an update; behaviour logprobs vs float64 "
-          f"recomputation max {worst:.2e}")
+    assert len(sent) == len(set(sent))  # retract: no request sent twice
+    spanned = 0
+    for step, idx, gen, _ in retracted:  # each response one request; its tokens after an update the new version's
+        for row, (tokens, lps, vs) in enumerate(zip(gen.token_ids, gen.logprobs, gen.extra["token_versions"])):
+            assert len(tokens) == len(lps) == len(vs) >= 1 and vs == sorted(vs)
+            assert step - 1 - K <= vs[0] and vs[-1] <= step - 1, (step, vs)
+            if len(set(vs)) > 1 and spanned < 4:
+                spanned += 1
+                worst = max(worst, _own_version_logprobs(model_at, prompts[idx[row // N]].prompt_ids, tokens, lps, vs,
+                                                         LOGP_TOL))
+    assert spanned >= 1
+    print(f"SGLang async: {continued} responses continued across an update ({spanned} in one retracted request); "
+          f"behaviour logprobs vs float64 recomputation max {worst:.2e}")
