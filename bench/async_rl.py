@@ -21,17 +21,19 @@ model on a CPU core is not (bench_results/async_decode3ms.json: 3 ms).
 
 Per mode, over the steady steps (the first two and the validating last left out): trained tokens per second (the
 update's tokens, prompt and response of the rows in the loss, over the sum of the step times), the trainer's idle
-fraction (generate_wait / step), the median step and the median of each phase (`timing/*`, `phases_s`), the
-serial phase sum (generation plus everything the trainer does: what a step would take if nothing overlapped),
+fraction (generate_wait / step), the median step and the median of each phase (`timing/*`, `phases_s`), the serial
+phase sum (generation plus everything the trainer does: what a step would take if nothing overlapped),
 `step_over_phase_sum` (the median of step / its own serial sum), `perf/overlap`, and in async mode the async/*
-metrics (server idle fraction, lag histogram, dropped samples). Headlines: `k2_over_one_step_ahead` (the target
-is >= 1.5), beside `trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the
-most that ending the trainer's wait can give on this workload while the trainer's own work per step stays the
-same, and `server_bound_over_one_step_ahead`, the most one server kept full can give (the async runs' best rate of
-generated tokens per busy second makes one step ahead's tokens per step in no less than tokens / rate); with in
-turn and one step ahead, `step_ratio` (one step ahead's step / in turn's), `step_ratio_bound` (the
-best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation + the rest)) and
-one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7).
+metrics (server idle fraction, lag histogram, dropped samples). Headlines: `k2_over_one_step_ahead` (the target is
+>= 1.5), beside `trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the most that
+ending the trainer's wait can give on this workload while the trainer's own work per step stays the same;
+`server_bound_over_one_step_ahead`, one step ahead's step over the time its tokens a step take at the best rate the
+async runs kept their server at (generated tokens per busy second: what their requests got out of it, not what it
+can do); and `decode_full_bound_over_one_step_ahead`, the same at the rate of the stand-in's decode loop alone with
+a batch's rows decoding at once (`decode_rate`: measured in this process on the server's core before the runs, at 1
+row and at that many). With in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's),
+`step_ratio_bound` (the best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation +
+the rest)) and one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
     lengths = [] if args.natural_lengths else ["--simulate-lengths", f"{args.median},{args.sigma}"]
     trainer_core, server_core = common.trainer_and_server_cores()
     load_before = os.getloadavg()
+    rate = decode_rate(server_core, rows=_rows(args.set), decode_ms=args.decode_ms)
     server, url = common.standin_server(server_core, *lengths, "--simulate-decode-ms", str(args.decode_ms))
     rows: dict[str, list] = {m: [] for m in modes}
     order = []
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
                 for m in modes if i % 2 == 0 else modes[::-1]:
                     rows[m].append(_run(trainer_core, url, m, args.steps, length, Path(tmp) / f"{m}_{i}", args.set))
                     order.append(m)
-                    result = _result(args, rows, order, length, trainer_core, server_core, load_before)
+                    result = _result(args, rows, order, length, trainer_core, server_core, load_before, rate)
                     common.write_json(args.out, result)  # after every run: a cut-short benchmark leaves what it measured
     finally:
         stop(server)
@@ -140,10 +143,52 @@ def main(argv=None) -> int:
     return 0
 
 
+def _rows(overrides: list[str]) -> int:
+    """The responses of a batch (train_batch_size x rollout.n), what one server decodes at once in async mode."""
+    got = dict(o.split("=", 1) for o in overrides)
+    return int(got.get("batch.train_batch_size", 8)) * int(got.get("rollout.n", 4))
+
+
+def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32) -> dict:
+    """Generated tokens per second of the stand-in's decode loop (grpo_mega.engines.continuous, the benchmark
+    server's model) at 1 row and at `rows` rows decoding together, `tokens` each, in this process pinned to `core`
+    with one torch thread (the server's settings) and each decode step `decode_ms` longer (--decode-ms)."""
+    import time
+
+    import torch
+
+    from grpo_mega.conf import load_model_config
+    from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.engines.continuous import ContinuousBatcher, Row
+    from grpo_mega.engines.embedded import EmbeddedEngine
+    from grpo_mega.engines.standin_server import slow_decode
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, before if core is None else {core})
+    torch.set_num_threads(1)
+    cfg = load_model_config("tiny")
+    cfg.vocab_size = len(make_tokenizer())
+    engine = EmbeddedEngine.from_model_config(cfg, seed=0)
+    if decode_ms > 0:
+        slow_decode(engine, decode_ms / 1000)
+    batcher, out = ContinuousBatcher(engine), {}
+    try:
+        for n in (1, rows):
+            batcher.run([Row([3, 4, 5], tokens, i) for i in range(n)])  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(3):
+                batcher.run([Row([3, 4, 5], tokens, i) for i in range(n)])
+            out[str(n)] = 3 * n * tokens / (time.perf_counter() - t0)
+    finally:
+        batcher.close()
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+    return out
+
+
 def _server_bound(runs: dict) -> Optional[float]:
-    """What one server kept full can give at most over one step ahead: its full rate (the async runs' generated
-    tokens per second over their busy fraction, the best of them) generates one step ahead's tokens per step in
-    tokens / rate seconds at least, and no step is shorter than that. None without one step ahead and an async run."""
+    """One step ahead's step over the time its tokens a step take at the best rate the async runs kept their server
+    at (generated tokens per second over their busy fraction). None without one step ahead and an async run."""
     rates = [r["generated_tokens_per_s"] / (1 - r["server_idle_fraction"]) for m, r in runs.items()
              if m.startswith("async") and r["server_idle_fraction"] < 1]
     if "one_step_ahead" not in runs or not rates:
@@ -152,7 +197,7 @@ def _server_bound(runs: dict) -> Optional[float]:
     return one["step_s"] / (one["generated_tokens_per_step"] / max(rates))
 
 
-def _result(args, rows, order, length, trainer_core, server_core, load_before) -> dict:
+def _result(args, rows, order, length, trainer_core, server_core, load_before, rate) -> dict:
     modes = [m for m in rows if rows[m]]
     runs = {m: _summary(rows[m]) for m in modes}
     tps = {m: runs[m]["trained_tokens_per_s"] for m in modes}
@@ -180,6 +225,10 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before) -
         trainer_bound_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])
                                            if "one_step_ahead" in runs else None),
         server_bound_over_one_step_ahead=_server_bound(runs),
+        decode_rate=rate,
+        decode_full_bound_over_one_step_ahead=(runs["one_step_ahead"]["step_s"] * max(rate.values())
+                                               / runs["one_step_ahead"]["generated_tokens_per_step"]
+                                               if "one_step_ahead" in runs else None),
         step_ratio=runs["one_step_ahead"]["step_s"] / runs["in_turn"]["step_s"] if pair else None,
         step_ratio_bound=bound if pair else None,
         step_over_phase_sum=runs["one_step_ahead"]["step_over_phase_sum"] if "one_step_ahead" in runs else None,

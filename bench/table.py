@@ -158,10 +158,14 @@ ROWS = [
                   f"{_x(d['step_over_phase_sum'])} its serial phase sum"),
     Row("fully async (k=2) vs one step ahead, heavy-tailed lengths", "async.json",
         "python -m bench.async_rl --repeats 4",
-        lambda d: _async(d, f"ceilings: trainer-bound {_x(d['trainer_bound_over_one_step_ahead'])}, server kept full "
-                            f"{_x(d['server_bound_over_one_step_ahead'])}; ",
+        lambda d: _async(d, f"ceilings: trainer-bound {_x(d['trainer_bound_over_one_step_ahead'])}, the stand-in's "
+                            f"decode loop kept full {_x(d['decode_full_bound_over_one_step_ahead'])}; ",
                          f"trainer idle {d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
                          f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}")),
+    Row("fully async (k=2, rollout.pause_mode=retract) vs one step ahead, heavy-tailed lengths", "async_retract.json",
+        "python -m bench.async_rl --repeats 2 --set rollout.pause_mode=retract (and the shape's four --set)",
+        lambda d: _async(d, f"the stand-in's decode loop kept full {_x(d['decode_full_bound_over_one_step_ahead'])}; ",
+                         f"trainer idle {d['modes']['async_k2']['trainer_idle_fraction']:.2f}")),
     Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step)",
         "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 --repeats 2",
         lambda d: _async(d, "", f"in turn's generation share {d['modes']['in_turn']['trainer_idle_fraction']:.2f}")),
