@@ -134,7 +134,8 @@ class ContinuousBatcher:
                    if rids is None or r.rid in rids]
             for r in hit:
                 r.aborted = True
-            waiting = [r for r in hit if r not in self.active]
+            decoding = {id(r) for r in self.active}
+            waiting = [r for r in hit if id(r) not in decoding]
             self.retracted = [r for r in self.retracted if not r.aborted]
             for j in self.pending:
                 j.rows = [r for r in j.rows if not r.aborted]

@@ -295,7 +295,8 @@ class AsyncRolloutScheduler:
 
     def _rid(self, g: Group, r: Response) -> str:
         """The request id of response `r`'s request now (its group, its place in it, its tokens so far)."""
-        return f"grpo-{self.rid_prefix}-{g.index}-{g.responses.index(r)}-{len(r.tokens)}"
+        j = next(j for j, x in enumerate(g.responses) if x is r)
+        return f"grpo-{self.rid_prefix}-{g.index}-{j}-{len(r.tokens)}"
 
     def _sending(self, url: str, change: int) -> None:
         """Under cond: `change` more requests in flight on `url`; time with any counts as busy (0: count up to now)."""

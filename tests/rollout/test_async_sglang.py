@@ -8,8 +8,11 @@ a float64 recomputation under each token's own version (and not under the next o
 radix cache) a response is one request kept open across the updates, and its tokens' versions come from SGLang's
 weight_versions spans, the logprobs after an update again the new version's."""
 
+import json
 import os
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -96,18 +99,28 @@ def test_async_segments_and_updates_on_a_real_sglang_server(tmp_path):
     hf_dir = str(tiny_hf(tmp_path / "llama", "llama", dtype=torch.float32))
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (FIXTURES, REPO, os.environ.get("PYTHONPATH")) if p)}
-    ((proc, url),) = launch_sglang(hf_dir, count=1, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True)
+    # pause_mode=retract runs on a server without a radix cache, started beside the first (the tier runs one test at
+    # a time: the other core is free)
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(launch_sglang, hf_dir, count=1, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True,
+                             extra=("--disable-radix-cache",))
+        try:
+            ((proc, url),) = launch_sglang(hf_dir, count=1, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True)
+            try:
+                (batches,) = run_ranks(_run, 1, hf_dir, url, True, timeout=400)
+                (whole,) = run_ranks(_run, 1, hf_dir, url, False, timeout=400)
+                with pytest.raises(RankFailed, match="--disable-radix-cache"):  # this server runs its radix cache
+                    run_ranks(_run, 1, hf_dir, url, True, "retract", timeout=400)
+            finally:
+                stop(proc)
+        except BaseException:
+            for proc, _ in second.result():
+                stop(proc)
+            raise
+        ((proc, url),) = second.result()
     try:
-        (batches,) = run_ranks(_run, 1, hf_dir, url, True, timeout=400)
-        (whole,) = run_ranks(_run, 1, hf_dir, url, False, timeout=400)
-        with pytest.raises(RankFailed, match="--disable-radix-cache"):  # this server runs its radix cache
-            run_ranks(_run, 1, hf_dir, url, True, "retract", timeout=400)
-    finally:
-        stop(proc)
-    # pause_mode=retract: one request per response, kept open across the updates, on a server without a radix cache
-    ((proc, url),) = launch_sglang(hf_dir, count=1, log_dir=str(tmp_path), env=env, timeout_s=240, cpu=True,
-                                   extra=("--disable-radix-cache",))
-    try:
+        with urllib.request.urlopen(url + "/server_info", timeout=30) as resp:  # the field check_retract reads
+            assert json.loads(resp.read())["disable_radix_cache"] is True
         ((retracted, sent),) = run_ranks(_run, 1, hf_dir, url, True, "retract", timeout=400)
     finally:
         stop(proc)
