@@ -51,7 +51,8 @@ SHAPE = ["batch.train_batch_size=8", "rollout.n=4", "batch.ppo_mini_batch_size=8
 MODES = {"in_turn": ["rollout.off_policy_steps=0"], "one_step_ahead": ["rollout.off_policy_steps=1"],
          "async_k1": ["rollout.mode=async", "rollout.off_policy_steps=1"],
          "async_k2": ["rollout.mode=async", "rollout.off_policy_steps=2"],
-         "async_k4": ["rollout.mode=async", "rollout.off_policy_steps=4"]}
+         "async_k4": ["rollout.mode=async", "rollout.off_policy_steps=4"],
+         "async_k2_retract": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=retract"]}
 
 
 def _run(core, url: str, mode: str, steps: int, length: int, out: Path, overrides) -> list[dict]:

@@ -34,10 +34,13 @@ from typing import Optional
 import torch
 
 from grpo_mega.engines.embedded import EmbeddedEngine, sample_rows
+from grpo_mega.models.local_attention import length_buckets
 
 
 JOIN_SHARE = 1 / 8
 JOIN_WAIT_STEPS = 4
+PREFILL_CALL_TOKENS = 100
+"""What one more forward costs, in tokens fed (the tiny model on one CPU core: ~2 ms a forward, ~19 us a token)."""
 
 
 @dataclass
@@ -232,6 +235,10 @@ class ContinuousBatcher:
         held = self.engine.prefix_cache
         seqs = [r.ids + r.tokens for r in rows]  # a retracted row's tokens so far are input again
         kvs = [held.take(x[:-1]) if held is not None and len(x) > 1 else None for x in seqs]
+        cold = [i for i, x in enumerate(seqs) if kvs[i] is None and len(x) > 1]
+        if cold and self._prefill_apart([len(seqs[i]) for i in cold], len(self.active) + len(rows)):
+            for i, kv in zip(cold, self._prefill([seqs[i][:-1] for i in cold])):
+                kvs[i] = kv
         feeds = []
         for r, x, kv in zip(rows, seqs, kvs):
             r.fed = 0 if kv is None else len(x) - 1
@@ -262,6 +269,33 @@ class ContinuousBatcher:
         self.cache, self.mask = cache, mask
         return feeds
 
+    @staticmethod
+    def _prefill_apart(lens: list[int], rows: int) -> bool:
+        """Whether inputs of `lens` tokens, joining a step of `rows` rows in all, are prefilled in forwards of their
+        own (`_prefill`) rather than in the step's forward, where every row is as wide as the longest input."""
+        fed = [n - 1 for n in lens]  # apart: all but the last token, which the step feeds
+        apart = sum(len(b) * max(fed[j] for j in b) + PREFILL_CALL_TOKENS for b in length_buckets(fed, PREFILL_CALL_TOKENS))
+        return apart + rows < rows * max(lens)
+
+    def _prefill(self, seqs: list[list[int]]) -> list[list[tuple]]:
+        """Each sequence's keys and values ([heads, tokens, head_dim] per layer, as the prefix cache holds them), fed
+        in a few forwards of similar lengths (length_buckets), each right-aligned, its padding masked."""
+        from transformers import DynamicCache
+
+        out: list = [None] * len(seqs)
+        dev, step = self.engine.device, self.engine._decode_step("dynamic")
+        for bucket in length_buckets([len(x) for x in seqs], PREFILL_CALL_TOKENS):
+            width = max(len(seqs[j]) for j in bucket)
+            ids = [[0] * (width - len(seqs[j])) + seqs[j] for j in bucket]
+            pos = [[0] * (width - len(seqs[j])) + list(range(len(seqs[j]))) for j in bucket]
+            mask = [[0] * (width - len(seqs[j])) + [1] * len(seqs[j]) for j in bucket]
+            cache = DynamicCache()
+            step(torch.tensor(ids, device=dev), torch.tensor(mask, device=dev), torch.tensor(pos, device=dev), cache)
+            for i, j in enumerate(bucket):
+                n = len(seqs[j])
+                out[j] = [(layer.keys[i, :, width - n:], layer.values[i, :, width - n:]) for layer in cache.layers]
+        return out
+
     def _compact(self, rows: list[Row], feeds: list[list[int]], width: int) -> None:
         """After a forward that fed `feeds` (up to W tokens a row, right-aligned) onto a cache `width` wide: each
         row's keys and values right-aligned again (its padding among the new columns dropped)."""
@@ -287,13 +321,10 @@ class ContinuousBatcher:
             return
         feeds = [[r.tokens[-1] if r.tokens else r.ids[-1]] for r in self.active] + feeds
         wide, width = max(len(f) for f in feeds), self.mask.shape[1]
-        ids = torch.zeros(len(rows), wide, dtype=torch.long)
-        new = torch.zeros(len(rows), wide, dtype=torch.long)
-        pos = torch.zeros(len(rows), wide, dtype=torch.long)
-        for i, (r, f) in enumerate(zip(rows, feeds)):
-            n = len(f)
-            ids[i, wide - n:], new[i, wide - n:] = torch.tensor(f), 1
-            pos[i, wide - n:] = torch.arange(r.fed, r.fed + n)
+        ids = torch.tensor([[0] * (wide - len(f)) + f for f in feeds], dtype=torch.long)
+        new = torch.tensor([[0] * (wide - len(f)) + [1] * len(f) for f in feeds], dtype=torch.long)
+        pos = torch.tensor([[0] * (wide - len(f)) + list(range(r.fed, r.fed + len(f))) for r, f in zip(rows, feeds)],
+                           dtype=torch.long)
         self.mask = torch.cat([self.mask, new], dim=1)
         dev = engine.device
         logits = engine._decode_step("dynamic")(ids.to(dev), self.mask.to(dev), pos.to(dev), self.cache)
@@ -332,9 +363,12 @@ class ContinuousBatcher:
             else:
                 keep.append(i)
         ended = [i for i in range(len(rows)) if rows[i].finish is not None]
+        kept = self._kept(rows, ended)
         with self.cond:  # a request's last row told under cond: abort() finishes waiting rows under it too
             for i in ended:
-                self._leave(rows[i], i)
+                if i in kept:
+                    engine.prefix_cache.put(rows[i].ids + rows[i].tokens[:-1], kept[i])
+                self._done(rows[i])
         self.active = [rows[i] for i in keep]
         if not keep:
             self.cache = self.mask = None
@@ -346,15 +380,18 @@ class ContinuousBatcher:
             layer.values = layer.values.index_select(0, index)[:, :, -width:]
         self.mask = self.mask[keep][:, -width:]
 
-    def _leave(self, r: Row, i: int) -> None:
-        """Row `r` (batch index i) ended: a row cut by its budget or an abort leaves its keys and values (of its
-        input and tokens but the last, never fed) for the request that continues it; its request is told when its
-        last row ends."""
-        cache = self.engine.prefix_cache
-        if cache is not None and r.finish in ("length", "abort"):
-            cache.put(r.ids + r.tokens[:-1], [(layer.keys[i, :, -r.fed:].clone(), layer.values[i, :, -r.fed:].clone())
-                                              for layer in self.cache.layers])
-        self._done(r)
+    def _kept(self, rows: list[Row], ended: list[int]) -> dict[int, list[tuple]]:
+        """Of the rows that ended (batch indices), those cut by their budget or an abort: their keys and values (of
+        their input and tokens but the last, never fed) for the request that continues them (the prefix cache), taken
+        out of the batch's cache in one gather a layer."""
+        cut = [i for i in ended if rows[i].finish in ("length", "abort")]
+        if self.engine.prefix_cache is None or not cut:
+            return {}
+        index = torch.tensor(cut, device=self.engine.device)
+        width = max(rows[i].fed for i in cut)
+        taken = [(layer.keys.index_select(0, index)[:, :, -width:], layer.values.index_select(0, index)[:, :, -width:])
+                 for layer in self.cache.layers]
+        return {i: [(k[n, :, -rows[i].fed:], v[n, :, -rows[i].fed:]) for k, v in taken] for n, i in enumerate(cut)}
 
     def _done(self, r: Row) -> None:
         """Under cond: row `r` has ended; its request is told when its last row has."""

@@ -28,8 +28,8 @@ class SDPACoreAttention(_dot_product_attention()):
     forward(query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask, ...) -> [s, b, np*hn]: causal
     attention per row when attention_mask is None. For a packed row ([S, 1, ...]) `attention_mask` carries the
     offsets of its sequences instead of a mask (`packed_row_mask`: [k+1] int32, cu[0] = 0); the row's positions
-    from cu[-1] on are padding. The sequences are gathered into a few buckets of similar lengths (`_buckets`), each
-    bucket's into rows of its longest one's length, attend causally in one SDPA call a bucket (a sequence's padding
+    from cu[-1] on are padding. The sequences are gathered into a few buckets of similar lengths (`length_buckets`),
+    each bucket's into rows of its longest one's length, attend causally in one SDPA call a bucket (a sequence's padding
     comes after it: causality keeps it unseen) and are scattered back; the padding's output is 0. Carried in the mask's argument, the offsets reach every layer and
     megatron's activation recomputation (selective or full) as an input of the checkpointed function, as a
     mask would. A dense mask is refused: no row built here needs one."""
@@ -74,24 +74,25 @@ CALL_SLOTS = 64
 MAX_BUCKETS = 4
 
 
-def _buckets(lens: list[int]) -> list[list[int]]:
-    """The sequences (indices into `lens`) in at most MAX_BUCKETS buckets of similar lengths, longest first: the
-    split of the sorted lengths with the fewest slots (a bucket's count x its longest) plus CALL_SLOTS a bucket."""
+def length_buckets(lens: list[int], call_slots: int = CALL_SLOTS, most: int = MAX_BUCKETS) -> list[list[int]]:
+    """The sequences (indices into `lens`) in at most `most` buckets of similar lengths, longest first: the split of
+    the sorted lengths with the fewest slots (a bucket's count x its longest) plus `call_slots` a bucket (what one
+    more call over a bucket costs; also the stand-in server's prefill forwards, grpo_mega.engines.continuous)."""
     order = sorted(range(len(lens)), key=lambda j: -lens[j])
     w = [max(lens[j], 1) for j in order]
     n = len(order)
     # best[b][i]: the cost of the first i sorted sequences in b buckets; cut[b][i]: where the last bucket starts
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(MAX_BUCKETS + 1)]
-    cut = [[0] * (n + 1) for _ in range(MAX_BUCKETS + 1)]
+    best = [[inf] * (n + 1) for _ in range(most + 1)]
+    cut = [[0] * (n + 1) for _ in range(most + 1)]
     best[0][0] = 0
-    for b in range(1, MAX_BUCKETS + 1):
+    for b in range(1, most + 1):
         for i in range(1, n + 1):
             for j in range(b - 1, i):  # the last bucket holds sorted sequences j..i-1, as wide as the j-th
-                c = best[b - 1][j] + (i - j) * w[j] + CALL_SLOTS
+                c = best[b - 1][j] + (i - j) * w[j] + call_slots
                 if c < best[b][i]:
                     best[b][i], cut[b][i] = c, j
-    b = min(range(1, MAX_BUCKETS + 1), key=lambda b: best[b][n])
+    b = min(range(1, most + 1), key=lambda b: best[b][n])
     out, i = [], n
     while b:
         j = cut[b][i]
@@ -116,7 +117,7 @@ def _packed_index(cu: torch.Tensor, s: int, b: int):
         raise ValueError(f"SDPACoreAttention: cu_seqlens {offsets} do not cut a packed row of {s} tokens (batch {b})")
     lens = [y - x for x, y in zip(offsets, offsets[1:])]
     buckets, scatter, base = [], [0] * s, 0
-    for seqs in (_buckets(lens) if lens else []):
+    for seqs in (length_buckets(lens) if lens else []):
         width = max([lens[j] for j in seqs] + [1])
         gather = []
         for row, j in enumerate(seqs):

@@ -73,6 +73,38 @@ def test_requests_join_and_leave_one_batch_and_sample_as_alone(engine):
     assert len({tuple(r.tokens) for r in rows}) == len(rows)
 
 
+def test_long_inputs_joining_many_rows_are_prefilled_apart_and_sample_as_alone(engine):
+    """Inputs much longer than the rows decoding are prefilled in forwards of their own (every row of the step's
+    forward would be as wide as the longest), in buckets of similar lengths, then decode beside the others: each row
+    still samples what it samples alone."""
+    assert ContinuousBatcher._prefill_apart([40, 25], 10) and not ContinuousBatcher._prefill_apart([3, 2], 4)
+    batcher = ContinuousBatcher(engine)
+    prefilled = []
+    prefill = batcher._prefill
+    batcher._prefill = lambda seqs: prefilled.append([len(x) for x in seqs]) or prefill(seqs)
+    short = [([11 + j, 12], 48, 40 + j, 1.0, 1.0) for j in range(8)]  # no stop token: all 8 decode 48 steps
+    long = [(list(range(60, 100)), 8, 50, 1.0, 1.0), (list(range(30, 55)), 8, 51, 0.0, 1.0),
+            (list(range(120, 124)), 8, 52, 1.0, 0.9)]
+    out = {}
+    try:
+        rows = [Row(list(ids), budget, seed, t, p) for ids, budget, seed, t, p in short]
+        first = threading.Thread(target=lambda: out.update(short=batcher.run(rows)))
+        first.start()
+        deadline = time.monotonic() + 10
+        while batcher.steps < 2 and time.monotonic() < deadline:  # the short rows are decoding
+            time.sleep(0.001)
+        out["long"] = batcher.run(_rows(long))
+        first.join(timeout=60)
+    finally:
+        batcher.close()
+    assert prefilled == [[39, 24, 3]], prefilled  # all but the last token of each, apart from the step
+    for r, (ids, budget, seed, temperature, top_p), stop in zip(out["short"] + out["long"], short + long,
+                                                                [frozenset()] * 8 + [STOP] * 3):
+        alone = engine.generate([ids], 1, temperature, top_p, budget, stop, 0, row_seeds=[seed])
+        assert (r.tokens, r.finish) == (alone.token_ids[0], alone.finish_reasons[0]), (ids, r.tokens, alone.token_ids)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, alone.logprobs[0])) < 1e-5
+
+
 def test_a_short_request_leaves_before_a_long_one_and_a_cut_row_continues_from_its_cache(engine):
     batcher = ContinuousBatcher(engine)
     done = []

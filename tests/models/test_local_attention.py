@@ -56,7 +56,7 @@ def _compare(dtype_name):
         g = torch.Generator().manual_seed(0)
         out = {}
         # (name, [s, b], seq_lens of a packed row or None)
-        # "buckets": lengths that _buckets splits into more than one SDPA call
+        # "buckets": lengths that length_buckets splits into more than one SDPA call
         for name, (s, b), lens in (("padded", (19, 3), None), ("packed", (24, 1), [7, 1, 9]),
                                    ("buckets", (80, 1), BUCKETED)):
             q = torch.randn(s, b, 4, 8, generator=g).to(dtype)
@@ -97,15 +97,15 @@ def test_sdpa_core_attention_equals_megatrons_dot_product_attention(dtype, tol):
 BUCKETED = [30, 2, 2, 2, 2, 2, 2, 2, 2, 25, 1, 3]
 
 
-def test_buckets_hold_every_sequence_once_in_fewer_slots():
-    from grpo_mega.models.local_attention import CALL_SLOTS, MAX_BUCKETS, _buckets
+def test_length_buckets_hold_every_sequence_once_in_fewer_slots():
+    from grpo_mega.models.local_attention import CALL_SLOTS, MAX_BUCKETS, length_buckets
 
-    buckets = _buckets(BUCKETED)
+    buckets = length_buckets(BUCKETED)
     assert 1 < len(buckets) <= MAX_BUCKETS
     assert sorted(j for bucket in buckets for j in bucket) == list(range(len(BUCKETED)))
     cost = sum(len(bk) * max(BUCKETED[j] for j in bk) + CALL_SLOTS for bk in buckets)
     assert cost < len(BUCKETED) * max(BUCKETED) + CALL_SLOTS  # one bucket of the longest's width costs more
-    assert _buckets([5] * 8) == [list(range(8))]  # equal lengths: one call
+    assert length_buckets([5] * 8) == [list(range(8))]  # equal lengths: one call
 
 
 def _refusals():
