@@ -63,8 +63,9 @@ def _gpu(d):
 
 def _async(d, ceiling: str, tail: str):
     k2, vs, k2_run = d["k2_over_one_step_ahead"], d["speedup_over_one_step_ahead"], d["modes"]["async_k2"]
+    retract = f", k2 with rollout.pause_mode=retract {_x(vs['async_k2_retract'])}" if "async_k2_retract" in vs else ""
     return (f"trained tokens/s {_x(k2)} (target 1.5x {'met' if k2 >= 1.5 else 'not met'}; {ceiling}k1 "
-            f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}, in turn {_x(vs['in_turn'])}); {tail}; k2 dropped "
+            f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}{retract}, in turn {_x(vs['in_turn'])}); {tail}; k2 dropped "
             f"{k2_run['dropped_stale_samples']} samples as stale in {k2_run['steps_measured']} steps")
 
 
@@ -162,10 +163,6 @@ ROWS = [
                             f"decode loop kept full {_x(d['decode_full_bound_over_one_step_ahead'])}; ",
                          f"trainer idle {d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
                          f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}")),
-    Row("fully async (k=2, rollout.pause_mode=retract) vs one step ahead, heavy-tailed lengths", "async_retract.json",
-        "python -m bench.async_rl --repeats 2 --set rollout.pause_mode=retract (and the shape's four --set)",
-        lambda d: _async(d, f"the stand-in's decode loop kept full {_x(d['decode_full_bound_over_one_step_ahead'])}; ",
-                         f"trainer idle {d['modes']['async_k2']['trainer_idle_fraction']:.2f}")),
     Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step)",
         "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 --repeats 2",
         lambda d: _async(d, "", f"in turn's generation share {d['modes']['in_turn']['trainer_idle_fraction']:.2f}")),

@@ -7,7 +7,9 @@ before it. A joining row whose input less its last token the prefix cache holds 
 active rows' last sampled ones; any other feeds its whole input in the same forward (a mixed prefill and decode
 step, as SGLang's --enable-mixed-chunk: one forward, not a prefill forward of its own), right-aligned, the shorter
 rows' padding masked and then dropped from the batch's key/value cache (`_compact`), which stays left-padded to the
-widest row. Rows that arrive one request at a time (rollout.mode=async) still join together, as a join copies the
+widest row. Where that would pad many decoding rows to a long input (SGLang packs a mixed step unpadded), the cold
+inputs are prefilled apart first, in up to 4 forwards of similar lengths (`_prefill`, chosen by `_prefill_apart`'s
+cost of a forward, `call_tokens`), and join as held ones do. Rows that arrive one request at a time (rollout.mode=async) still join together, as a join copies the
 batch's cache: at once when no row is active, else once the waiting rows are JOIN_SHARE of the active ones or the
 first has waited JOIN_WAIT_STEPS steps. Sampling is EmbeddedEngine.generate's, row by row: the row's own seeded
 uniforms drawn up front, inverse-CDF sampling of softmax(logits / temperature) after the row's top-p filter, the
@@ -40,7 +42,10 @@ from grpo_mega.models.local_attention import length_buckets
 JOIN_SHARE = 1 / 8
 JOIN_WAIT_STEPS = 4
 PREFILL_CALL_TOKENS = 100
-"""What one more forward costs, in tokens fed (the tiny model on one CPU core: ~2 ms a forward, ~19 us a token)."""
+"""What one more forward costs, in tokens fed (the tiny model on one CPU core: ~2 ms a forward, TOKEN_S a token)."""
+TOKEN_S = 19e-6
+"""What a token fed costs (the same measurement): a forward made longer by a fixed time costs that over TOKEN_S more
+tokens (`call_tokens`: the stand-in's --simulate-decode-ms)."""
 
 
 @dataclass
@@ -81,10 +86,10 @@ class Job:
 class ContinuousBatcher:
     """Runs `engine`'s decode on a thread of its own; `run(rows)` blocks until all of a request's rows have ended."""
 
-    def __init__(self, engine: EmbeddedEngine, timeout_s: float = 120.0):
+    def __init__(self, engine: EmbeddedEngine, timeout_s: float = 120.0, call_tokens: int = PREFILL_CALL_TOKENS):
         if engine.decode_mode() != "dynamic":
             raise ValueError(f"continuous batching needs the dynamic decode; the engine runs {engine.decode_mode()}")
-        self.engine, self.timeout_s = engine, timeout_s
+        self.engine, self.timeout_s, self.call_tokens = engine, timeout_s, call_tokens
         self.cond = threading.Condition()
         self.pending: list[Job] = []
         self.active: list[Row] = []
@@ -236,7 +241,7 @@ class ContinuousBatcher:
         seqs = [r.ids + r.tokens for r in rows]  # a retracted row's tokens so far are input again
         kvs = [held.take(x[:-1]) if held is not None and len(x) > 1 else None for x in seqs]
         cold = [i for i, x in enumerate(seqs) if kvs[i] is None and len(x) > 1]
-        if cold and self._prefill_apart([len(seqs[i]) for i in cold], len(self.active) + len(rows)):
+        if cold and self._prefill_apart([len(seqs[i]) for i in cold], len(self.active) + len(rows), self.call_tokens):
             for i, kv in zip(cold, self._prefill([seqs[i][:-1] for i in cold])):
                 kvs[i] = kv
         feeds = []
@@ -270,11 +275,11 @@ class ContinuousBatcher:
         return feeds
 
     @staticmethod
-    def _prefill_apart(lens: list[int], rows: int) -> bool:
+    def _prefill_apart(lens: list[int], rows: int, call_tokens: int = PREFILL_CALL_TOKENS) -> bool:
         """Whether inputs of `lens` tokens, joining a step of `rows` rows in all, are prefilled in forwards of their
         own (`_prefill`) rather than in the step's forward, where every row is as wide as the longest input."""
         fed = [n - 1 for n in lens]  # apart: all but the last token, which the step feeds
-        apart = sum(len(b) * max(fed[j] for j in b) + PREFILL_CALL_TOKENS for b in length_buckets(fed, PREFILL_CALL_TOKENS))
+        apart = sum(len(b) * max(fed[j] for j in b) + call_tokens for b in length_buckets(fed, call_tokens))
         return apart + rows < rows * max(lens)
 
     def _prefill(self, seqs: list[list[int]]) -> list[list[tuple]]:
@@ -284,7 +289,7 @@ class ContinuousBatcher:
 
         out: list = [None] * len(seqs)
         dev, step = self.engine.device, self.engine._decode_step("dynamic")
-        for bucket in length_buckets([len(x) for x in seqs], PREFILL_CALL_TOKENS):
+        for bucket in length_buckets([len(x) for x in seqs], self.call_tokens):
             width = max(len(seqs[j]) for j in bucket)
             ids = [[0] * (width - len(seqs[j])) + seqs[j] for j in bucket]
             pos = [[0] * (width - len(seqs[j])) + list(range(len(seqs[j]))) for j in bucket]

@@ -25,7 +25,8 @@ radix cache does, a request that continues a response cut by its budget starts f
 For benchmarks, `--simulate-lengths MEDIAN,SIGMA` ends each response after a lognormal number of tokens drawn
 from its seed (sampling_params.custom_params.sample_seed, else sampling_seed), less custom_params.generated (the
 tokens a continued response already has); stop tokens are then ignored. `--simulate-decode-ms MS` makes every
-decode step MS milliseconds longer (a larger model's memory-bound step, whatever the batch).
+decode step MS milliseconds longer (a larger model's memory-bound step, whatever the batch), and a prefill forward
+of its own as much (the decode loop's cost of a forward counts it).
 
 Hardened as a server on a shared network: with an API key in the environment (`--api-key-env`, default
 GRPO_MEGA_SERVER_API_KEY) every route but GET /health needs `Authorization: Bearer KEY` (401, nothing read or
@@ -64,7 +65,7 @@ import torch.distributed as dist
 
 from grpo_mega import processes
 from grpo_mega.engines.client import join_update_group
-from grpo_mega.engines.continuous import ContinuousBatcher, Row
+from grpo_mega.engines.continuous import PREFILL_CALL_TOKENS, TOKEN_S, ContinuousBatcher, Row
 from grpo_mega.engines.embedded import EmbeddedEngine
 from grpo_mega.engines.interface import Bucket, TensorMeta
 
@@ -142,7 +143,7 @@ class EngineServer:
 
     def __init__(self, engine: EmbeddedEngine, model_path: str, timeout_s: float = 120.0, api_key: str = "",
                  api_key_env: str = "GRPO_MEGA_SERVER_API_KEY", socket_timeout_s: float = SOCKET_TIMEOUT_S,
-                 lengths: Optional[tuple[float, float]] = None):
+                 lengths: Optional[tuple[float, float]] = None, call_tokens: int = PREFILL_CALL_TOKENS):
         self.engine, self.model_path, self.timeout_s = engine, model_path, timeout_s
         self.api_key, self.api_key_env, self.socket_timeout_s = api_key, api_key_env, socket_timeout_s
         self.lock = threading.Lock()
@@ -151,7 +152,8 @@ class EngineServer:
         self.cond = threading.Condition(self.lock)
         self.lengths = lengths  # --simulate-lengths (median, sigma): each response's length drawn, stop tokens ignored
         self.groups: dict[str, dist.ProcessGroup] = {}
-        self.batcher = ContinuousBatcher(engine, timeout_s) if engine.decode_mode() == "dynamic" else None
+        self.batcher = (ContinuousBatcher(engine, timeout_s, call_tokens) if engine.decode_mode() == "dynamic"
+                        else None)
 
     def authorized(self, header: Optional[str]) -> bool:
         """No key configured, or the request's `Authorization: Bearer KEY` (compared in constant time)."""
@@ -607,7 +609,8 @@ def main(argv=None) -> int:
             return 2
         lengths = (median, sigma)
     server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=api_key,
-                          api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s, lengths=lengths)
+                          api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s, lengths=lengths,
+                          call_tokens=PREFILL_CALL_TOKENS + round(args.simulate_decode_ms / 1000 / TOKEN_S))
     httpd = PooledHTTPServer((args.host, args.port), make_handler(server), args.threads, args.max_pending)
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
     httpd.serve_forever()

@@ -78,6 +78,7 @@ def test_long_inputs_joining_many_rows_are_prefilled_apart_and_sample_as_alone(e
     forward would be as wide as the longest), in buckets of similar lengths, then decode beside the others: each row
     still samples what it samples alone."""
     assert ContinuousBatcher._prefill_apart([40, 25], 10) and not ContinuousBatcher._prefill_apart([3, 2], 4)
+    assert not ContinuousBatcher._prefill_apart([40, 25], 10, call_tokens=400)  # a forward made 6 ms longer
     batcher = ContinuousBatcher(engine)
     prefilled = []
     prefill = batcher._prefill
