@@ -388,7 +388,8 @@ class ContinuousBatcher:
     def _kept(self, rows: list[Row], ended: list[int]) -> dict[int, list[tuple]]:
         """Of the rows that ended (batch indices), those cut by their budget or an abort: their keys and values (of
         their input and tokens but the last, never fed) for the request that continues them (the prefix cache), taken
-        out of the batch's cache in one gather a layer."""
+        out of the batch's cache in one gather a layer (views of it: a shorter row's share of the gather's padding is
+        held until the last of them is taken or dropped)."""
         cut = [i for i in ended if rows[i].finish in ("length", "abort")]
         if self.engine.prefix_cache is None or not cut:
             return {}
