@@ -8,10 +8,10 @@ active rows' last sampled ones; any other feeds its whole input in the same forw
 step, as SGLang's --enable-mixed-chunk: one forward, not a prefill forward of its own), right-aligned, the shorter
 rows' padding masked and then dropped from the batch's key/value cache (`_compact`), which stays left-padded to the
 widest row. Where that would pad many decoding rows to a long input (SGLang packs a mixed step unpadded), the cold
-inputs are prefilled apart first, in up to 4 forwards of similar lengths (`_prefill`, chosen by `_prefill_apart`'s
-cost of a forward, `call_tokens`), and join as held ones do. Rows that arrive one request at a time (rollout.mode=async) still join together, as a join copies the
-batch's cache: at once when no row is active, else once the waiting rows are JOIN_SHARE of the active ones or the
-first has waited JOIN_WAIT_STEPS steps. Sampling is EmbeddedEngine.generate's, row by row: the row's own seeded
+inputs are prefilled apart first, in up to PREFILL_BUCKETS forwards of similar lengths (`_prefill`, chosen by
+`_prefill_apart` at `call_tokens` a forward), and join as held ones do. Rows that arrive one request at a time
+(rollout.mode=async) still join together, as a join copies the batch's cache: at once when no row is active, else
+once the waiting rows are JOIN_SHARE of the active ones or the first has waited JOIN_WAIT_STEPS steps. Sampling is EmbeddedEngine.generate's, row by row: the row's own seeded
 uniforms drawn up front, inverse-CDF sampling of softmax(logits / temperature) after the row's top-p filter, the
 logprob at the sampled token; a row's tokens do not depend on the others in the batch (up to float rounding of a
 wider padded batch).
@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from grpo_mega.engines.embedded import EmbeddedEngine, sample_rows
-from grpo_mega.models.local_attention import length_buckets
+from grpo_mega.models.buckets import length_buckets
 
 
 JOIN_SHARE = 1 / 8
@@ -46,6 +46,7 @@ PREFILL_CALL_TOKENS = 100
 TOKEN_S = 19e-6
 """What a token fed costs (the same measurement): a forward made longer by a fixed time costs that over TOKEN_S more
 tokens (`call_tokens`: the stand-in's --simulate-decode-ms)."""
+PREFILL_BUCKETS = 4
 
 
 @dataclass
@@ -279,7 +280,8 @@ class ContinuousBatcher:
         """Whether inputs of `lens` tokens, joining a step of `rows` rows in all, are prefilled in forwards of their
         own (`_prefill`) rather than in the step's forward, where every row is as wide as the longest input."""
         fed = [n - 1 for n in lens]  # apart: all but the last token, which the step feeds
-        apart = sum(len(b) * max(fed[j] for j in b) + call_tokens for b in length_buckets(fed, call_tokens))
+        apart = sum(len(b) * max(fed[j] for j in b) + call_tokens
+                    for b in length_buckets(fed, call_tokens, PREFILL_BUCKETS))
         return apart + rows < rows * max(lens)
 
     def _prefill(self, seqs: list[list[int]]) -> list[list[tuple]]:
@@ -289,7 +291,7 @@ class ContinuousBatcher:
 
         out: list = [None] * len(seqs)
         dev, step = self.engine.device, self.engine._decode_step("dynamic")
-        for bucket in length_buckets([len(x) for x in seqs], self.call_tokens):
+        for bucket in length_buckets([len(x) for x in seqs], self.call_tokens, PREFILL_BUCKETS):
             width = max(len(seqs[j]) for j in bucket)
             ids = [[0] * (width - len(seqs[j])) + seqs[j] for j in bucket]
             pos = [[0] * (width - len(seqs[j])) + list(range(len(seqs[j]))) for j in bucket]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from grpo_mega.models.buckets import length_buckets
+
 
 def _dot_product_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -74,33 +76,6 @@ CALL_SLOTS = 64
 MAX_BUCKETS = 4
 
 
-def length_buckets(lens: list[int], call_slots: int = CALL_SLOTS, most: int = MAX_BUCKETS) -> list[list[int]]:
-    """The sequences (indices into `lens`) in at most `most` buckets of similar lengths, longest first: the split of
-    the sorted lengths with the fewest slots (a bucket's count x its longest) plus `call_slots` a bucket (what one
-    more call over a bucket costs; also the stand-in server's prefill forwards, grpo_mega.engines.continuous)."""
-    order = sorted(range(len(lens)), key=lambda j: -lens[j])
-    w = [max(lens[j], 1) for j in order]
-    n = len(order)
-    # best[b][i]: the cost of the first i sorted sequences in b buckets; cut[b][i]: where the last bucket starts
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(most + 1)]
-    cut = [[0] * (n + 1) for _ in range(most + 1)]
-    best[0][0] = 0
-    for b in range(1, most + 1):
-        for i in range(1, n + 1):
-            for j in range(b - 1, i):  # the last bucket holds sorted sequences j..i-1, as wide as the j-th
-                c = best[b - 1][j] + (i - j) * w[j] + call_slots
-                if c < best[b][i]:
-                    best[b][i], cut[b][i] = c, j
-    b = min(range(1, most + 1), key=lambda b: best[b][n])
-    out, i = [], n
-    while b:
-        j = cut[b][i]
-        out.append(order[j:i])
-        i, b = j, b - 1
-    return out[::-1]
-
-
 def _packed_index(cu: torch.Tensor, s: int, b: int):
     """For a packed row of `s` positions cut at `cu`: the buckets [(gather [n * width], n, width)] (the row position
     of each slot of a bucket's [n, width] layout; slots past a sequence's end repeat its last token), and scatter [s]
@@ -117,7 +92,7 @@ def _packed_index(cu: torch.Tensor, s: int, b: int):
         raise ValueError(f"SDPACoreAttention: cu_seqlens {offsets} do not cut a packed row of {s} tokens (batch {b})")
     lens = [y - x for x, y in zip(offsets, offsets[1:])]
     buckets, scatter, base = [], [0] * s, 0
-    for seqs in (length_buckets(lens) if lens else []):
+    for seqs in (length_buckets(lens, CALL_SLOTS, MAX_BUCKETS) if lens else []):
         width = max([lens[j] for j in seqs] + [1])
         gather = []
         for row, j in enumerate(seqs):

@@ -270,3 +270,16 @@ def test_abort_by_request_id_ends_those_rows_wherever_they_are(engine):
     assert got["x"][0].finish == "abort" and 0 < len(got["x"][0].tokens) < 5000
     assert got["y"][0].finish == "abort" and got["y"][0].tokens == []  # never joined
     assert got["z"][0].finish is not None and got["z"][0].finish != "abort"
+
+
+def test_the_stand_in_server_starts_without_megatron():
+    """The stand-in (and its decode loop) imports no megatron: its start-up stays seconds, not the ~7 s megatron's
+    import costs, and its stderr holds only its own words (test_server_security reads it line by line)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, grpo_mega.engines.standin_server; "
+            "print(sorted(m for m in sys.modules if m.startswith('megatron')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
+

@@ -98,14 +98,15 @@ BUCKETED = [30, 2, 2, 2, 2, 2, 2, 2, 2, 25, 1, 3]
 
 
 def test_length_buckets_hold_every_sequence_once_in_fewer_slots():
-    from grpo_mega.models.local_attention import CALL_SLOTS, MAX_BUCKETS, length_buckets
+    from grpo_mega.models.buckets import length_buckets
+    from grpo_mega.models.local_attention import CALL_SLOTS, MAX_BUCKETS
 
-    buckets = length_buckets(BUCKETED)
+    buckets = length_buckets(BUCKETED, CALL_SLOTS, MAX_BUCKETS)
     assert 1 < len(buckets) <= MAX_BUCKETS
     assert sorted(j for bucket in buckets for j in bucket) == list(range(len(BUCKETED)))
     cost = sum(len(bk) * max(BUCKETED[j] for j in bk) + CALL_SLOTS for bk in buckets)
     assert cost < len(BUCKETED) * max(BUCKETED) + CALL_SLOTS  # one bucket of the longest's width costs more
-    assert length_buckets([5] * 8) == [list(range(8))]  # equal lengths: one call
+    assert length_buckets([5] * 8, CALL_SLOTS, MAX_BUCKETS) == [list(range(8))]  # equal lengths: one call
 
 
 def _refusals():
