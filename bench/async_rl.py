@@ -160,7 +160,7 @@ def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32) -> dict:
 
     from grpo_mega.conf import load_model_config
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.engines.continuous import PREFILL_CALL_TOKENS, TOKEN_S, ContinuousBatcher, Row
+    from grpo_mega.engines.continuous import ContinuousBatcher, Row, call_tokens
     from grpo_mega.engines.embedded import EmbeddedEngine
     from grpo_mega.engines.standin_server import slow_decode
 
@@ -172,7 +172,7 @@ def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32) -> dict:
     engine = EmbeddedEngine.from_model_config(cfg, seed=0)
     if decode_ms > 0:
         slow_decode(engine, decode_ms / 1000)
-    batcher, out = ContinuousBatcher(engine, call_tokens=PREFILL_CALL_TOKENS + round(decode_ms / 1000 / TOKEN_S)), {}
+    batcher, out = ContinuousBatcher(engine, call_tokens=call_tokens(decode_ms / 1000)), {}
     try:
         for n in (1, rows):
             batcher.run([Row([3, 4, 5], tokens, i) for i in range(n)])  # warm-up

@@ -9,21 +9,22 @@ step, as SGLang's --enable-mixed-chunk: one forward, not a prefill forward of it
 rows' padding masked and then dropped from the batch's key/value cache (`_compact`), which stays left-padded to the
 widest row. Where that would pad many decoding rows to a long input (SGLang packs a mixed step unpadded), the cold
 inputs are prefilled apart first, in up to PREFILL_BUCKETS forwards of similar lengths (`_prefill`, chosen by
-`_prefill_apart` at `call_tokens` a forward), and join as held ones do. Rows that arrive one request at a time
+`_apart` at `call_tokens` a forward), and join as held ones do. Rows that arrive one request at a time
 (rollout.mode=async) still join together, as a join copies the batch's cache: at once when no row is active, else
-once the waiting rows are JOIN_SHARE of the active ones or the first has waited JOIN_WAIT_STEPS steps. Sampling is EmbeddedEngine.generate's, row by row: the row's own seeded
-uniforms drawn up front, inverse-CDF sampling of softmax(logits / temperature) after the row's top-p filter, the
-logprob at the sampled token; a row's tokens do not depend on the others in the batch (up to float rounding of a
-wider padded batch).
+once the waiting rows are JOIN_SHARE of the active ones or the first has waited JOIN_WAIT_STEPS steps. Sampling is
+EmbeddedEngine.generate's, row by row: the row's own seeded uniforms drawn up front, inverse-CDF sampling of
+softmax(logits / temperature) after the row's top-p filter, the logprob at the sampled token; a row's tokens do not
+depend on the others in the batch (up to float rounding of a wider padded batch).
 
 `hold(reason)` keeps new rows out (the active ones run on) until every reason is released; `idle()` waits until no
-row is active, so that weights are loaded between two steps and never under a row. A pending request held longer than
-`timeout_s` fails with the reason. A row that ends by its budget or an abort leaves its keys and values in the prefix
-cache for the request that continues it (rollout.mode=async's next segment). `retract()` (SGLang's /pause_generation
-mode "retract") takes the active rows out after the current step, their keys and values dropped, and puts them first
-in line: when the holds are released they join again, prefilled with their input and tokens so far under the weights
-then loaded, and go on sampling where they stopped (their request stays open). Each token records the weight version
-that sampled it (`Row.versions`). `abort(rids)` ends the rows of those requests (SGLang's /abort_request).
+row is active, so that weights are loaded between two steps and never under a row. A pending request held longer
+than `timeout_s` fails with the reason. A row that ends by its budget or an abort leaves its keys and values in the
+prefix cache for the request that continues it (rollout.mode=async's next segment). `retract()` (SGLang's
+/pause_generation mode "retract") takes the active rows out after the current step, their keys and values dropped,
+and puts them first in line: when the holds are released they join again, prefilled with their input and tokens so
+far under the weights then loaded, and go on sampling where they stopped (their request stays open). Each token
+records the weight version that sampled it (`Row.versions`). `abort(rids)` ends the rows of those requests
+(SGLang's /abort_request).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ TOKEN_S = 19e-6
 """What a token fed costs (the same measurement): a forward made longer by a fixed time costs that over TOKEN_S more
 tokens (`call_tokens`: the stand-in's --simulate-decode-ms)."""
 PREFILL_BUCKETS = 4
+"""The most forwards a join's inputs are prefilled apart in."""
+
+
+def call_tokens(extra_step_s: float = 0.0) -> int:
+    """What a forward costs in tokens fed when each forward takes `extra_step_s` more (--simulate-decode-ms)."""
+    return PREFILL_CALL_TOKENS + round(extra_step_s / TOKEN_S)
 
 
 @dataclass
@@ -242,8 +249,10 @@ class ContinuousBatcher:
         seqs = [r.ids + r.tokens for r in rows]  # a retracted row's tokens so far are input again
         kvs = [held.take(x[:-1]) if held is not None and len(x) > 1 else None for x in seqs]
         cold = [i for i, x in enumerate(seqs) if kvs[i] is None and len(x) > 1]
-        if cold and self._prefill_apart([len(seqs[i]) for i in cold], len(self.active) + len(rows), self.call_tokens):
-            for i, kv in zip(cold, self._prefill([seqs[i][:-1] for i in cold])):
+        buckets = (self._apart([len(seqs[i]) for i in cold], len(self.active) + len(rows), self.call_tokens)
+                   if cold else None)
+        if buckets:
+            for i, kv in zip(cold, self._prefill([seqs[i][:-1] for i in cold], buckets)):
                 kvs[i] = kv
         feeds = []
         for r, x, kv in zip(rows, seqs, kvs):
@@ -276,22 +285,23 @@ class ContinuousBatcher:
         return feeds
 
     @staticmethod
-    def _prefill_apart(lens: list[int], rows: int, call_tokens: int = PREFILL_CALL_TOKENS) -> bool:
-        """Whether inputs of `lens` tokens, joining a step of `rows` rows in all, are prefilled in forwards of their
-        own (`_prefill`) rather than in the step's forward, where every row is as wide as the longest input."""
+    def _apart(lens: list[int], rows: int, call_tokens: int = PREFILL_CALL_TOKENS) -> Optional[list[list[int]]]:
+        """Inputs of `lens` tokens joining a step of `rows` rows in all: the length buckets to prefill all but their
+        last tokens in, forwards of their own (`_prefill`), where that costs less than the step's forward with every
+        row as wide as the longest input; else None."""
         fed = [n - 1 for n in lens]  # apart: all but the last token, which the step feeds
-        apart = sum(len(b) * max(fed[j] for j in b) + call_tokens
-                    for b in length_buckets(fed, call_tokens, PREFILL_BUCKETS))
-        return apart + rows < rows * max(lens)
+        buckets = length_buckets(fed, call_tokens, PREFILL_BUCKETS)
+        apart = sum(len(b) * max(fed[j] for j in b) + call_tokens for b in buckets)
+        return buckets if apart + rows < rows * max(lens) else None
 
-    def _prefill(self, seqs: list[list[int]]) -> list[list[tuple]]:
+    def _prefill(self, seqs: list[list[int]], buckets: list[list[int]]) -> list[list[tuple]]:
         """Each sequence's keys and values ([heads, tokens, head_dim] per layer, as the prefix cache holds them), fed
-        in a few forwards of similar lengths (length_buckets), each right-aligned, its padding masked."""
+        in one forward a bucket (indices into `seqs`), right-aligned, its padding masked."""
         from transformers import DynamicCache
 
         out: list = [None] * len(seqs)
         dev, step = self.engine.device, self.engine._decode_step("dynamic")
-        for bucket in length_buckets([len(x) for x in seqs], self.call_tokens, PREFILL_BUCKETS):
+        for bucket in buckets:
             width = max(len(seqs[j]) for j in bucket)
             ids = [[0] * (width - len(seqs[j])) + seqs[j] for j in bucket]
             pos = [[0] * (width - len(seqs[j])) + list(range(len(seqs[j]))) for j in bucket]

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from grpo_mega import processes
 from grpo_mega.engines.client import join_update_group
-from grpo_mega.engines.continuous import PREFILL_CALL_TOKENS, TOKEN_S, ContinuousBatcher, Row
+from grpo_mega.engines.continuous import PREFILL_CALL_TOKENS, ContinuousBatcher, Row, call_tokens
 from grpo_mega.engines.embedded import EmbeddedEngine
 from grpo_mega.engines.interface import Bucket, TensorMeta
 
@@ -610,7 +610,7 @@ def main(argv=None) -> int:
         lengths = (median, sigma)
     server = EngineServer(engine, args.hf_dir or args.model, args.timeout_s, api_key=api_key,
                           api_key_env=args.api_key_env, socket_timeout_s=args.socket_timeout_s, lengths=lengths,
-                          call_tokens=PREFILL_CALL_TOKENS + round(args.simulate_decode_ms / 1000 / TOKEN_S))
+                          call_tokens=call_tokens(args.simulate_decode_ms / 1000))
     httpd = PooledHTTPServer((args.host, args.port), make_handler(server), args.threads, args.max_pending)
     print(f"grpo_mega rollout server ready on http://{args.host}:{httpd.server_address[1]}", flush=True)
     httpd.serve_forever()

@@ -77,12 +77,12 @@ def test_long_inputs_joining_many_rows_are_prefilled_apart_and_sample_as_alone(e
     """Inputs much longer than the rows decoding are prefilled in forwards of their own (every row of the step's
     forward would be as wide as the longest), in buckets of similar lengths, then decode beside the others: each row
     still samples what it samples alone."""
-    assert ContinuousBatcher._prefill_apart([40, 25], 10) and not ContinuousBatcher._prefill_apart([3, 2], 4)
-    assert not ContinuousBatcher._prefill_apart([40, 25], 10, call_tokens=400)  # a forward made 6 ms longer
+    assert ContinuousBatcher._apart([40, 25], 10) and ContinuousBatcher._apart([3, 2], 4) is None
+    assert ContinuousBatcher._apart([40, 25], 10, call_tokens=400) is None  # a forward made 6 ms longer
     batcher = ContinuousBatcher(engine)
     prefilled = []
     prefill = batcher._prefill
-    batcher._prefill = lambda seqs: prefilled.append([len(x) for x in seqs]) or prefill(seqs)
+    batcher._prefill = lambda seqs, buckets: prefilled.append([len(x) for x in seqs]) or prefill(seqs, buckets)
     short = [([11 + j, 12], 48, 40 + j, 1.0, 1.0) for j in range(8)]  # no stop token: all 8 decode 48 steps
     long = [(list(range(60, 100)), 8, 50, 1.0, 1.0), (list(range(30, 55)), 8, 51, 0.0, 1.0),
             (list(range(120, 124)), 8, 52, 1.0, 0.9)]
