@@ -38,6 +38,7 @@ QUICK = [
     "tests/rewards/test_rewards.py",
     "tests/rewards/test_reward_model.py",
     "tests/rollout/test_scheduler.py",
+    "tests/engines/test_http_conn.py",
     "tests/engines/test_continuous.py",  # the stand-in's decode loop against the embedded engine alone
     "tests/cli/",  # the plans and the commands' --help
     "tests/bench/test_table.py",

@@ -33,13 +33,11 @@ checks, in one file: the whole protocol a server must speak is read here.
 from __future__ import annotations
 
 import datetime
-import http.client
 import json
 import logging
 import os
 import queue
 import resource
-import select
 import socket
 import threading
 import time
@@ -53,6 +51,7 @@ import torch.distributed as dist
 
 from grpo_mega.processes import free_port
 from grpo_mega.engines import validate
+from grpo_mega.engines.http_conn import Connection
 from grpo_mega.engines.interface import Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
 
 log = logging.getLogger(__name__)
@@ -207,7 +206,7 @@ class ServerClient(RolloutEngine):
                 log.warning("%s; trying again in %.1f s (%d of %d tries)", e, wait, attempt + 2, tries)
                 time.sleep(wait)
 
-    def _connection(self, url: str, timeout: float, reuse: bool) -> http.client.HTTPConnection:
+    def _connection(self, url: str, timeout: float, reuse: bool) -> Connection:
         """With `reuse`, a kept-alive connection to `url` from the pool that the server has not closed (a request per
         response in rollout.mode=async: a new connection each cost the trainer's core more than the request);
         else a new one."""
@@ -217,15 +216,13 @@ class ServerClient(RolloutEngine):
                 conn = pool.get_nowait()
             except queue.Empty:
                 break
-            if conn.sock is None or select.select([conn.sock], [], [], 0)[0]:  # closed by the server (or stray bytes)
+            if conn.stale():  # closed by the server (or stray bytes)
                 conn.close()
                 continue
-            conn.timeout = timeout
-            conn.sock.settimeout(timeout)
+            conn.settimeout(timeout)
             return conn
         parts = urllib.parse.urlsplit(url)
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        return kind(parts.hostname, parts.port, timeout=timeout)
+        return Connection(parts.hostname, parts.port, parts.scheme == "https", timeout)
 
     def _call_once(self, url: str, path: str, body: Optional[dict], what: str, timeout: Optional[float]):
         data = None if body is None else json.dumps(body).encode()
@@ -235,23 +232,21 @@ class ServerClient(RolloutEngine):
         reuse = path in REPEATABLE
         conn = self._connection(url, timeout, reuse)
         try:
-            conn.request("GET" if body is None else "POST", urllib.parse.urlsplit(url).path.rstrip("/") + path,
-                         body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except (OSError, http.client.HTTPException) as e:
+            status, raw, closes = conn.request("GET" if body is None else "POST",
+                                               urllib.parse.urlsplit(url).path.rstrip("/") + path, data, headers)
+        except OSError as e:
             conn.close()
             raise ServerError(f"rollout server {url} did not answer {path}{' (' + what + ')' if what else ''} "
                               f"within {timeout:.0f} s: {type(e).__name__}: {e}; is it running? (rollout.servers)",
                               transient=True) from None
-        if resp.will_close or not reuse or self._pools[url].qsize() >= POOLED:
+        if closes or not reuse or self._pools[url].qsize() >= POOLED:
             conn.close()  # an idle connection holds one of the stand-in's threads: the pool stays small
         else:
             self._pools[url].put(conn)
-        if resp.status >= 400:
+        if status >= 400:
             detail = raw.decode(errors="replace")[:300]
-            raise ServerError(f"rollout server {url} refused {path} (HTTP {resp.status}): {detail}", resp.status,
-                              transient=resp.status >= 500)
+            raise ServerError(f"rollout server {url} refused {path} (HTTP {status}): {detail}", status,
+                              transient=status >= 500)
         if not raw:
             return {}
         try:

@@ -13,6 +13,7 @@ the values as sent (int32), before they are narrowed to int16.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -73,13 +74,22 @@ def logprobs(values, count: int, field: str = "output_token_logprobs") -> list[f
     if set(map(type, values)) - {float, int}:
         i = next(i for i, v in enumerate(values) if type(v) not in (float, int))
         raise BadOutput(f"{field}{_show(values, i)} is not a number")
-    if values:
-        t = torch.tensor(values, dtype=torch.float64)
-        bad = ~torch.isfinite(t) | (t > LOGPROB_TOLERANCE)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise BadOutput(f"{field}{_show(values, i)} is not a finite logprob <= {LOGPROB_TOLERANCE:g}")
-    return [float(v) for v in values]
+    try:
+        out = [float(v) for v in values]
+    except OverflowError:  # an integer beyond a float's range: infinite, for the check below
+        out = [_float(v) for v in values]
+    # in Python: a response's few logprobs cost more as a tensor (rank 0 checks one request per response in flight)
+    i = next((i for i, v in enumerate(out) if not (math.isfinite(v) and v <= LOGPROB_TOLERANCE)), None)
+    if i is not None:
+        raise BadOutput(f"{field}{_show(values, i)} is not a finite logprob <= {LOGPROB_TOLERANCE:g}")
+    return out
+
+
+def _float(v) -> float:
+    try:
+        return float(v)
+    except OverflowError:
+        return float("inf")
 
 
 def finish_reason(reason, field: str = "finish_reason") -> str:

@@ -52,6 +52,7 @@ def test_token_ids(ids, match):
     ([-float("inf")], 1, r"\[0\] = -inf is not a finite logprob"),
     ([0.5], 1, r"\[0\] = 0\.5 is not a finite logprob <= 0\.001"),
     ([None], 1, r"\[0\] = None is not a number"),  # SGLang's orjson writes NaN as null
+    ([-1, -10**400], 2, r"\[1\] = -1000.* is not a finite logprob"),  # JSON's integers have no bound
 ])
 def test_logprobs(values, count, match):
     with pytest.raises(BadOutput, match=match):
