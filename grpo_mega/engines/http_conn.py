@@ -29,7 +29,8 @@ class Connection:
         self.port = port or (443 if tls else 80)
         self.sock: Optional[socket.socket] = None
         self._fp = None
-        self._host_header = f"Host: {host}:{self.port}\r\n".encode("latin-1")
+        name = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed
+        self._host_header = f"Host: {name}:{self.port}\r\n".encode("latin-1")
 
     def _open(self) -> None:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)

@@ -12,11 +12,11 @@ import pytest
 from grpo_mega.engines.http_conn import Connection, ProtocolError
 
 
-def _answering(*answers: bytes):
-    """A listening socket whose first connection gets `answers`, one per request read (then it is closed);
-    returns (port, the requests' bytes as read, the thread)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+def _answering(*answers: bytes, host: str = "127.0.0.1"):
+    """A listening socket on `host` whose first connection gets `answers`, one per request read (then it is
+    closed); returns (port, the requests' bytes as read, the thread)."""
+    srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    srv.bind((host, 0))
     srv.listen(1)
     seen: list[bytes] = []
 
@@ -73,6 +73,15 @@ def test_a_broken_answer_is_an_oserror_naming_it(answer, what):
     conn = Connection("127.0.0.1", port, False, timeout=10)
     with pytest.raises(ProtocolError, match=what):
         conn.request("GET", "/health", None, {})
+    conn.close()
+    t.join(10)
+
+
+def test_an_ipv6_host_is_bracketed_in_the_host_header():
+    port, seen, t = _answering(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", host="::1")
+    conn = Connection("::1", port, False, timeout=10)
+    assert conn.request("GET", "/health", None, {}) == (200, b"{}", False)
+    assert seen[0].split(b"\r\n")[1] == f"Host: [::1]:{port}".encode()
     conn.close()
     t.join(10)
 
