@@ -66,33 +66,16 @@ class Connection:
             head.append(f"Content-Length: {len(body)}\r\n".encode("latin-1"))
         head.append(b"\r\n")
         self.sock.sendall(b"".join(head) + (body or b""))
-        fp = self._fp
-        line = fp.readline(MAX_LINE + 1)
-        if not line:
-            raise ProtocolError("the server closed the connection without answering")
-        version, _, rest = line.partition(b" ")
-        code = rest[:3]
-        if not version.startswith(b"HTTP/1.") or not code.isdigit():
-            raise ProtocolError(f"not an HTTP/1.x status line: {line[:80]!r}")
-        status = int(code)
-        fields: dict[bytes, bytes] = {}
-        for _ in range(MAX_HEADERS + 1):
-            line = fp.readline(MAX_LINE + 1)
-            if line in (b"\r\n", b"\n"):
-                break
-            if not line or len(line) > MAX_LINE:
-                raise ProtocolError("the answer's headers ended early or a line is too long")
-            name, _, value = line.partition(b":")
-            fields[name.strip().lower()] = value.strip()
-        else:
-            raise ProtocolError(f"more than {MAX_HEADERS} header lines")
+        status, version, fields = self._head()
+        while 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
+            status, version, fields = self._head()
         conn = fields.get(b"connection", b"").lower()
         closes = b"close" in conn or (version == b"HTTP/1.0" and b"keep-alive" not in conn)
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if method == "HEAD" or status in (204, 304):
             return status, b"", closes
         if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
             return status, self._chunks(), closes
-        length = fields.get(b"content-length")
+        fp, length = self._fp, fields.get(b"content-length")
         if length is None:
             return status, fp.read(), True
         if not length.isdigit():
@@ -101,6 +84,27 @@ class Connection:
         if len(raw) != int(length):
             raise ProtocolError(f"the answer's body ended after {len(raw)} of {int(length)} bytes")
         return status, raw, closes
+
+    def _head(self) -> tuple[int, bytes, dict[bytes, bytes]]:
+        """An answer's status line and headers: (status, HTTP version, lower-cased header names -> values)."""
+        fp = self._fp
+        line = fp.readline(MAX_LINE + 1)
+        if not line:
+            raise ProtocolError("the server closed the connection without answering")
+        version, _, rest = line.partition(b" ")
+        code = rest[:3]
+        if not version.startswith(b"HTTP/1.") or not code.isdigit():
+            raise ProtocolError(f"not an HTTP/1.x status line: {line[:80]!r}")
+        fields: dict[bytes, bytes] = {}
+        for _ in range(MAX_HEADERS + 1):
+            line = fp.readline(MAX_LINE + 1)
+            if line in (b"\r\n", b"\n"):
+                return int(code), version, fields
+            if not line or len(line) > MAX_LINE:
+                raise ProtocolError("the answer's headers ended early or a line is too long")
+            name, _, value = line.partition(b":")
+            fields[name.strip().lower()] = value.strip()
+        raise ProtocolError(f"more than {MAX_HEADERS} header lines")
 
     def _chunks(self) -> bytes:
         fp, parts = self._fp, []

@@ -1,5 +1,6 @@
-"""grpo_mega.engines.http_conn against answers written byte by byte (a chunked body, a close, HTTP/1.0, a body that
-ends early, a non-HTTP answer) and against http.server's handler on one kept-alive connection."""
+"""grpo_mega.engines.http_conn against answers written byte by byte (a chunked body, an interim 100, a close,
+HTTP/1.0, a body that ends early, a non-HTTP answer) and against http.server's handler on one kept-alive
+connection."""
 
 import json
 import socket
@@ -44,7 +45,7 @@ def _answering(*answers: bytes, host: str = "127.0.0.1"):
 def test_a_request_and_answers_of_each_framing():
     answers = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}",
                b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n4;ext=1\r\n[1, \r\n3\r\n2]\n\r\n0\r\nX-T: 1\r\n\r\n",
-               b"HTTP/1.1 204 No Content\r\n\r\n",
+               b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",  # an interim answer first
                b"HTTP/1.1 500 Oops\r\nconnection: Close\r\ncontent-length: 2\r\n\r\nno")
     port, seen, t = _answering(*answers)
     conn = Connection("127.0.0.1", port, False, timeout=10)
