@@ -278,10 +278,8 @@ class ContinuousBatcher:
                 if r.fed:
                     keys[old + i, :, width - r.fed:], values[old + i, :, width - r.fed:] = kvs[i][li]
             cache.update(keys, values, li)
-        mask = torch.zeros(old + len(rows), width, dtype=torch.long)
-        for i, r in enumerate(self.active + rows):
-            mask[i, width - r.fed:] = 1
-        self.cache, self.mask = cache, mask
+        fed = torch.tensor([r.fed for r in self.active + rows])
+        self.cache, self.mask = cache, (torch.arange(width)[None, :] >= width - fed[:, None]).long()
         return feeds
 
     @staticmethod
@@ -315,19 +313,15 @@ class ContinuousBatcher:
 
     def _compact(self, rows: list[Row], feeds: list[list[int]], width: int) -> None:
         """After a forward that fed `feeds` (up to W tokens a row, right-aligned) onto a cache `width` wide: each
-        row's keys and values right-aligned again (its padding among the new columns dropped)."""
-        wide = max(len(f) for f in feeds)
-        counts = [r.fed + len(f) for r, f in zip(rows, feeds)]
-        new_width = max(counts)
-        index = torch.zeros(len(feeds), new_width, dtype=torch.long)
-        for i, (r, f) in enumerate(zip(rows, feeds)):
-            cols = list(range(width - r.fed, width)) + list(range(width + wide - len(f), width + wide))
-            index[i, new_width - len(cols):] = torch.tensor(cols, dtype=torch.long)
-        index = index.to(self.engine.device)
+        row's keys and values right-aligned again (its padding among the new columns dropped), in one gather a layer:
+        a stable sort of the mask puts each row's columns in use last, in their order."""
+        counts = torch.tensor([r.fed + len(f) for r, f in zip(rows, feeds)])
+        new_width = int(counts.max())
+        index = self.mask.sort(dim=1, stable=True).indices[:, -new_width:].to(self.engine.device)
         for layer in self.cache.layers:
             at = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)
-        self.mask = (torch.arange(new_width)[None, :] >= new_width - torch.tensor(counts)[:, None]).long()
+        self.mask = (torch.arange(new_width)[None, :] >= new_width - counts[:, None]).long()
 
     @torch.no_grad()
     def _step(self, joining: list[Row]) -> None:
@@ -391,6 +385,12 @@ class ContinuousBatcher:
             self.cache = self.mask = None
             return
         width = max(r.fed for r in self.active)
+        if len(keep) == len(rows):  # no row left: at most columns no row uses any more go (views, no copy)
+            if width < self.mask.shape[1]:
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, -width:], layer.values[:, :, -width:]
+                self.mask = self.mask[:, -width:]
+            return
         index = torch.tensor(keep, device=dev)
         for layer in self.cache.layers:  # the rows that ended leave; columns no row uses any more go too
             layer.keys = layer.keys.index_select(0, index)[:, :, -width:]
