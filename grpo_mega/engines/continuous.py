@@ -311,8 +311,8 @@ class ContinuousBatcher:
                 out[j] = [(layer.keys[i, :, width - n:], layer.values[i, :, width - n:]) for layer in cache.layers]
         return out
 
-    def _compact(self, rows: list[Row], feeds: list[list[int]], width: int) -> None:
-        """After a forward that fed `feeds` (up to W tokens a row, right-aligned) onto a cache `width` wide: each
+    def _compact(self, rows: list[Row], feeds: list[list[int]]) -> None:
+        """After a forward that fed `feeds` (up to W tokens a row, right-aligned) onto the batch's cache: each
         row's keys and values right-aligned again (its padding among the new columns dropped), in one gather a layer:
         a stable sort of the mask puts each row's columns in use last, in their order."""
         counts = torch.tensor([r.fed + len(f) for r, f in zip(rows, feeds)])
@@ -331,7 +331,7 @@ class ContinuousBatcher:
         if not rows:
             return
         feeds = [[r.tokens[-1] if r.tokens else r.ids[-1]] for r in self.active] + feeds
-        wide, width = max(len(f) for f in feeds), self.mask.shape[1]
+        wide = max(len(f) for f in feeds)
         ids = torch.tensor([[0] * (wide - len(f)) + f for f in feeds], dtype=torch.long)
         new = torch.tensor([[0] * (wide - len(f)) + [1] * len(f) for f in feeds], dtype=torch.long)
         pos = torch.tensor([[0] * (wide - len(f)) + list(range(r.fed, r.fed + len(f))) for r, f in zip(rows, feeds)],
@@ -340,7 +340,7 @@ class ContinuousBatcher:
         dev = engine.device
         logits = engine._decode_step("dynamic")(ids.to(dev), self.mask.to(dev), pos.to(dev), self.cache)
         if wide > 1:  # a prefill in this step: the rows fed fewer tokens have padding among the new columns
-            self._compact(rows, feeds, width)
+            self._compact(rows, feeds)
         for r, f in zip(rows, feeds):
             r.fed += len(f) - 1  # and the one below, as every row
         self.steps += 1
@@ -384,18 +384,16 @@ class ContinuousBatcher:
         if not keep:
             self.cache = self.mask = None
             return
+        if len(keep) < len(rows):  # the rows that ended leave (a copy a layer); else the cache stays as it is
+            index = torch.tensor(keep, device=dev)
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            self.mask = self.mask[keep]
         width = max(r.fed for r in self.active)
-        if len(keep) == len(rows):  # no row left: at most columns no row uses any more go (views, no copy)
-            if width < self.mask.shape[1]:
-                for layer in self.cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, -width:], layer.values[:, :, -width:]
-                self.mask = self.mask[:, -width:]
-            return
-        index = torch.tensor(keep, device=dev)
-        for layer in self.cache.layers:  # the rows that ended leave; columns no row uses any more go too
-            layer.keys = layer.keys.index_select(0, index)[:, :, -width:]
-            layer.values = layer.values.index_select(0, index)[:, :, -width:]
-        self.mask = self.mask[keep][:, -width:]
+        if width < self.mask.shape[1]:  # columns no row uses any more go (views)
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, -width:], layer.values[:, :, -width:]
+            self.mask = self.mask[:, -width:]
 
     def _kept(self, rows: list[Row], ended: list[int]) -> dict[int, list[tuple]]:
         """Of the rows that ended (batch indices), those cut by their budget or an abort: their keys and values (of
