@@ -52,7 +52,8 @@ MODES = {"in_turn": ["rollout.off_policy_steps=0"], "one_step_ahead": ["rollout.
          "async_k1": ["rollout.mode=async", "rollout.off_policy_steps=1"],
          "async_k2": ["rollout.mode=async", "rollout.off_policy_steps=2"],
          "async_k4": ["rollout.mode=async", "rollout.off_policy_steps=4"],
-         "async_k2_retract": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=retract"]}
+         "async_k2_retract": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=retract"],
+         "async_k2_in_place": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=in_place"]}
 
 
 def _run(core, url: str, mode: str, steps: int, length: int, out: Path, overrides) -> list[dict]:

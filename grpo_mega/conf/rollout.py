@@ -162,7 +162,11 @@ class RolloutConfig:
     server's running batch, open, and the server prefills them again under the new weights and samples on, each
     token's version in SGLang's weight_versions spans: no resend, but SGLang servers must run with
     --disable-radix-cache (checked at start-up; `python -m grpo_mega.engines.sglang_launch --training-flags` adds it),
-    as its radix cache would hand them their prefix's old keys and values."""
+    as its radix cache would hand them their prefix's old keys and values. 'in_place': they stay in the running
+    batch and sample on under the new weights from the keys and values their prefix left under the old ones (no
+    prefill again: NeMo-RL's and PipelineRL's in-flight update), each token's version in the same spans and its
+    behaviour logprob the one its sampling step computed; SGLang servers run without a radix cache here too (no
+    flush while requests run, so old prompts' keys and values would otherwise serve new requests)."""
     fresh_groups: bool = True
     """mode=async: start no new group while a batch of complete groups waits for the trainer, unless the trainer had
     to wait for its last batch. When generation outpaces training the samples are then about one version old
@@ -208,8 +212,8 @@ class RolloutConfig:
             if not isinstance(self.off_policy_steps, int) or self.off_policy_steps < 1:
                 raise ValueError(f"rollout.mode=async needs rollout.off_policy_steps=k >= 1 (the staleness bound: a "
                                  f"sample's oldest token at most k versions behind the trainer); got {self.off_policy_steps}")
-            if self.pause_mode not in ("abort", "retract"):
-                raise ValueError(f"rollout.pause_mode={self.pause_mode!r} must be 'abort' or 'retract' (SGLang's "
+            if self.pause_mode not in ("abort", "retract", "in_place"):
+                raise ValueError(f"rollout.pause_mode={self.pause_mode!r} must be 'abort', 'retract' or 'in_place' (SGLang's "
                                  "/pause_generation modes that keep each token's version known)")
             if not isinstance(self.segment_tokens, int) or self.segment_tokens < 0:
                 raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 0 (0: a response is one "

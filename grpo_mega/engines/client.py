@@ -339,7 +339,8 @@ class ServerClient(RolloutEngine):
         sampling params (SGLang's names) and request id (`rids`, for abort_request); per input (token ids, logprobs,
         finish reason, each token's weight version), every field checked. The fully asynchronous scheduler's call
         (grpo_mega.rollout.async_scheduler): a response is continued from its token prefix, so the weights may change
-        between two of its segments, and with pause_mode "retract" within one (SGLang's weight_versions spans)."""
+        between two of its segments, and with pause_mode "retract" or "in_place" within one (SGLang's weight_versions
+        spans)."""
         tokens = sum(len(x) + int(p.get("max_new_tokens", 0)) for x, p in zip(inputs, params))
         body = dict(input_ids=inputs, sampling_params=params, return_logprob=True)
         if rids is not None:
@@ -361,12 +362,12 @@ class ServerClient(RolloutEngine):
             if len(ids) > int(params[k].get("max_new_tokens", len(ids))):
                 raise ServerError(f"rollout server {url} answered {len(ids)} tokens for output {k}, more than its "
                                   f"max_new_tokens={params[k].get('max_new_tokens')}")
-            if self.pause_mode == "retract":
+            if self.pause_mode in ("retract", "in_place"):
                 try:
                     versions = validate.token_versions(o["meta_info"], len(ids))
                 except validate.BadOutput as e:
                     raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
-            else:  # a request is never paused in place: one version a request
+            else:  # a request never spans an update: one version a request
                 versions = [self._sample_version(url, o["meta_info"])] * len(ids)
             rows.append((ids, lps, reason, versions))
         return rows
@@ -377,23 +378,36 @@ class ServerClient(RolloutEngine):
         for rid in rids:
             self._call(url, "/abort_request", {"rid": rid}, what="ending a request the trainer no longer needs")
 
-    def check_retract(self) -> None:
+    def check_pause_mode(self) -> None:
         """pause_mode "retract" keeps the requests open across a weight update and SGLang prefills them again under
         the new weights, but its radix cache would hand them their prompt's old keys and values (SGLang's /flush_cache
-        refuses while requests wait): each server must run without it. ServerError naming the server and the flag
-        otherwise. A server without /server_info (the stand-in, whose prefix cache a weight load empties) passes."""
+        refuses while requests wait; with "in_place", while they run, so new requests would start from them too):
+        each server must run without it; with "in_place" also without the overlap scheduler, whose token in flight at
+        the pause SGLang 0.5.23 reports under the new version though the old weights sampled it (one token a request
+        an update, measured in the sglang tier). ServerError naming the server and the flags otherwise. A server
+        without /server_info (the stand-in: a weight load empties its prefix cache, and its versions are exact)
+        passes."""
         for url in self.urls:
             try:
-                info = self._call(url, "/server_info", None, what="checking its radix cache (rollout.pause_mode)")
+                info = self._call(url, "/server_info", None, what="checking its flags (rollout.pause_mode)")
             except ServerError as e:
                 if e.status == 404:
                     continue
                 raise
-            if isinstance(info, dict) and info.get("disable_radix_cache") is False:
-                raise ServerError(f"rollout server {url} runs SGLang's radix cache, which would give the requests that "
-                                  "rollout.pause_mode=retract keeps open across a weight update the old weights' keys "
-                                  "and values of their prefix: start it with --disable-radix-cache, or set "
-                                  "rollout.pause_mode=abort")
+            if not isinstance(info, dict):
+                continue
+            why = []
+            if info.get("disable_radix_cache") is False:
+                why.append(("--disable-radix-cache", "its radix cache would give the requests kept open across a "
+                                                     "weight update (and new ones) the old weights' keys and values"))
+            if self.pause_mode == "in_place" and info.get("disable_overlap_schedule") is False:
+                why.append(("--disable-overlap-schedule", "its overlap scheduler reports the token in flight at a "
+                                                          "pause under the new version, though the old weights "
+                                                          "sampled it"))
+            if why:
+                raise ServerError(f"rollout server {url} cannot serve rollout.pause_mode={self.pause_mode}: "
+                                  + "; ".join(w for _, w in why) + f". Start it with {' '.join(f for f, _ in why)}, "
+                                  "or set rollout.pause_mode=abort")
 
     def _routed_experts(self, url: str, meta: dict, positions: int) -> torch.Tensor:
         """SGLang's meta_info["routed_experts"] (0.5.23, `return_routed_experts`: base64 of int32
@@ -466,13 +480,15 @@ class ServerClient(RolloutEngine):
         /continue_generation and, with `pause_mode` "abort", ends those in flight with their tokens so far (continued
         by the caller from that prefix under the new weights; the flush then finds the server idle), or with "retract"
         takes them out of the running batch, open, to be prefilled again and continued under the new weights by the
-        server itself (no flush: SGLang refuses one while requests wait, and check_retract makes sure no radix cache
-        holds old keys and values). No request sees half-updated weights or a stale cache."""
+        server itself, or with "in_place" keeps them in the running batch with their keys and values, to sample on
+        under the new weights from those (no flush in either: SGLang refuses one while requests wait or run, and
+        check_pause_mode makes sure no radix cache holds old keys and values). No request sees half-updated weights; only
+        in_place's requests see their own prefix's old keys and values, by choice."""
         self._ensure_group()
         if self.interrupt:
             self._on_all("/pause_generation", {"mode": self.pause_mode})
         try:
-            self._update(version, buckets, flush=not (self.interrupt and self.pause_mode == "retract"))
+            self._update(version, buckets, flush=not (self.interrupt and self.pause_mode in ("retract", "in_place")))
         finally:
             if self.interrupt:
                 self._on_all("/continue_generation", {})
@@ -492,7 +508,7 @@ class ServerClient(RolloutEngine):
             _in_threads([(send, ())] + [(self._call, (u, "/update_weights_from_distributed", body)) for u in self.urls])
             sent.update({m.name: m.dtype for m in bucket.metas})
         self._on_all("/end_weight_update", {})
-        if flush:  # retracted requests keep SGLang from flushing (and its radix cache is off then: check_retract)
+        if flush:  # retracted requests keep SGLang from flushing (and its radix cache is off then: check_pause_mode)
             self._on_all("/flush_cache", {})
         self._sent_dtypes.update(sent)
         self.weight_version = version

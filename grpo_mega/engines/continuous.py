@@ -17,13 +17,15 @@ softmax(logits / temperature) after the row's top-p filter, the logprob at the s
 depend on the others in the batch (up to float rounding of a wider padded batch).
 
 `hold(reason)` keeps new rows out (the active ones run on) until every reason is released; `idle()` waits until no
-row is active, so that weights are loaded between two steps and never under a row. A pending request held longer
+row is active, so that weights are loaded between two steps and never under a row (but parked ones, below). A pending request held longer
 than `timeout_s` fails with the reason. A row that ends by its budget or an abort leaves its keys and values in the
 prefix cache for the request that continues it (rollout.mode=async's next segment). `retract()` (SGLang's
 /pause_generation mode "retract") takes the active rows out after the current step, their keys and values dropped,
 and puts them first in line: when the holds are released they join again, prefilled with their input and tokens so
-far under the weights then loaded, and go on sampling where they stopped (their request stays open). Each token
-records the weight version that sampled it (`Row.versions`). `abort(rids)` ends the rows of those requests
+far under the weights then loaded, and go on sampling where they stopped (their request stays open). `park()`
+(SGLang's mode "in_place") stops the loop between two steps with the active rows and their cache in it, so weights
+load under them (`quiet()` waits for that); after `unpark()` they sample on from the keys and values computed so far
+under the old weights. Each token records the weight version that sampled it (`Row.versions`). `abort(rids)` ends the rows of those requests
 (SGLang's /abort_request).
 """
 
@@ -105,6 +107,7 @@ class ContinuousBatcher:
         self.retracted_at = 0.0
         self.retracting = False
         self.holds: set[str] = set()
+        self.parked = False  # park(): no step runs, the active rows and their cache stay
         self.stepping = False
         self.closing = False
         self.cache = None  # DynamicCache of the active rows, right-aligned: row r's last `fed` columns are its
@@ -171,6 +174,22 @@ class ContinuousBatcher:
             self.holds.discard(reason)
             self.cond.notify_all()
 
+    def park(self) -> None:
+        """No step runs after the current one until `unpark()`: the active rows stay in the batch with their keys and
+        values (SGLang's /pause_generation mode "in_place"), so weights may load under them."""
+        with self.cond:
+            self.parked = True
+
+    def unpark(self) -> None:
+        with self.cond:
+            self.parked = False
+            self.cond.notify_all()
+
+    def quiet(self, timeout: float) -> bool:
+        """Wait until no step runs and none will (no row active, or parked)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: (self.parked or not self.active) and not self.stepping, timeout=timeout)
+
     def idle(self, timeout: float) -> bool:
         """Wait until no row is active and no step runs (hold first, or new rows may join meanwhile)."""
         with self.cond:
@@ -205,8 +224,8 @@ class ContinuousBatcher:
                     self.retracted, self.active, self.cache, self.mask = self.active + self.retracted, [], None, None
                     self.retracted_at, self.retracting = time.monotonic(), False
                     self.cond.notify_all()
-                while (not self.closing and not self.active and not self.retracting
-                       and (self.holds or not (self.pending or self.retracted))):
+                while (not self.closing and not self.retracting
+                       and (self.parked or (not self.active and (self.holds or not (self.pending or self.retracted))))):
                     now = time.monotonic()
                     late = [j for j in self.pending if now - j.submitted > self.timeout_s]
                     if self.retracted and now - self.retracted_at > self.timeout_s:

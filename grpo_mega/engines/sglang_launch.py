@@ -12,8 +12,9 @@ server's `launch_command`), and this process's log records have it replaced by `
 
 `python -m grpo_mega.engines.sglang_launch --training-flags HYDRA_OVERRIDES...` prints the SGLang options a training
 run composed from those overrides needs of its servers (`training_flags`: token ids only, weight version 0,
-`--enable-return-routed-experts` when algo.routing_replay=rollout or measure, and `--disable-radix-cache` with
-rollout.mode=async and rollout.pause_mode=retract); slurm/train.sbatch builds its default server command with it."""
+`--enable-return-routed-experts` when algo.routing_replay=rollout or measure, `--disable-radix-cache` with
+rollout.mode=async and rollout.pause_mode=retract or in_place, and `--disable-overlap-schedule` with in_place);
+slurm/train.sbatch builds its default server command with it."""
 
 from __future__ import annotations
 
@@ -26,15 +27,18 @@ from grpo_mega.processes import free_port, stop, tail
 from grpo_mega.engines.client import API_KEY_ENV
 
 
-def training_flags(routing_replay: bool = False, retract: bool = False) -> list[str]:
+def training_flags(routing_replay: bool = False, pause_mode: Optional[str] = None) -> list[str]:
     """The SGLang options the client relies on: token ids in and out (no tokenizer), weight version 0 until the
     first sync, with rollout routing replay the experts each token was routed to (SGLang 0.5.23 returns
     meta_info["routed_experts"] only from a server started with --enable-return-routed-experts), and with
-    `retract` (rollout.mode=async, rollout.pause_mode=retract) no radix cache, whose old keys and values the requests
-    kept open across an update would be prefilled from."""
+    `pause_mode` retract or in_place (rollout.mode=async with partial rollouts: requests kept open across an update)
+    no radix cache, whose old keys and values those requests would be prefilled from (and, unflushed, new ones too);
+    with in_place no overlap scheduler either, which leaves each request's token in flight at the pause reported
+    under the new version though the old weights sampled it (0.5.23)."""
     return (["--skip-tokenizer-init", "--weight-version", "0"] + (["--enable-return-routed-experts"] if routing_replay
                                                                    else [])
-            + (["--disable-radix-cache"] if retract else []))
+            + (["--disable-radix-cache"] if pause_mode in ("retract", "in_place") else [])
+            + (["--disable-overlap-schedule"] if pause_mode == "in_place" else []))
 
 
 def training_flags_for(overrides: list[str]) -> list[str]:
@@ -54,7 +58,7 @@ def training_flags_for(overrides: list[str]) -> list[str]:
     run = TrainConfig.from_hydra(cfg)
     r = run.rollout
     return training_flags(run.algo.records_routes,
-                          retract=r.mode == "async" and r.partial_rollouts and r.pause_mode == "retract")
+                          pause_mode=r.pause_mode if r.mode == "async" and r.partial_rollouts else None)
 
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", tp: int = 1, dtype: str = "float32",

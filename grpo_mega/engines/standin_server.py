@@ -10,10 +10,11 @@ with no row in flight, so that no token comes from half-loaded weights), /update
 (load_format "flattened_bucket": one broadcast of the bucket's bytes from rank 0 of the update group),
 /update_weight_version, /flush_cache, /pause_generation (mode abort ends the rows in flight after their current
 token, as SGLang's does; mode retract takes them out of the decode loop, their requests left open, to be prefilled
-again under the weights loaded before /continue_generation, as SGLang's retract does) and /continue_generation (new
-rows wait between them), /abort_request (by the request's `rid`, or abort_all). Every output's meta_info carries
+again under the weights loaded before /continue_generation, as SGLang's retract does; mode in_place stops the loop
+between two steps with them in it, to sample on from their keys and values under the weights loaded meanwhile, as
+SGLang's in_place does) and /continue_generation (new rows wait between them), /abort_request (by the request's `rid`, or abort_all). Every output's meta_info carries
 SGLang's `weight_versions` spans (the version that sampled each token: more than one where a request was retracted
-across an update). As SGLang's scheduler does, every request's rows decode in one loop
+or paused in place across an update). As SGLang's scheduler does, every request's rows decode in one loop
 (grpo_mega.engines.continuous: continuous batching; a request with return_routed_experts runs alone), and as its
 radix cache does, a request that continues a response cut by its budget starts from that response's keys and values
 (EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One extension of ours, POST
@@ -231,7 +232,7 @@ class EngineServer:
             if self.batcher is not None:
                 self.batcher.hold("alone")
             try:
-                if self.batcher is not None and not self.batcher.idle(self.timeout_s):
+                if self.batcher is not None and not self.batcher.quiet(self.timeout_s):
                     raise RuntimeError(f"the decode loop did not empty within {self.timeout_s:.0f} s")
                 return self._grouped(ids, params, caps, ends, routed)
             finally:
@@ -294,18 +295,20 @@ class EngineServer:
         /continue_generation; with mode "abort" (SGLang's default) the request in flight ends after its current
         decode step, each unfinished response with its tokens so far and finish_reason "abort"; with mode "retract"
         its rows leave the decode loop after the current step and wait, their requests open, to be prefilled again
-        (input and tokens so far) under the weights loaded before /continue_generation. Mode "in_place" (SGLang's
-        keeps the old keys and values, and 0.5.23 does not mark the tokens after the update with their version) is
-        refused."""
+        (input and tokens so far) under the weights loaded before /continue_generation; with mode "in_place" the loop
+        stops between two steps with its rows in it (their keys and values kept), a bucket loads under them, and they
+        sample on from those keys and values under the new weights."""
         mode = req.get("mode", "abort")
-        if mode not in ("abort", "retract"):
-            raise ValueError(f"/pause_generation mode={mode!r}: this server pauses with 'abort' or 'retract'")
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"/pause_generation mode={mode!r}: this server pauses with 'abort', 'retract' or 'in_place'")
         self.paused = True
         self._gate()
         if mode == "abort":
             self.engine.aborting.set()
-        elif self.batcher is not None:
+        elif self.batcher is not None and mode == "retract":
             self.batcher.retract()
+        elif self.batcher is not None:
+            self.batcher.park()
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def abort_request(self, req: dict) -> dict:
@@ -321,6 +324,8 @@ class EngineServer:
     def continue_generation(self, req: dict) -> dict:
         self.paused = False
         self.engine.aborting.clear()
+        if self.batcher is not None:
+            self.batcher.unpark()
         self._gate()
         self.cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
@@ -372,10 +377,10 @@ class EngineServer:
             return dict(success=False, message="no weight update group: call /init_weights_update_group first")
         flat = torch.empty(offset, dtype=torch.uint8)
         group.broadcast(flat, 0).wait()
-        if self.batcher is not None:  # loaded between two decode steps, never under a row
+        if self.batcher is not None:  # loaded between two decode steps, under no row but those paused in place
             self.batcher.hold("load")
         try:
-            if self.batcher is not None and not self.batcher.idle(self.timeout_s):
+            if self.batcher is not None and not self.batcher.quiet(self.timeout_s):
                 return dict(success=False, message=f"requests in flight did not end within {self.timeout_s:.0f} s: "
                                                    "nothing loaded (pause or abort them first)")
             self.engine.load_bucket(Bucket(metas, flat))

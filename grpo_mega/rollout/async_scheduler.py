@@ -12,7 +12,8 @@ finished ones to new groups). A weight sync never waits for a response to finish
 flight (SGLang's /pause_generation, which the stand-in implements too) and a response continues under the new
 weights from its token prefix: with rollout.pause_mode=abort its request ends and is sent again from that prefix
 (between two syncs a server starts a segment from the keys and values of its response so far: SGLang's radix cache,
-the stand-in's prefix cache); with retract its request stays open and the server prefills it again itself. Each of
+the stand-in's prefix cache); with retract its request stays open and the server prefills it again itself; with
+in_place its request stays open and the server samples on from the keys and values computed so far. Each of
 its tokens records the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a
 response is generated in one request and keeps its version: rank 0 sends no new request and waits for those in
 flight before the sync. Each request in flight holds a connection, so the workers start only once rank 0's soft
@@ -22,8 +23,8 @@ naming the limits and the way out).
 Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds version s-1) takes the first
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
 dropped and counted, and so is a group still in flight as soon as its oldest token falls behind the bound (its
-responses are not sent again: with pause_mode=abort the next sync ends them, with retract their open requests are
-ended by id; a request open across updates counts as old as the version it was sent at). Groups are started only while
+responses are not sent again: with pause_mode=abort the next sync ends them, with retract or in_place their open
+requests are ended by id; a request open across updates counts as old as the version it was sent at). Groups are started only while
 fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v the servers' version
 (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the long tail of a group
 that waits past that is dropped; a run that drops more than a tenth of what the servers complete over 10 steps is
@@ -134,9 +135,9 @@ class AsyncRolloutScheduler:
         self.share, self.get_state, self.set_state = share, get_state, set_state
         self.fresh = fresh  # rollout.fresh_groups: no new group while a batch of complete ones waits...
         self.trainer_waited = False  # ...unless the trainer had to wait for its last batch (the servers are behind)
-        if pause_mode not in ("abort", "retract"):
-            raise ValueError(f"rollout.pause_mode={pause_mode!r} must be 'abort' or 'retract'")
-        self.retract = partial and pause_mode == "retract"
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"rollout.pause_mode={pause_mode!r} must be 'abort', 'retract' or 'in_place'")
+        self.retract = partial and pause_mode in ("retract", "in_place")  # a request stays open across syncs
         if partial and hasattr(engines.local, "interrupt"):  # a sync pauses the requests in flight (SGLang's pause)
             engines.local.interrupt, engines.local.pause_mode = True, pause_mode
         self.rid_prefix = uuid.uuid4().hex[:12]  # request ids of this process (a killed run's may still be on a server)
@@ -247,7 +248,7 @@ class AsyncRolloutScheduler:
                             self.done.append(g)
                             active.remove(g)
                     # a group older than the trainer's bound can never be trained: its responses are not sent again
-                    # (pause_mode=abort: every sync ends them; retract: their requests are aborted), and its room goes
+                    # (pause_mode=abort: every sync ends them; else their open requests are aborted), and its room goes
                     # to new groups
                     ending = []
                     for g in [g for g in active if g.oldest_bound is not None and g.oldest_bound < self.floor]:
@@ -317,7 +318,7 @@ class AsyncRolloutScheduler:
         needed = len(urls) * (slots + self.sampling.n + POOLED) + FILES_BESIDE
         try:
             if self.retract:
-                self.engines.local.check_retract()
+                self.engines.local.check_pause_mode()
             open_files_for(needed)
         except ServerError as e:
             with self.cond:

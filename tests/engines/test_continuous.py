@@ -207,18 +207,24 @@ def test_a_continued_row_starts_from_its_held_keys_and_values():
         batcher.close()
 
 
-def test_a_retracted_row_rejoins_under_the_new_weights_and_records_each_tokens_version():
+@pytest.mark.parametrize("pause", ["retract", "park"])
+def test_a_row_paused_across_a_weight_load_samples_on_under_the_new_weights(pause):
     """retract() (SGLang's pause mode "retract") takes a decoding row out of the batch with its request open; after a
-    weight load it is prefilled again (input and tokens so far) and samples on: its tokens before the load carry
-    version 0 and transformers' no-cache logprobs under the old weights, those after carry version 1 and the new
-    weights' logprobs (each within 1e-4, float32 against float64 over a 4-layer model; the other weights' would be off
-    by far more)."""
+    weight load it is prefilled again (input and tokens so far) and samples on. park() (mode "in_place") stops the
+    loop between two steps with the row in the batch; the weights load under it and it samples on from the keys and
+    values its prefix left under the old weights, one token a step (nothing prefilled again). Either way its tokens
+    before the load carry version 0 and transformers' no-cache logprobs under the old weights, those after carry
+    version 1 and, retracted, the new weights' no-cache logprobs, parked, what transformers' model gives going on
+    under the new weights from the DynamicCache it filled under the old ones (each within 1e-4, float32 against
+    float64 over a 4-layer model); the other mode's reference would be off by far more."""
+    from transformers import DynamicCache
+
     from grpo_mega.engines.weight_sync import pack_buckets
 
     live = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
     old = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
     batcher = ContinuousBatcher(live)
-    got = []
+    got, fed = [], []
     prompt = [5, 17, 33, 2]
     try:
         runner = threading.Thread(target=lambda: got.append(batcher.run([Row(prompt, 40, 1)])[0]))
@@ -226,11 +232,21 @@ def test_a_retracted_row_rejoins_under_the_new_weights_and_records_each_tokens_v
         while batcher.steps < 10:
             time.sleep(0.001)
         batcher.hold("load")
-        batcher.retract()
-        assert batcher.idle(10) and not got  # out of the batch, its request still open
+        if pause == "retract":
+            batcher.retract()
+            assert batcher.idle(10) and not got  # out of the batch, its request still open
+        else:
+            batcher.park()
+            assert batcher.quiet(10) and not got and len(batcher.active) == 1  # between two steps, still in the batch
+            steps = batcher.steps
+            time.sleep(0.05)
+            assert batcher.steps == steps  # parked: no step runs
+        live.model.register_forward_pre_hook(lambda m, args, kw: fed.append(tuple(kw["input_ids"].shape)),
+                                             with_kwargs=True)
         for bucket in pack_buckets(iter({n: p * 1.5 for n, p in live.params.items()}.items()), 1 << 30):
             live.load_bucket(bucket)
         live.weight_version = 1
+        batcher.unpark()
         batcher.release("load")
         runner.join(timeout=60)
     finally:
@@ -239,8 +255,17 @@ def test_a_retracted_row_rejoins_under_the_new_weights_and_records_each_tokens_v
     m = row.versions.index(1)
     assert row.finish == "length" and len(row.tokens) == 40 and row.versions == [0] * m + [1] * (40 - m) and 0 < m < 40
     before = _no_cache_logprobs(old, prompt, row.tokens[:m], 1.0)
-    after = [_no_cache_logprobs(live, prompt + row.tokens[:t], [row.tokens[t]], 1.0)[0] for t in range(m, 40)]
+    again = [_no_cache_logprobs(live, prompt + row.tokens[:t], [row.tokens[t]], 1.0)[0] for t in range(m, 40)]
+    with torch.no_grad():  # transformers' model: the prefix's cache under the old weights, the rest under the new
+        ids, cache = prompt + row.tokens, DynamicCache()
+        old.model(input_ids=torch.tensor([ids[:len(prompt) + m - 1]]), past_key_values=cache, use_cache=True)
+        logits = live.model(input_ids=torch.tensor([ids[len(prompt) + m - 1:-1]]), past_key_values=cache,
+                            use_cache=True).logits[0].double()
+    kept = [float(x) for x in torch.log_softmax(logits, -1).gather(1, torch.tensor(row.tokens[m:])[:, None])[:, 0]]
+    after, other = (again, kept) if pause == "retract" else (kept, again)
+    assert fed[0] == ((1, len(prompt) + m) if pause == "retract" else (1, 1))  # prefilled again, or one token
     assert max(abs(a - b) for a, b in zip(row.logprobs, before + after)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(row.logprobs[m:], other)) > 1e-2
     wrong = _no_cache_logprobs(old, prompt, row.tokens, 1.0)[m:]
     assert max(abs(a - b) for a, b in zip(row.logprobs[m:], wrong)) > 1e-2
 

@@ -43,13 +43,17 @@ def test_sglang_command_asks_for_routed_experts_with_replay():
 
 def test_servers_of_an_async_run_that_retracts_run_without_a_radix_cache():
     """rollout.pause_mode=retract keeps requests open across an update and has SGLang prefill them again: its radix
-    cache would serve the old weights' keys and values, so the flags a run needs turn it off (and only then)."""
+    cache would serve the old weights' keys and values, so the flags a run needs turn it off (and only then); in_place
+    also turns off the overlap scheduler (its token in flight at a pause is reported under the new version)."""
     from grpo_mega.engines.sglang_launch import training_flags_for
 
     run = ["rollout.placement=dedicated", "rollout.servers=[http://h:1]", "rollout.mode=async",
            "rollout.off_policy_steps=2"]
     assert "--disable-radix-cache" in training_flags_for(run + ["rollout.pause_mode=retract"])
     assert "--disable-radix-cache" not in training_flags_for(run)
+    assert "--disable-overlap-schedule" not in training_flags_for(run + ["rollout.pause_mode=retract"])
+    in_place = training_flags_for(run + ["rollout.pause_mode=in_place"])
+    assert "--disable-radix-cache" in in_place and "--disable-overlap-schedule" in in_place
     assert "--disable-radix-cache" not in training_flags_for(run + ["rollout.pause_mode=retract",
                                                                     "rollout.partial_rollouts=false"])
 

@@ -159,6 +159,21 @@ def _own_version_logprobs(model_at, prompt, tokens, lps, vs, tol) -> float:
     return float((got - want).abs().max())
 
 
+def _kept_cache_logprobs(model_at, prompt, tokens, vs) -> torch.Tensor:
+    """float64, transformers' model on one DynamicCache: the prompt fed under the version of the first token, each
+    token after it under the version of the token it samples (what a server that keeps its keys and values across a
+    weight update computes); the logprob of each token."""
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        for t, tok in enumerate(tokens):
+            feed = list(prompt) if t == 0 else [tokens[t - 1]]
+            logits = model_at(vs[t])(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True).logits
+            out.append(torch.log_softmax(logits[0, -1].double(), -1)[tok])
+    return torch.stack(out)
+
+
 def _counting_client(url, sent: list, **kw):
     """The real client, recording the request id of every /generate it sends in `sent`."""
     from grpo_mega.engines.client import ServerClient
@@ -525,7 +540,7 @@ def test_with_pause_mode_retract_a_group_that_falls_behind_has_its_open_requests
         urls = ["u"]
         interrupt, pause_mode = False, "abort"
 
-        def check_retract(self):
+        def check_pause_mode(self):
             pass
 
         def generate_segment(self, url, inputs, params, rids=None):
@@ -569,9 +584,9 @@ def test_with_pause_mode_retract_a_group_that_falls_behind_has_its_open_requests
         s.close()
 
 
-def _run_retract(url):
-    """pause_mode=retract against the stand-in (each decode step slowed): one request per response, every sync
-    landing while responses decode; rank 0 returns the batches and the /generate requests sent."""
+def _run_retract(url, pause_mode):
+    """pause_mode=retract or in_place against the stand-in (each decode step slowed): one request per response, every
+    sync landing while responses decode; rank 0 returns the batches and the /generate requests sent."""
     from grpo_mega.engines.weight_sync import pack_buckets
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
     from grpo_mega.rollout.scheduler import SamplingArgs
@@ -587,13 +602,15 @@ def _run_retract(url):
 
     stream = _Stream()
     s = AsyncRolloutScheduler(Engines(), stream.draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K, STEPS,
-                              partial=True, pause_mode="retract")
+                              partial=True, pause_mode=pause_mode)
     s.sync_weights(None, version=0)
     out = []
     try:
         for step in range(1, STEPS + 1):
             got = s.result(step)
             out.append((step, [e.prompt_ids for e in got.examples], got.gen, s.metrics()))
+            if step == STEPS:  # no request comes after the last step's batch
+                break
             deadline = time.monotonic() + 20  # training: until a response is in flight, then the sync lands
             while s.requests == 0 and time.monotonic() < deadline:
                 time.sleep(0.002)
@@ -605,15 +622,18 @@ def _run_retract(url):
 
 
 @pytest.mark.timeout(300)
-def test_pause_mode_retract_continues_a_response_across_updates_in_one_request():
+@pytest.mark.parametrize("pause_mode", ["retract", "in_place"])
+def test_pause_mode_retract_or_in_place_continues_a_response_across_updates_in_one_request(pause_mode):
     """rollout.pause_mode=retract against the stand-in: every sync retracts the responses decoding (their requests
     stay open), the server prefills them again under the new weights and samples on; each response is one request
     (none resent), its tokens carry the version that sampled them (SGLang's weight_versions spans), within the
-    staleness bound, with behaviour logprobs equal to a float64 recomputation under each token's own version."""
+    staleness bound, with behaviour logprobs equal to a float64 recomputation under each token's own version. With
+    in_place the responses stay in the batch and sample on from the keys and values computed so far: their logprobs
+    are a float64 decode feeding each position under the version that sampled the token after it."""
     proc, url = standin_server.launch(["--model", "tiny", "--port", "0", "--vocab-size", str(VOCAB),
                                        "--simulate-decode-ms", "10"], env=ENV, cwd=REPO, timeout_s=120)
     try:
-        ((batches, sent),) = run_ranks(_run_retract, 1, url, timeout=240)
+        ((batches, sent),) = run_ranks(_run_retract, 1, url, pause_mode, timeout=240)
     finally:
         stop(proc)
     engine = _engine()
@@ -627,7 +647,15 @@ def test_pause_mode_retract_continues_a_response_across_updates_in_one_request()
             continued += len(set(vs)) > 1
             if checked < 4 and len(set(vs)) > 1:
                 checked += 1
-                _own_version_logprobs(model_at, prompts[i // N], tokens, lps, vs, 2e-4)
+                if pause_mode == "retract":
+                    _own_version_logprobs(model_at, prompts[i // N], tokens, lps, vs, 2e-4)
+                    continue
+                got, want = torch.tensor(lps, dtype=torch.float64), _kept_cache_logprobs(model_at, prompts[i // N],
+                                                                                        tokens, vs)
+                assert torch.allclose(got, want, atol=2e-4, rtol=0), (got - want).abs().max()
+                first_new = vs.index(vs[-1])  # retract's prefill again under the new weights would not pass
+                again = _ref_logprobs(model_at(vs[-1]), prompts[i // N], tokens)[first_new:]
+                assert (got[first_new:] - again).abs().max() > 1e-2
     assert continued >= 1 and checked >= 1
 
 
@@ -757,8 +785,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="rollout.mode=async with algo.dynamic_sampling=refill"):
         TrainConfig(rollout=r, algo=dict(dynamic_sampling="refill"))
     TrainConfig(rollout=r, checkpoint=dict(dir="/tmp/x"))  # checkpoints resume (the test above)
-    with pytest.raises(ValueError, match="rollout.pause_mode='in_place' must be 'abort' or 'retract'"):
-        RolloutConfig(**r, pause_mode="in_place")
+    with pytest.raises(ValueError, match="rollout.pause_mode='keep' must be 'abort', 'retract' or 'in_place'"):
+        RolloutConfig(**r, pause_mode="keep")
     from types import SimpleNamespace
 
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
