@@ -64,6 +64,7 @@ def _gpu(d):
 def _async(d, ceiling: str, tail: str):
     k2, vs, k2_run = d["k2_over_one_step_ahead"], d["speedup_over_one_step_ahead"], d["modes"]["async_k2"]
     retract = f", k2 with rollout.pause_mode=retract {_x(vs['async_k2_retract'])}" if "async_k2_retract" in vs else ""
+    retract += f", in_place {_x(vs['async_k2_in_place'])}" if "async_k2_in_place" in vs else ""
     return (f"trained tokens/s {_x(k2)} (target 1.5x {'met' if k2 >= 1.5 else 'not met'}; {ceiling}k1 "
             f"{_x(vs['async_k1'])}, k4 {_x(vs['async_k4'])}{retract}, in turn {_x(vs['in_turn'])}); {tail}; k2 dropped "
             f"{k2_run['dropped_stale_samples']} samples as stale in {k2_run['steps_measured']} steps")
@@ -227,6 +228,8 @@ SUPPLEMENTS = {
     "async_parity_run_to_cap.json": "experiments.async_parity --seeds 0,1,2 --async-set rollout.fresh_groups=false "
                                     "(the README is full)",
     "async_parity_whole_responses.json": "experiments.async_parity --segment-tokens 0: rollout.segment_tokens's default",
+    "async_parity_in_place.json": "experiments.async_parity --segment-tokens 0 --async-set rollout.pause_mode=in_place "
+                                  "(the README is full)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",
     "moe_demo.json": "the MoE demo runs, by hand",
