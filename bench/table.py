@@ -231,6 +231,7 @@ SUPPLEMENTS = {
     "async_parity_in_place.json": "experiments.async_parity --segment-tokens 0 --async-set rollout.pause_mode=in_place "
                                   "(the README is full)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
+    "kill_campaign_async_in_place.json": "kill_campaign --async rollout.pause_mode=in_place",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",
     "moe_demo.json": "the MoE demo runs, by hand",
     "tool_task_lookup_attempts.json": "tool_task's earlier attempts, by hand",
