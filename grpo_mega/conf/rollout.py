@@ -213,8 +213,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.mode=async needs rollout.off_policy_steps=k >= 1 (the staleness bound: a "
                                  f"sample's oldest token at most k versions behind the trainer); got {self.off_policy_steps}")
             if self.pause_mode not in ("abort", "retract", "in_place"):
-                raise ValueError(f"rollout.pause_mode={self.pause_mode!r} must be 'abort', 'retract' or 'in_place' (SGLang's "
-                                 "/pause_generation modes that keep each token's version known)")
+                raise ValueError(f"rollout.pause_mode={self.pause_mode!r} must be 'abort', 'retract' or 'in_place' "
+                                 "(SGLang's /pause_generation modes that keep each token's version known)")
             if not isinstance(self.segment_tokens, int) or self.segment_tokens < 0:
                 raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 0 (0: a response is one "
                                  "request until it ends or a weight update interrupts it)")

@@ -362,7 +362,7 @@ class ServerClient(RolloutEngine):
             if len(ids) > int(params[k].get("max_new_tokens", len(ids))):
                 raise ServerError(f"rollout server {url} answered {len(ids)} tokens for output {k}, more than its "
                                   f"max_new_tokens={params[k].get('max_new_tokens')}")
-            if self.pause_mode in ("retract", "in_place"):
+            if self.pause_mode != "abort":  # retract, in_place: a request may span updates
                 try:
                     versions = validate.token_versions(o["meta_info"], len(ids))
                 except validate.BadOutput as e:
@@ -482,13 +482,13 @@ class ServerClient(RolloutEngine):
         takes them out of the running batch, open, to be prefilled again and continued under the new weights by the
         server itself, or with "in_place" keeps them in the running batch with their keys and values, to sample on
         under the new weights from those (no flush in either: SGLang refuses one while requests wait or run, and
-        check_pause_mode makes sure no radix cache holds old keys and values). No request sees half-updated weights; only
-        in_place's requests see their own prefix's old keys and values, by choice."""
+        check_pause_mode makes sure no radix cache holds old keys and values). No request sees half-updated weights;
+        only in_place's requests see their own prefix's old keys and values, by choice."""
         self._ensure_group()
         if self.interrupt:
             self._on_all("/pause_generation", {"mode": self.pause_mode})
         try:
-            self._update(version, buckets, flush=not (self.interrupt and self.pause_mode in ("retract", "in_place")))
+            self._update(version, buckets, flush=not (self.interrupt and self.pause_mode != "abort"))
         finally:
             if self.interrupt:
                 self._on_all("/continue_generation", {})

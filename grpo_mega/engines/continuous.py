@@ -17,16 +17,16 @@ softmax(logits / temperature) after the row's top-p filter, the logprob at the s
 depend on the others in the batch (up to float rounding of a wider padded batch).
 
 `hold(reason)` keeps new rows out (the active ones run on) until every reason is released; `idle()` waits until no
-row is active, so that weights are loaded between two steps and never under a row (but parked ones, below). A pending request held longer
-than `timeout_s` fails with the reason. A row that ends by its budget or an abort leaves its keys and values in the
-prefix cache for the request that continues it (rollout.mode=async's next segment). `retract()` (SGLang's
-/pause_generation mode "retract") takes the active rows out after the current step, their keys and values dropped,
-and puts them first in line: when the holds are released they join again, prefilled with their input and tokens so
-far under the weights then loaded, and go on sampling where they stopped (their request stays open). `park()`
-(SGLang's mode "in_place") stops the loop between two steps with the active rows and their cache in it, so weights
-load under them (`quiet()` waits for that); after `unpark()` they sample on from the keys and values computed so far
-under the old weights. Each token records the weight version that sampled it (`Row.versions`). `abort(rids)` ends the rows of those requests
-(SGLang's /abort_request).
+row is active, so that weights are loaded between two steps and never under a row (but parked ones, below). A pending
+request held longer than `timeout_s` fails with the reason. A row that ends by its budget or an abort leaves its keys
+and values in the prefix cache for the request that continues it (rollout.mode=async's next segment). `retract()`
+(SGLang's /pause_generation mode "retract") takes the active rows out after the current step, their keys and values
+dropped, and puts them first in line: when the holds are released they join again, prefilled with their input and
+tokens so far under the weights then loaded, and go on sampling where they stopped (their request stays open).
+`park()` (SGLang's mode "in_place") stops the loop between two steps with the active rows and their cache in it, so
+weights load under them (`quiet()` waits for that); after `unpark()` they sample on from the keys and values computed
+so far under the old weights. Each token records the weight version that sampled it (`Row.versions`). `abort(rids)`
+ends the rows of those requests (SGLang's /abort_request).
 """
 
 from __future__ import annotations

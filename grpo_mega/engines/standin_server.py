@@ -2,8 +2,8 @@
 
 The stand-in (the embedded engine behind SGLang's HTTP API, in place of `python -m sglang.launch_server`) owns only
 the translation between SGLang's HTTP API (the subset grpo_mega.engines.client speaks, with SGLang's names and
-payload fields) and an EmbeddedEngine: GET /health, /model_info (also as /get_model_info); POST /generate
-(input_ids, sampling_params with sampling_seed, return_logprob -> output_ids and meta_info's output_token_logprobs,
+payload fields) and an EmbeddedEngine: GET /health, /model_info (also as /get_model_info); POST /generate (input_ids,
+sampling_params with sampling_seed, return_logprob -> output_ids and meta_info's output_token_logprobs,
 finish_reason, weight_version), /init_weights_update_group, /begin_weight_update and /end_weight_update (SGLang
 requires them around the updates; here new rows wait between them and a bucket loads only between two decode steps
 with no row in flight, so that no token comes from half-loaded weights), /update_weights_from_distributed
@@ -12,14 +12,14 @@ with no row in flight, so that no token comes from half-loaded weights), /update
 token, as SGLang's does; mode retract takes them out of the decode loop, their requests left open, to be prefilled
 again under the weights loaded before /continue_generation, as SGLang's retract does; mode in_place stops the loop
 between two steps with them in it, to sample on from their keys and values under the weights loaded meanwhile, as
-SGLang's in_place does) and /continue_generation (new rows wait between them), /abort_request (by the request's `rid`, or abort_all). Every output's meta_info carries
-SGLang's `weight_versions` spans (the version that sampled each token: more than one where a request was retracted
-or paused in place across an update). As SGLang's scheduler does, every request's rows decode in one loop
-(grpo_mega.engines.continuous: continuous batching; a request with return_routed_experts runs alone), and as its
-radix cache does, a request that continues a response cut by its budget starts from that response's keys and values
-(EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One extension of ours, POST
-/grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads SGLang's tensors back with
-/get_weights_by_name instead). Sampling, logprobs and loading are the embedded engine's.
+SGLang's in_place does) and /continue_generation (new rows wait between them), /abort_request (by the request's
+`rid`, or abort_all). Every output's meta_info carries SGLang's `weight_versions` spans (the version that sampled
+each token: more than one where a request was retracted or paused in place across an update). As SGLang's scheduler
+does, every request's rows decode in one loop (grpo_mega.engines.continuous: continuous batching; a request with
+return_routed_experts runs alone), and as its radix cache does, a request that continues a response cut by its budget
+starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One
+extension of ours, POST /grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads
+SGLang's tensors back with /get_weights_by_name instead). Sampling, logprobs and loading are the embedded engine's.
 
     python -m grpo_mega.engines.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
@@ -232,7 +232,7 @@ class EngineServer:
             if self.batcher is not None:
                 self.batcher.hold("alone")
             try:
-                if self.batcher is not None and not self.batcher.quiet(self.timeout_s):
+                if self.batcher is not None and not self.batcher.idle(self.timeout_s):
                     raise RuntimeError(f"the decode loop did not empty within {self.timeout_s:.0f} s")
                 return self._grouped(ids, params, caps, ends, routed)
             finally:
@@ -300,7 +300,8 @@ class EngineServer:
         sample on from those keys and values under the new weights."""
         mode = req.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"/pause_generation mode={mode!r}: this server pauses with 'abort', 'retract' or 'in_place'")
+            raise ValueError(f"/pause_generation mode={mode!r}: this server pauses with 'abort', 'retract' or "
+                             "'in_place'")
         self.paused = True
         self._gate()
         if mode == "abort":

@@ -24,12 +24,12 @@ Staleness bound k = `rollout.off_policy_steps`: step s (the trainer holds versio
 train_batch_size completed groups, in completion order, whose oldest token has version >= s-1-k; older ones are
 dropped and counted, and so is a group still in flight as soon as its oldest token falls behind the bound (its
 responses are not sent again: with pause_mode=abort the next sync ends them, with retract or in_place their open
-requests are ended by id; a request open across updates counts as old as the version it was sent at). Groups are started only while
-fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v the servers' version
-(AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the long tail of a group
-that waits past that is dropped; a run that drops more than a tenth of what the servers complete over 10 steps is
-told so once. A group's advantages are computed after all its samples are done (the batch only holds complete
-groups); a group may span versions.
+requests are ended by id; a request open across updates counts as old as the version it was sent at). Groups are
+started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v
+the servers' version (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the
+long tail of a group that waits past that is dropped; a run that drops more than a tenth of what the servers complete
+over 10 steps is told so once. A group's advantages are computed after all its samples are done (the batch only holds
+complete groups); a group may span versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
 step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.
@@ -137,7 +137,7 @@ class AsyncRolloutScheduler:
         self.trainer_waited = False  # ...unless the trainer had to wait for its last batch (the servers are behind)
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"rollout.pause_mode={pause_mode!r} must be 'abort', 'retract' or 'in_place'")
-        self.retract = partial and pause_mode in ("retract", "in_place")  # a request stays open across syncs
+        self.keep_open = partial and pause_mode != "abort"  # retract, in_place: a request stays open across syncs
         if partial and hasattr(engines.local, "interrupt"):  # a sync pauses the requests in flight (SGLang's pause)
             engines.local.interrupt, engines.local.pause_mode = True, pause_mode
         self.rid_prefix = uuid.uuid4().hex[:12]  # request ids of this process (a killed run's may still be on a server)
@@ -256,7 +256,7 @@ class AsyncRolloutScheduler:
                         active.remove(g)
                         self.dropped += len(g.responses)
                         self.dropped_groups += 1
-                        if self.retract:
+                        if self.keep_open:
                             ending += [self._rid(g, r) for r in g.responses if id(r) in sending]
                     if answers:
                         answers.clear()
@@ -317,7 +317,7 @@ class AsyncRolloutScheduler:
         # a connection per request in flight (and the client's idle ones) on top of what the process holds already
         needed = len(urls) * (slots + self.sampling.n + POOLED) + FILES_BESIDE
         try:
-            if self.retract:
+            if self.keep_open:
                 self.engines.local.check_pause_mode()
             open_files_for(needed)
         except ServerError as e:

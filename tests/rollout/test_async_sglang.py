@@ -3,14 +3,15 @@ tier): the scheduler's segments are SGLang /generate requests continued from the
 to the server through SGLang's own update API between two of them while responses are in flight. Every token handed
 out lies within the staleness bound and carries the version SGLang reports for the request that sampled it; a
 response continued across an update has the tokens after it from the new version, with behaviour logprobs equal to
-a float64 recomputation under each token's own version (and not under the next one's). With rollout.pause_mode=retract
-(SGLang's /pause_generation mode "retract", on a server started with --disable-radix-cache; refused on one with its
-radix cache) a response is one request kept open across the updates, and its tokens' versions come from SGLang's
-weight_versions spans, the logprobs after an update again the new version's. With rollout.pause_mode=in_place (SGLang's
-mode "in_place", on the same server, started also with --disable-overlap-schedule; refused on one with its overlap
-scheduler, whose token in flight at a pause SGLang reports under the new version) a response is again one request, but it samples on after an update from the keys
-and values its prefix left under the old weights: its logprobs are a float64 decode that feeds each position under
-the version that sampled the token after it (and not a recomputation under one version)."""
+a float64 recomputation under each token's own version (and not under the next one's). With
+rollout.pause_mode=retract (SGLang's /pause_generation mode "retract", on a server started with
+--disable-radix-cache; refused on one with its radix cache) a response is one request kept open across the updates,
+and its tokens' versions come from SGLang's weight_versions spans, the logprobs after an update again the new
+version's. With rollout.pause_mode=in_place (SGLang's mode "in_place", on the same server, started also with
+--disable-overlap-schedule; refused on one with its overlap scheduler, whose token in flight at a pause SGLang
+reports under the new version) a response is again one request, but it samples on after an update from the keys and
+values its prefix left under the old weights: its logprobs are a float64 decode that feeds each position under the
+version that sampled the token after it (and not a recomputation under one version)."""
 
 import json
 import os
