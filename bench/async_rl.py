@@ -33,7 +33,12 @@ can do); and `decode_full_bound_over_one_step_ahead`, the same at the rate of th
 a batch's rows decoding at once (`decode_rate`: measured in this process on the server's core before the runs, at 1
 row and at that many). With in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's),
 `step_ratio_bound` (the best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation +
-the rest)) and one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7).
+the rest)) and one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7). With in turn and its busy-neighbour
+twin (`in_turn_busy_neighbour`: in turn beside a nice-19 copy of the server's decode loop on the server's core),
+`trainer_busy_neighbour_over_idle`, the median of the trainer's own phases (all but generation and its wait) over in
+turn's: the two cores of a small VM share more than their caches, and an async server decodes nearly all the time;
+`trainer_bound_busy_neighbour_over_one_step_ahead` is the trainer-bound ceiling with the trainer's work that much
+slower (one step ahead's trainer already ran partly beside a decoding server: an estimate, not a bound).
 """
 
 from __future__ import annotations
@@ -53,13 +58,56 @@ MODES = {"in_turn": ["rollout.off_policy_steps=0"], "one_step_ahead": ["rollout.
          "async_k2": ["rollout.mode=async", "rollout.off_policy_steps=2"],
          "async_k4": ["rollout.mode=async", "rollout.off_policy_steps=4"],
          "async_k2_retract": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=retract"],
-         "async_k2_in_place": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=in_place"]}
+         "async_k2_in_place": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=in_place"],
+         "in_turn_busy_neighbour": ["rollout.off_policy_steps=0"]}
+BUSY = "in_turn_busy_neighbour"
+"""In turn with the server's core kept busy by a nice-19 copy of the stand-in's decode loop (`_burn`): how much slower
+the trainer's own phases are while the other core decodes, as it does nearly all the time in async mode."""
 
 
-def _run(core, url: str, mode: str, steps: int, length: int, out: Path, overrides) -> list[dict]:
-    return common.train(out, [f"run.steps={steps}", f"eval.interval={steps}", f"batch.max_response_length={length}",
-                              "rollout.placement=dedicated", f"rollout.servers=[{url}]", *MODES[mode], *overrides],
-                        f"the {mode} run", prefix=common.pin(core), env={"OMP_NUM_THREADS": "1"})
+def _burn(decode_ms: float, rows: int) -> None:
+    """The stand-in's decode loop (the benchmark server's model, one torch thread), `rows` rows of 32 tokens at a
+    time, until killed: the load a decoding server puts beside the trainer (BUSY's neighbour)."""
+    import torch
+
+    from grpo_mega.conf import load_model_config
+    from grpo_mega.data.toy import make_tokenizer
+    from grpo_mega.engines.continuous import ContinuousBatcher, Row, call_tokens
+    from grpo_mega.engines.embedded import EmbeddedEngine
+
+    torch.set_num_threads(1)
+    cfg = load_model_config("tiny")
+    cfg.vocab_size = len(make_tokenizer())
+    batcher = ContinuousBatcher(EmbeddedEngine.from_model_config(cfg, seed=0), call_tokens=call_tokens(decode_ms / 1000))
+    print("decoding", flush=True)
+    while True:
+        batcher.run([Row([3, 4, 5], 32, i) for i in range(rows)])
+
+
+def _run(core, url: str, mode: str, steps: int, length: int, out: Path, overrides, neighbour=None) -> list[dict]:
+    """One training run; mode BUSY with `neighbour` = (core, decode_ms, rows): `_burn` beside it on that core."""
+    import select
+    import subprocess
+
+    from grpo_mega.processes import stop
+
+    burner = None
+    if mode == BUSY and neighbour is not None:
+        core_b, decode_ms, rows = neighbour
+        burner = subprocess.Popen(["nice", "-n", "19", *common.pin(core_b), sys.executable, "-c",
+                                   f"from bench.async_rl import _burn; _burn({decode_ms}, {rows})"],
+                                  cwd=common.REPO, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(common.REPO), "OMP_NUM_THREADS": "1"})
+        if not select.select([burner.stdout], [], [], 120)[0] or burner.stdout.readline().strip() != "decoding":
+            stop(burner)
+            raise SystemExit(f"the {mode} run's neighbour (bench.async_rl._burn) did not start decoding within 120 s")
+    try:
+        return common.train(out, [f"run.steps={steps}", f"eval.interval={steps}", f"batch.max_response_length={length}",
+                                  "rollout.placement=dedicated", f"rollout.servers=[{url}]", *MODES[mode], *overrides],
+                            f"the {mode} run", prefix=common.pin(core), env={"OMP_NUM_THREADS": "1"})
+    finally:
+        if burner is not None:
+            stop(burner)
 
 
 def _summary(runs: list[list[dict]]) -> dict:
@@ -132,7 +180,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
             for i in range(args.repeats):
                 for m in modes if i % 2 == 0 else modes[::-1]:
-                    rows[m].append(_run(trainer_core, url, m, args.steps, length, Path(tmp) / f"{m}_{i}", args.set))
+                    rows[m].append(_run(trainer_core, url, m, args.steps, length, Path(tmp) / f"{m}_{i}", args.set,
+                                        neighbour=(server_core, args.decode_ms, _rows(args.set))))
                     order.append(m)
                     result = _result(args, rows, order, length, trainer_core, server_core, load_before, rate)
                     common.write_json(args.out, result)  # after every run: a cut-short benchmark leaves what it measured
@@ -207,6 +256,10 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before, r
     if pair:  # what overlap can do at best with the in-turn run's phases: max(generation, the rest) / their sum
         gen = runs["in_turn"]["phases_s"]["generate"]
         bound = max(gen, runs["in_turn"]["serial_phase_sum_s"] - gen) / runs["in_turn"]["serial_phase_sum_s"]
+    slow = None
+    if {BUSY, "in_turn"} <= set(runs):
+        own = lambda r: sum(v for p, v in r["phases_s"].items() if p not in ("generate", "generate_wait"))  # noqa: E731
+        slow = own(runs[BUSY]) / own(runs["in_turn"])
     return dict(
         complete=len(order) == args.repeats * len(rows),
         benchmark="in turn vs one step ahead vs fully asynchronous (one stand-in server, tiny model, toy task, "
@@ -231,6 +284,10 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before, r
         decode_full_bound_over_one_step_ahead=(runs["one_step_ahead"]["step_s"] * max(rate.values())
                                                / runs["one_step_ahead"]["generated_tokens_per_step"]
                                                if "one_step_ahead" in runs else None),
+        # the trainer's own phases with the other core decoding (BUSY) over in turn's, where it is idle meanwhile
+        trainer_busy_neighbour_over_idle=slow,
+        trainer_bound_busy_neighbour_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])
+                                                          / slow if slow and "one_step_ahead" in runs else None),
         step_ratio=runs["one_step_ahead"]["step_s"] / runs["in_turn"]["step_s"] if pair else None,
         step_ratio_bound=bound if pair else None,
         step_over_phase_sum=runs["one_step_ahead"]["step_over_phase_sum"] if "one_step_ahead" in runs else None,

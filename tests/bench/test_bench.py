@@ -64,9 +64,16 @@ def test_bench_async_rl_both_workloads(tmp_path):
     ahead and async k=2: the async metrics. The ratios themselves are recorded, not asserted (a shared machine)."""
     env = {**os.environ, "PYTHONPATH": REPO}
     out = tmp_path / "overlap.json"
-    run_bench([sys.executable, "-m", "bench.async_rl", "--steps", "5", "--modes", "in_turn,one_step_ahead",
-               "--natural-lengths", "--response-length", "2", "--out", str(out)], tmp_path, timeout=400, env=env)
+    run_bench([sys.executable, "-m", "bench.async_rl", "--steps", "5", "--modes",
+               "in_turn,one_step_ahead,in_turn_busy_neighbour", "--natural-lengths", "--response-length", "2",
+               "--out", str(out)], tmp_path, timeout=400, env=env)
     data = json.loads(out.read_text())
+    busy = data["modes"]["in_turn_busy_neighbour"]  # in turn beside a decoding neighbour: its own phases over in turn's
+    own = lambda r: sum(v for p, v in r["phases_s"].items() if p not in ("generate", "generate_wait"))  # noqa: E731
+    assert data["trainer_busy_neighbour_over_idle"] == pytest.approx(own(busy) / own(data["modes"]["in_turn"]))
+    assert data["trainer_bound_busy_neighbour_over_one_step_ahead"] == pytest.approx(
+        data["trainer_bound_over_one_step_ahead"] / data["trainer_busy_neighbour_over_idle"])
+    assert busy["weight_versions"] == [0, 1, 2, 3, 4]
     in_turn, ahead = data["modes"]["in_turn"], data["modes"]["one_step_ahead"]
     assert in_turn["weight_versions"] == [0, 1, 2, 3, 4] and ahead["weight_versions"] == [0, 0, 1, 2, 3]
     assert in_turn["overlap"] == 0 and 0 <= ahead["overlap"] <= 1 and in_turn["response_length"] <= 2
