@@ -65,20 +65,32 @@ BUSY = "in_turn_busy_neighbour"
 the trainer's own phases are while the other core decodes, as it does nearly all the time in async mode."""
 
 
-def _burn(decode_ms: float, rows: int) -> None:
-    """The stand-in's decode loop (the benchmark server's model, one torch thread), `rows` rows of 32 tokens at a
-    time, until killed: the load a decoding server puts beside the trainer (BUSY's neighbour)."""
+def _standin_batcher(decode_ms: float):
+    """The benchmark server's decode loop in this process: the stand-in's continuous batcher on the tiny model at the
+    toy tokenizer's vocabulary, each decode step `decode_ms` longer (--decode-ms), one torch thread."""
     import torch
 
     from grpo_mega.conf import load_model_config
     from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.engines.continuous import ContinuousBatcher, Row, call_tokens
+    from grpo_mega.engines.continuous import ContinuousBatcher, call_tokens
     from grpo_mega.engines.embedded import EmbeddedEngine
+    from grpo_mega.engines.standin_server import slow_decode
 
     torch.set_num_threads(1)
     cfg = load_model_config("tiny")
     cfg.vocab_size = len(make_tokenizer())
-    batcher = ContinuousBatcher(EmbeddedEngine.from_model_config(cfg, seed=0), call_tokens=call_tokens(decode_ms / 1000))
+    engine = EmbeddedEngine.from_model_config(cfg, seed=0)
+    if decode_ms > 0:
+        slow_decode(engine, decode_ms / 1000)
+    return ContinuousBatcher(engine, call_tokens=call_tokens(decode_ms / 1000))
+
+
+def _burn(decode_ms: float, rows: int) -> None:
+    """The benchmark server's decode loop, `rows` rows of 32 tokens at a time, until killed: the load a decoding
+    server puts beside the trainer (BUSY's neighbour)."""
+    from grpo_mega.engines.continuous import Row
+
+    batcher = _standin_batcher(decode_ms)
     print("decoding", flush=True)
     while True:
         batcher.run([Row([3, 4, 5], 32, i) for i in range(rows)])
@@ -208,21 +220,11 @@ def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32) -> dict:
 
     import torch
 
-    from grpo_mega.conf import load_model_config
-    from grpo_mega.data.toy import make_tokenizer
-    from grpo_mega.engines.continuous import ContinuousBatcher, Row, call_tokens
-    from grpo_mega.engines.embedded import EmbeddedEngine
-    from grpo_mega.engines.standin_server import slow_decode
+    from grpo_mega.engines.continuous import Row
 
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, before if core is None else {core})
-    torch.set_num_threads(1)
-    cfg = load_model_config("tiny")
-    cfg.vocab_size = len(make_tokenizer())
-    engine = EmbeddedEngine.from_model_config(cfg, seed=0)
-    if decode_ms > 0:
-        slow_decode(engine, decode_ms / 1000)
-    batcher, out = ContinuousBatcher(engine, call_tokens=call_tokens(decode_ms / 1000)), {}
+    batcher, out = _standin_batcher(decode_ms), {}
     try:
         for n in (1, rows):
             batcher.run([Row([3, 4, 5], tokens, i) for i in range(n)])  # warm-up
