@@ -234,6 +234,8 @@ SUPPLEMENTS = {
     "kill_campaign_async_in_place.json": "kill_campaign --async rollout.pause_mode=in_place",
     "async_busy_neighbour.json": "bench.async_rl --modes in_turn,in_turn_busy_neighbour,one_step_ahead,async_k2,"
                                  "async_k2_in_place --repeats 3: the trainer beside a decoding neighbour",
+    "async_client.json": "bench.async_client --rounds 8: the async client's cost on the trainer's core, threads vs an "
+                         "event loop vs another process",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",
     "moe_demo.json": "the MoE demo runs, by hand",
     "tool_task_lookup_attempts.json": "tool_task's earlier attempts, by hand",

@@ -3,6 +3,7 @@ speed and memory targets are met in the benchmark's own output, recorded on the 
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -98,6 +99,26 @@ def test_bench_async_rl_both_workloads(tmp_path):
     rate = k2["generated_tokens_per_s"] / (1 - k2["server_idle_fraction"])
     bound = one["step_s"] * rate / one["generated_tokens_per_step"]
     assert data["server_bound_over_one_step_ahead"] == pytest.approx(bound)
+
+
+def test_bench_async_client_writes_json(tmp_path):
+    """bench.async_client, one round: the three sides, each slowdown over elsewhere's, the client's CPU a request
+    measured where it runs in this process (not for elsewhere's child), and the answered requests counted."""
+    out = tmp_path / "async_client.json"
+    run_bench([sys.executable, "-m", "bench.async_client", "--rounds", "1", "--in-flight", "4", "--out", str(out)],
+              tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    data = json.loads(out.read_text())
+    sides = data["sides"]
+    assert set(sides) == {"threads", "event_loop", "elsewhere"} and data["config"] == dict(in_flight=4, rounds=1)
+    for name, side in sides.items():
+        (r,) = data["rounds"][name]
+        assert side["main_slowdown"] == pytest.approx(statistics.median(r["busy_s"]) / r["alone_s"])
+        assert side["main_slowdown_over_elsewhere"] == pytest.approx(side["main_slowdown"]
+                                                                     / sides["elsewhere"]["main_slowdown"])
+        assert side["requests_per_s"] > 0 and len(r["busy_s"]) == 20
+        assert (side["cpu_ms_per_request"] is None) == (name == "elsewhere")
+    assert sides["threads"]["cpu_ms_per_request"] > 0 and sides["event_loop"]["cpu_ms_per_request"] > 0
+    assert [s["threads_in_trainer"] for s in sides.values()] == [4, 1, 0]
 
 
 def test_bench_routing_writes_json(tmp_path):
