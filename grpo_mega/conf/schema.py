@@ -99,8 +99,6 @@ class TrainConfig:
                    "stream of groups; use algo.dynamic_sampling=filter")
         elif self.rollout.multi_turn.enable:
             why = "rollout.multi_turn.enable=true: multi-turn trajectories are not generated in segments yet"
-        elif self.algo.routing_replay != "none":
-            why = f"algo.routing_replay={self.algo.routing_replay}: the routes of continued responses are not joined yet"
         if why is not None:
             raise ValueError(f"rollout.mode=async with {why}")
 

@@ -337,14 +337,17 @@ class ServerClient(RolloutEngine):
                          rids: Optional[list[str]] = None) -> list[tuple]:
         """One /generate of `inputs` (token ids: a prompt and the response so far) on server `url`, each with its own
         sampling params (SGLang's names) and request id (`rids`, for abort_request); per input (token ids, logprobs,
-        finish reason, each token's weight version), every field checked. The fully asynchronous scheduler's call
-        (grpo_mega.rollout.async_scheduler): a response is continued from its token prefix, so the weights may change
-        between two of its segments, and with pause_mode "retract" or "in_place" within one (SGLang's weight_versions
-        spans)."""
+        finish reason, each token's weight version), every field checked, and with `moe_layers` (routing replay) the
+        routed experts of its input and output but the last token (int16 [len(input) + len(output) - 1, M, k]) after
+        them. The fully asynchronous scheduler's call (grpo_mega.rollout.async_scheduler): a response is continued
+        from its token prefix, so the weights may change between two of its segments, and with pause_mode "retract"
+        or "in_place" within one (SGLang's weight_versions spans)."""
         tokens = sum(len(x) + int(p.get("max_new_tokens", 0)) for x, p in zip(inputs, params))
         body = dict(input_ids=inputs, sampling_params=params, return_logprob=True)
         if rids is not None:
             body["rid"] = rids
+        if self.moe_layers is not None:
+            body["return_routed_experts"] = True
         self._count(url, tokens)
         try:
             out = self._call(url, "/generate", body)
@@ -369,7 +372,15 @@ class ServerClient(RolloutEngine):
                     raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
             else:  # a request never spans an update: one version a request
                 versions = [self._sample_version(url, o["meta_info"])] * len(ids)
-            rows.append((ids, lps, reason, versions))
+            if self.moe_layers is None:
+                rows.append((ids, lps, reason, versions))
+                continue
+            positions = len(inputs[k]) + len(ids) - 1
+            try:
+                routed = self._routed_experts(url, o["meta_info"], positions) if ids else None
+            except validate.BadOutput as e:
+                raise ServerError(f"rollout server {url} answered /generate with a bad output {k}: {e}") from None
+            rows.append((ids, lps, reason, versions, routed))
         return rows
 
     def abort_requests(self, url: str, rids: list[str]) -> None:

@@ -14,7 +14,8 @@ weights from its token prefix: with rollout.pause_mode=abort its request ends an
 (between two syncs a server starts a segment from the keys and values of its response so far: SGLang's radix cache,
 the stand-in's prefix cache); with retract its request stays open and the server prefills it again itself; with
 in_place its request stays open and the server samples on from the keys and values computed so far. Each of
-its tokens records the version that produced it and its behaviour logprob. With `rollout.partial_rollouts=false` a
+its tokens records the version that produced it and its behaviour logprob; with routing replay each of its positions
+the routed experts of the request that fed it (`join_routes`). With `rollout.partial_rollouts=false` a
 response is generated in one request and keeps its version: rank 0 sends no new request and waits for those in
 flight before the sync. Each request in flight holds a connection, so the workers start only once rank 0's soft
 limit on open files covers them (raised to the hard limit when short; a hard limit too low is every rank's error,
@@ -58,6 +59,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from grpo_mega.parallel import comm
@@ -87,6 +89,22 @@ class Response:
     sent_version: Optional[int] = None
     """The servers' version when its request in flight was sent: no token of it is older (rollout.pause_mode=retract
     keeps a request open across updates, its tokens unknown until it ends)."""
+    routes: Optional[torch.Tensor] = None
+    """Routing replay: the routed experts of its prompt and tokens but the last (int16 [P + len(tokens) - 1, M, k]),
+    each position's from the request that fed it (the one that sampled the token after it): a continuation's
+    prefill of the positions before its prefix's last token is not taken (`join_routes`)."""
+
+
+def join_routes(have: Optional[torch.Tensor], got: torch.Tensor, fed: int) -> torch.Tensor:
+    """A response's routed experts after a request answered `got` ([its input and output but the last token, M, k]):
+    the `fed` positions before the request's last input token keep the routes of the requests that fed them (a
+    continuation prefills them again, maybe under newer weights, but the tokens after them were sampled from the
+    first pass), the rest are the request's."""
+    if have is None:
+        return got
+    if have.shape[0] != fed or got.shape[0] < fed:
+        raise ValueError(f"routed experts of {have.shape[0]} and {got.shape[0]} positions do not join at {fed}")
+    return torch.cat([have, got[fed:]])
 
 
 @dataclass
@@ -231,12 +249,14 @@ class AsyncRolloutScheduler:
                     for g, r, rows in answers:
                         if isinstance(rows, Exception):
                             raise rows
-                        ids, lps, reason, versions = rows[0]
+                        ids, lps, reason, versions, *routed = rows[0]
                         self.generated_tokens += len(ids)
                         sending.discard(id(r))
                         r.sent_version = None
                         if g.stale:  # dropped while this request ran
                             continue
+                        if routed and routed[0] is not None:
+                            r.routes = join_routes(r.routes, routed[0], len(g.example.prompt_ids) + len(r.tokens) - 1)
                         r.tokens += ids
                         r.logprobs += lps
                         r.versions += versions
@@ -293,6 +313,10 @@ class AsyncRolloutScheduler:
         finally:
             for _ in range(senders):
                 todo.put(None)
+
+    def _routes(self) -> bool:
+        """Routing replay (algo.routing_replay): the client asks for every request's routed experts."""
+        return getattr(self.engines.local, "moe_layers", None) is not None
 
     def _rid(self, g: Group, r: Response) -> str:
         """The request id of response `r`'s request now (its group, its place in it, its tokens so far)."""
@@ -381,6 +405,13 @@ class AsyncRolloutScheduler:
                                       f"holds version {step - 1} and rollout.off_policy_steps={self.k} allows versions "
                                       f"{floor}..{step - 1}: a server was updated by someone else, or restarted "
                                       "without its weights", False)}, waited
+            if self._routes():
+                for r in g.responses:
+                    if r.routes is None or r.routes.shape[0] != len(g.example.prompt_ids) + len(r.tokens) - 1:
+                        return {"error": (f"step {step} got a sample of {len(r.tokens)} tokens with routed experts for "
+                                          f"{None if r.routes is None else r.routes.shape[0]} positions, not its "
+                                          "prompt's and tokens' but the last (algo.routing_replay): a server "
+                                          "returned none, or too few, for a continued request", False)}, waited
         responses = [r for g in groups for r in g.responses]
         self._say_drops(len(responses), dropped)
         token_lags = Counter(step - 1 - v for r in responses for v in r.versions)
@@ -424,10 +455,12 @@ class AsyncRolloutScheduler:
         gen = None
         if dist.get_rank() == 0:
             rs = [r for g in out["groups"] for r in g.responses]
+            routed = [r.routes for r in rs] if self._routes() else None  # checked by _take
             gen = Generation(token_ids=[r.tokens for r in rs], logprobs=[r.logprobs for r in rs],
                              finish_reasons=[r.finish for r in rs], weight_version=min(min(r.versions) for r in rs),
                              extra={"token_versions": [r.versions for r in rs],
-                                    "prompt_index": [g.index for g in out["groups"] for _ in g.responses]})
+                                    "prompt_index": [g.index for g in out["groups"] for _ in g.responses]},
+                             routed_experts=routed)
         if self.share is None:
             gen = comm.broadcast_object(gen, src=0)
         else:
@@ -530,8 +563,9 @@ class AsyncRolloutScheduler:
             return None
         with self.cond:
             groups, first, task_before = self._saved()
+            routed = [r.routes for g in groups for r in g.responses] if self._routes() else None
             return dict(mode="async", started=self.started, dropped_groups=self.dropped_groups, first=first,
-                        task_before=task_before,
+                        task_before=task_before, routed_experts=routed,  # int16 (the checkpoint's safetensors)
                         groups=[dict(index=g.index, prompt=list(g.example.prompt_ids), done=g.done,
                                      responses=[dict(seed=r.seed, tokens=list(r.tokens), logprobs=list(r.logprobs),
                                                      versions=list(r.versions), finish=r.finish, segments=r.segments)
@@ -566,6 +600,10 @@ class AsyncRolloutScheduler:
             groups[index] = Group(index, example, [Response(r["seed"], list(r["tokens"]), list(r["logprobs"]),
                                                             list(r["versions"]), r["finish"], int(r["segments"]))
                                                    for r in g["responses"]], before)
+        routed = iter(state.get("routed_experts") or [])
+        for g in state["groups"]:  # routing replay: every response's routes, in the groups' order (None: none yet)
+            for r in groups[g["index"]].responses:
+                r.routes = next(routed, None)
         order = [g["index"] for g in state["groups"]]
         self.done = [groups[i] for i in order if groups[i].done]
         self.carried = sorted((groups[i] for i in order if not groups[i].done), key=lambda g: g.index)

@@ -5,7 +5,8 @@ weights give (float64 recomputation with transformers), responses continued acro
 are dropped and counted; and a step's loss with the rollout correction equals a float64 recomputation against
 those per-token behaviour logprobs, the old-logprob pass as the proximal policy. A checkpoint's groups (complete and
 in flight) resume: the prompt stream and the responses' token prefixes carry on. Plus the demo task learning in
-async mode (k = 2, partial rollouts) and resuming from its checkpoint, and the refusals."""
+async mode (k = 2, partial rollouts) and resuming from its checkpoint, routing replay's routes joined over a
+response's requests, and the refusals."""
 
 import copy
 import os
@@ -34,11 +35,11 @@ def server():
         stop(proc)
 
 
-def _engine():
+def _engine(model="tiny"):
     from grpo_mega.conf import load_model_config
     from grpo_mega.engines.embedded import EmbeddedEngine
 
-    cfg = load_model_config("tiny")
+    cfg = load_model_config(model)
     cfg.vocab_size = VOCAB
     return EmbeddedEngine.from_model_config(cfg, seed=5)
 
@@ -73,13 +74,16 @@ class _SlowClient:
 class _Engines:
     """Engines' interface: the real client on rank 0 (slowed); sync sends _weights(version)."""
 
-    def __init__(self, url, base):
+    def __init__(self, url, base, moe_layers=None):
         import torch.distributed as dist
 
         from grpo_mega.engines.client import ServerClient
 
         self.ranks, self.base = [0], base
-        self.local = _SlowClient(ServerClient([url], timeout_s=60)) if dist.get_rank() == 0 else None
+        self.local = (_SlowClient(ServerClient([url], timeout_s=60, moe_layers=moe_layers)) if dist.get_rank() == 0
+                      else None)
+        if self.local is not None:
+            self.local.moe_layers = moe_layers
 
     def sync(self, gpt, version):
         from grpo_mega.engines.weight_sync import pack_buckets
@@ -88,23 +92,26 @@ class _Engines:
             self.local.update_weights(version, pack_buckets(iter(_weights(self.base, version).items()), 1 << 20))
 
 
-def _run(url):
-    """The loop's calls to the scheduler with a stand-in update (sleep); rank 0 returns the batches."""
+def _run(url, model="tiny", steps=STEPS):
+    """The loop's calls to the scheduler with a stand-in update (sleep); rank 0 returns the batches. An MoE `model`:
+    with routing replay (the client asks for the routed experts)."""
     import random
 
     import torch.distributed as dist
 
+    from grpo_mega.conf import load_model_config
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
     from grpo_mega.rollout.scheduler import SamplingArgs
 
-    base = {n: p.detach().clone() for n, p in _engine().params.items()}
+    base = {n: p.detach().clone() for n, p in _engine(model).params.items()}
+    cfg = load_model_config(model)
     rng = random.Random(0)
     draw = lambda size: [_Example([rng.randrange(1, VOCAB) for _ in range(3)]) for _ in range(size)]  # noqa: E731
-    s = AsyncRolloutScheduler(_Engines(url, base), draw, GROUPS, SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K, STEPS,
-                              partial=True, segment_tokens=4)
+    s = AsyncRolloutScheduler(_Engines(url, base, cfg.moe_layers() if cfg.is_moe else None), draw, GROUPS,
+                              SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K, steps, partial=True, segment_tokens=4)
     s.sync_weights(None, version=0)
     out = []
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         got = s.result(step)
         out.append((step, [e.prompt_ids for e in got.examples], got.gen, s.metrics()))
         deadline = time.monotonic() + 20  # training: lasts until a response is half generated, then the sync lands
@@ -114,8 +121,12 @@ def _run(url):
                 break
             time.sleep(0.002)
         s.wait()
+        if step == steps - 1 and dist.get_rank() == 0:  # what a checkpoint would carry (routing replay: the routes)
+            saved = copy.deepcopy(s.state())
         s.sync_weights(None, version=step)
     s.close()
+    if model != "tiny":
+        return out, saved
     return out if dist.get_rank() == 0 else [(st, p, g.token_ids, m) for st, p, g, m in out]
 
 
@@ -209,6 +220,94 @@ def test_bound_groups_versions_and_behaviour_logprobs(batches):
         assert metrics["async/continued_samples"] == sum(len(set(v)) > 1 for v in versions)
     assert continued >= 2 and checked >= 1
     assert sum(m["async/token_lag_1"] > 0 for _, _, _, m in rank0) >= 1  # tokens from more than one version
+
+
+def _restore_routes(saved, model):
+    """A scheduler (no servers) restored from `saved`: every response's routes, in the groups' order."""
+    import random
+    from types import SimpleNamespace
+
+    from grpo_mega.conf import load_model_config
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    rng = random.Random(0)  # _run's prompt stream
+    draw = lambda size: [_Example([rng.randrange(1, VOCAB) for _ in range(3)]) for _ in range(size)]  # noqa: E731
+    local = SimpleNamespace(urls=["http://unused"], moe_layers=load_model_config(model).moe_layers())
+    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=local), draw, GROUPS,
+                              SamplingArgs(N, 1.0, 1.0, MAX_NEW, [], seed=3), K)
+    draw(saved["first"])  # no task state here to set: the stream is wound on to the earliest group's prompt
+    s.restore(saved)
+    return [r.routes for g in s.done + s.carried for r in g.responses]
+
+
+def test_routing_replay_joins_each_responses_routes_over_its_requests(tmp_path):
+    """Routing replay in async mode (tiny-qwen3-moe on the stand-in, segments of 4 tokens, a sync while responses are
+    half generated): each sample's routed experts cover its prompt and tokens but the last, and each position's are
+    the top-k transformers' routers pick (a full forward) under the version of the request that fed it: the first
+    token's for the prompt, else the version of the token it was fed to sample; responses continued across versions are
+    among them, and the newest version's routes would not match. A checkpoint's groups carry the routes (through the
+    checkpoint's safetensors file and back into a restored scheduler)."""
+    from grpo_mega.conf import load_model_config
+    from grpo_mega.engines.weight_sync import pack_buckets
+    from grpo_mega.trainer.checkpoint import load_routes, save_routes
+
+    model = "tiny-qwen3-moe"
+    proc, url = standin_server.launch(["--model", model, "--port", "0", "--vocab-size", str(VOCAB)], env=ENV, cwd=REPO,
+                                      timeout_s=120)
+    try:
+        (out, saved), = run_ranks(_run, 1, url, model, 4, timeout=300)
+    finally:
+        stop(proc)
+    cfg = load_model_config(model)
+    k, m = cfg.moe_router_topk, sum(cfg.moe_layers())
+    engine = _engine(model)
+    base, models = {n: p.detach().clone() for n, p in engine.params.items()}, {}
+
+    def router_topk(v, ids):
+        if v not in models:  # version v's weights loaded as the server loads them (HF names, fused experts);
+            # float32, as transformers' grouped expert matmul takes no float64
+            models[v] = _engine(model)
+            models[v].update_weights(v, pack_buckets(iter(_weights(base, v).items()), 1 << 20))
+        with torch.no_grad():
+            logits = models[v].model(torch.tensor([ids]), output_router_logits=True).router_logits
+        return torch.stack([lg.reshape(len(ids), -1) for lg in logits], 1)  # [positions, M, experts]
+
+    continued = newest_differs = checked = 0
+    for step, prompts, gen, _ in out:
+        assert gen.routed_experts is not None and len(gen.routed_experts) == len(gen.token_ids)
+        for i, (tokens, vs, got) in enumerate(zip(gen.token_ids, gen.extra["token_versions"], gen.routed_experts)):
+            prompt = list(prompts[i // N])
+            ids, fed = prompt + tokens[:-1], len(prompt) + len(tokens) - 1
+            assert got.dtype == torch.int16 and tuple(got.shape) == (fed, m, k)
+            want = torch.empty(fed, m, k, dtype=torch.long)
+            near = torch.zeros(fed, m, dtype=torch.bool)  # a near-tie: the server's cached decode may pick either
+            under = {v: router_topk(v, ids) for v in set(vs)}
+            for q in range(fed):
+                logits = under[vs[max(0, q - len(prompt) + 1)]][q]
+                top = logits.topk(k + 1, -1)
+                want[q], near[q] = top.indices[:, :k], (top.values[:, k - 1] - top.values[:, k]) < 1e-4
+            same = (got.long().sort(-1).values == want.sort(-1).values).all(-1)
+            assert (same | near).all(), (step, i, (~same).nonzero().tolist())
+            checked += 1
+            if len(set(vs)) > 1:
+                continued += 1
+                newest = router_topk(vs[-1], ids).topk(k, -1).indices.sort(-1).values
+                newest_differs += not torch.equal(got.long().sort(-1).values, newest)
+    assert checked == len(out) * GROUPS * N and continued >= 1 and newest_differs >= 1
+
+    routes = saved["routed_experts"]
+    responses = [r for g in saved["groups"] for r in g["responses"]]
+    assert routes is not None and len(routes) == len(responses) >= 1
+    for x, r, prompt in zip(routes, responses, [g["prompt"] for g in saved["groups"] for _ in g["responses"]]):
+        assert (x is None) == (not r["tokens"]) and (x is None or x.shape[0] == len(prompt) + len(r["tokens"]) - 1)
+    assert any(x is not None for x in routes)
+    back = load_routes(tmp_path, save_routes(tmp_path, routes))
+    (restored,) = run_ranks(_restore_routes, 1, {**saved, "routed_experts": back}, model, timeout=120)
+    # restored: the complete groups then those in flight by index, the order state() lists them in
+    assert len(restored) == len(routes)
+    for a, b in zip(routes, restored):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_loss_uses_per_token_behaviour_logprobs(batches):
