@@ -236,6 +236,10 @@ SUPPLEMENTS = {
                                  "async_k2_in_place --repeats 3: the trainer beside a decoding neighbour",
     "async_client.json": "bench.async_client --rounds 8: the async client's cost on the trainer's core, threads vs an "
                          "event loop vs another process",
+    "device_mode.json": "bench.device_mode --steps 20 --repeats 3: the CPU shim's device mode lifted or not, the demo",
+    "device_mode_long.json": "bench.device_mode --steps 20 --repeats 3 --set batch.max_response_length=64 --set "
+                             "batch.train_batch_size=8 --set rollout.n=4 --set batch.ppo_mini_batch_size=8 --set "
+                             "batch.micro_batch_size=4",
     "gpu_check_h100.json": "the GPU check's steps, by hand from the device's logs",
     "moe_demo.json": "the MoE demo runs, by hand",
     "tool_task_lookup_attempts.json": "tool_task's earlier attempts, by hand",

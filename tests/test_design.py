@@ -69,7 +69,7 @@ ALLOWED = {
     "parallel": GROUND, "registry.py": GROUND, "processes.py": GROUND, "workers.py": GROUND,
     "models": {"conf", "parallel", "registry.py"},
     "planning.py": {"conf", "models", "parallel"},
-    "engines": {"models", "conf", "registry.py", "processes.py"},
+    "engines": {"models", "conf", "parallel", "registry.py", "processes.py"},
     "rollout": {"engines", "parallel", "toolcalls", "registry.py"},
 }
 NEVER = {  # part -> parts it must not import

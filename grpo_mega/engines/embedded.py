@@ -14,6 +14,7 @@ loading weights empties it, like SGLang's /flush_cache after an update.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
@@ -22,6 +23,18 @@ import torch
 
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.engines.interface import ENGINES, Bucket, Generation, RolloutEngine, sample_seed, tensor_checksum
+from grpo_mega.parallel.cpu_compat import without_device_mode
+
+
+def _plain_torch(method):
+    """`method` outside the CPU shim's device mode (cpu_compat.without_device_mode): the engine's own code and its
+    transformers model name no CUDA device, and a decode step's torch calls would each pay the mode's dispatch."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with without_device_mode():
+            return method(*args, **kwargs)
+
+    return call
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -212,6 +225,7 @@ class EmbeddedEngine(RolloutEngine):
     # ---- generation -------------------------------------------------------------------------------
 
     @torch.no_grad()
+    @_plain_torch
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  stop_token_ids: Iterable[int], seed: int, prompt_offset: int = 0,
                  row_seeds: Optional[list[int]] = None, row_max_new_tokens: Optional[list[int]] = None,
@@ -374,6 +388,7 @@ class EmbeddedEngine(RolloutEngine):
     # ---- weights ---------------------------------------------------------------------------------
 
     @torch.no_grad()
+    @_plain_torch
     def load_bucket(self, bucket: Bucket) -> list[str]:
         """Copy one bucket's tensors into the model; returns their names. Held sequences are dropped (their keys
         and values are the old weights')."""

@@ -15,7 +15,7 @@ import sys
 import warnings
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode_temporarily
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,17 @@ def needs_equal_micro_batch_shapes(ep: int) -> bool:
     dispatcher (moe_token_dispatcher, without CUDA), which all-gathers equal token counts over the EP group
     (unequal ones fail in that all-gather). grpo_mega.trainer.dp_layout pads the rows to one shape then."""
     return ep > 1 and not cuda_available()
+
+
+def without_device_mode():
+    """Context under which this thread's torch calls skip CudaToCpuMode, for code that names no CUDA device (the
+    embedded engine's transformers model): under the mode every torch call goes through its Python
+    `__torch_function__`, about 1 us each, and a decode step makes hundreds. Nothing where the mode is not this
+    thread's innermost one (a GPU, a thread that never entered it, another mode above it)."""
+    stack = _get_current_function_mode_stack()
+    if stack and isinstance(stack[-1], CudaToCpuMode):
+        return _pop_mode_temporarily()
+    return contextlib.nullcontext()
 
 
 def cpu_device_mode():

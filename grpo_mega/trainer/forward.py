@@ -15,6 +15,7 @@ from grpo_mega.conf.batch import BatchConfig
 from grpo_mega.conf.model import ModelConfig
 from grpo_mega.conf.parallel import ParallelConfig
 from grpo_mega.parallel import comm
+from grpo_mega.parallel.cpu_compat import without_device_mode
 from grpo_mega.parallel.fused_output import fused_output_stats
 from grpo_mega.parallel.vocab_parallel import vocab_parallel_stats
 from grpo_mega.trainer.batch import RolloutBatch, unpack
@@ -90,7 +91,8 @@ def forward_micro(model, mb: dict) -> torch.Tensor:
     set_output_hidden(gpt, "output_weights" in mb)
     set_routes(gpt, mb.get("routes"), gpt.config.sequence_parallel)  # the engine's experts (routing replay)
     try:
-        return forward_rows(model, gpt, mb)
+        with without_device_mode():  # the model's forward names no CUDA device on megatron's local spec
+            return forward_rows(model, gpt, mb)
     finally:
         set_output_positions(gpt, None)
         set_output_hidden(gpt, False)

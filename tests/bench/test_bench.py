@@ -121,6 +121,19 @@ def test_bench_async_client_writes_json(tmp_path):
     assert [s["threads_in_trainer"] for s in sides.values()] == [4, 1, 0]
 
 
+def test_bench_device_mode_writes_json(tmp_path):
+    """bench.device_mode, one repeat of 3 steps: both sides train the same numbers, one steady step each."""
+    out = tmp_path / "device_mode.json"
+    run_bench([sys.executable, "-m", "bench.device_mode", "--steps", "3", "--repeats", "1", "--out", str(out)],
+              tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    data = json.loads(out.read_text())
+    assert data["same_training"] is True and set(data["sides"]) == {"lifted", "under_mode"}
+    for side in data["sides"].values():
+        assert side["steps_measured"] == 1 and side["trained_tokens_per_s"] > 0 and side["phases_s"]["generate"] > 0
+    assert data["lifted_over_under_mode"] == pytest.approx(data["sides"]["lifted"]["trained_tokens_per_s"]
+                                                           / data["sides"]["under_mode"]["trained_tokens_per_s"])
+
+
 def test_bench_routing_writes_json(tmp_path):
     """4 ranks at DP4, 2 mini-batches: each other rank holds exactly a quarter of the samples when routed,
     all of them when broadcast."""

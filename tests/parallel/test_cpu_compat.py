@@ -22,6 +22,56 @@ def test_cuda_literals_map_to_cpu_only_inside_the_mode():
         torch.zeros(1, device="cuda")
 
 
+def test_without_device_mode_lifts_the_mode_and_puts_it_back():
+    from torch.overrides import _get_current_function_mode_stack
+
+    class Tally(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with cpu_compat.cpu_device_mode() as mode:
+        with cpu_compat.without_device_mode():
+            assert mode not in _get_current_function_mode_stack()
+            with pytest.raises((RuntimeError, AssertionError)):
+                torch.zeros(1, device="cuda")
+        assert _get_current_function_mode_stack()[-1] is mode
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+        with Tally() as tally:  # another mode above the shim's: left alone, and so is the shim's
+            with cpu_compat.without_device_mode():
+                torch.ones(1) + 1
+            assert tally.calls == 2 and mode in _get_current_function_mode_stack()
+    with cpu_compat.without_device_mode():  # outside the mode: nothing to lift
+        assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def test_the_embedded_engine_decodes_outside_the_device_mode():
+    """Its transformers model's torch calls skip the shim's dispatch (a decode step makes hundreds); the same
+    tokens as under the mode."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from grpo_mega.conf import load_model_config
+    from grpo_mega.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=0)
+    seen = []
+    layer = engine.model.model.layers[0]
+    hook = layer.register_forward_pre_hook(lambda m, a: seen.append(list(_get_current_function_mode_stack())))
+    args = dict(prompts=[[3, 4, 5]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[], seed=1)
+    try:
+        plain = engine.generate(**args)
+        with cpu_compat.cpu_device_mode():
+            under = engine.generate(**args)
+    finally:
+        hook.remove()
+    assert seen and not any(isinstance(m, cpu_compat.CudaToCpuMode) for stack in seen for m in stack)
+    assert under.token_ids == plain.token_ids and under.logprobs == plain.logprobs
+
+
 def test_cpu_rng_tracker_forks_named_streams():
     from megatron.core.tensor_parallel import random as mrandom
 
