@@ -29,7 +29,11 @@ metrics (server idle fraction, lag histogram, dropped samples). Headlines: `k2_o
 ending the trainer's wait can give on this workload while the trainer's own work per step stays the same;
 `server_bound_over_one_step_ahead`, one step ahead's step over the time its tokens a step take at the best rate the
 async runs kept their server at (generated tokens per busy second: what their requests got out of it, not what it
-can do); and `decode_full_bound_over_one_step_ahead`, the same at the rate of the stand-in's decode loop alone with
+can do); `server_idle_bound_over_one_step_ahead`, 1 / one step ahead's `server_decode_fraction` (the stand-in's
+decode loop's seconds in its steps over the trainer's step time, from GET /grpo_mega/decode_stats read around each
+run: whole runs, their validations included, beside `server_rows_per_decode_step` and `server_ms_per_decode_step`
+for every mode): the most that keeping the server busy can give when a token costs what it cost one step ahead;
+and `decode_full_bound_over_one_step_ahead`, the same at the rate of the stand-in's decode loop alone with
 a batch's rows decoding at once (`decode_rate`: measured in this process on the server's core before the runs, at 1
 row and at that many). With in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's),
 `step_ratio_bound` (the best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation +
@@ -187,15 +191,19 @@ def main(argv=None) -> int:
     rate = decode_rate(server_core, rows=_rows(args.set), decode_ms=args.decode_ms)
     server, url = common.standin_server(server_core, *lengths, "--simulate-decode-ms", str(args.decode_ms))
     rows: dict[str, list] = {m: [] for m in modes}
+    decoded: dict[str, list] = {m: [] for m in modes}  # per run: the server's decode-loop counters over it
     order = []
     try:
         with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
             for i in range(args.repeats):
                 for m in modes if i % 2 == 0 else modes[::-1]:
+                    before = _decode_stats(url)
                     rows[m].append(_run(trainer_core, url, m, args.steps, length, Path(tmp) / f"{m}_{i}", args.set,
                                         neighbour=(server_core, args.decode_ms, _rows(args.set))))
+                    after = _decode_stats(url)
+                    decoded[m].append({k: after[k] - before[k] for k in after})
                     order.append(m)
-                    result = _result(args, rows, order, length, trainer_core, server_core, load_before, rate)
+                    result = _result(args, rows, order, length, trainer_core, server_core, load_before, rate, decoded)
                     common.write_json(args.out, result)  # after every run: a cut-short benchmark leaves what it measured
     finally:
         stop(server)
@@ -204,6 +212,25 @@ def main(argv=None) -> int:
           + (f"; one step ahead / in turn {result['step_ratio']:.2f}x (at best {result['step_ratio_bound']:.2f}x)"
              if result["step_ratio"] else "") + f"; load {result['machine']['loadavg_after'][0]:.1f} -> {args.out}")
     return 0
+
+
+def _decode_stats(url: str) -> dict:
+    """The stand-in's decode-loop counters so far (GET /grpo_mega/decode_stats: steps, rows over them, seconds)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/grpo_mega/decode_stats", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _server_use(runs: list[list[dict]], decoded: list[dict]) -> dict:
+    """A mode's server over its runs (every step of them: the counters cover whole runs, validations included):
+    the fraction of the trainer's step time its decode loop was stepping, its rows a step and ms a step."""
+    steps, rows, busy = (sum(d[k] for d in decoded) for k in ("steps", "row_steps", "busy_s"))
+    wall = sum(r["timing/step"] for rows_ in runs for r in rows_)
+    return dict(server_decode_fraction=busy / wall if wall else None,
+                server_rows_per_decode_step=rows / steps if steps else None,
+                server_ms_per_decode_step=1e3 * busy / steps if steps else None)
 
 
 def _rows(overrides: list[str]) -> int:
@@ -250,9 +277,9 @@ def _server_bound(runs: dict) -> Optional[float]:
     return one["step_s"] / (one["generated_tokens_per_step"] / max(rates))
 
 
-def _result(args, rows, order, length, trainer_core, server_core, load_before, rate) -> dict:
+def _result(args, rows, order, length, trainer_core, server_core, load_before, rate, decoded) -> dict:
     modes = [m for m in rows if rows[m]]
-    runs = {m: _summary(rows[m]) for m in modes}
+    runs = {m: {**_summary(rows[m]), **_server_use(rows[m], decoded[m])} for m in modes}
     tps = {m: runs[m]["trained_tokens_per_s"] for m in modes}
     pair = {"in_turn", "one_step_ahead"} <= set(runs)
     if pair:  # what overlap can do at best with the in-turn run's phases: max(generation, the rest) / their sum
@@ -282,6 +309,10 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before, r
         trainer_bound_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])
                                            if "one_step_ahead" in runs else None),
         server_bound_over_one_step_ahead=_server_bound(runs),
+        # what filling one step ahead's server's idle time could give, were a token to cost what it cost there
+        server_idle_bound_over_one_step_ahead=(1 / runs["one_step_ahead"]["server_decode_fraction"]
+                                               if "one_step_ahead" in runs
+                                               and runs["one_step_ahead"]["server_decode_fraction"] else None),
         decode_rate=rate,
         decode_full_bound_over_one_step_ahead=(runs["one_step_ahead"]["step_s"] * max(rate.values())
                                                / runs["one_step_ahead"]["generated_tokens_per_step"]

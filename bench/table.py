@@ -160,7 +160,8 @@ ROWS = [
                   f"{_x(d['step_over_phase_sum'])} its serial phase sum"),
     Row("fully async (k=2) vs one step ahead, heavy-tailed lengths", "async.json",
         "python -m bench.async_rl --repeats 4",
-        lambda d: _async(d, f"ceilings: trainer-bound {_x(d['trainer_bound_over_one_step_ahead'])}, the best server "
+        lambda d: _async(d, f"ceilings: trainer-bound {_x(d['trainer_bound_over_one_step_ahead'])}, one step ahead's "
+                            f"server idle time filled {_x(d['server_idle_bound_over_one_step_ahead'])}, the best server "
                             f"rate the async runs got {_x(d['server_bound_over_one_step_ahead'])}, the stand-in's "
                             f"decode loop kept full {_x(d['decode_full_bound_over_one_step_ahead'])}; ",
                          f"trainer idle {d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "

@@ -113,6 +113,8 @@ class ContinuousBatcher:
         self.cache = None  # DynamicCache of the active rows, right-aligned: row r's last `fed` columns are its
         self.mask: Optional[torch.Tensor] = None  # [rows, width] 1 where a row has a token
         self.steps = 0
+        self.row_steps = 0  # rows over all steps (each decodes one token, or prefills and decodes one)
+        self.busy_s = 0.0  # wall seconds in steps: what the loop's core spent decoding (GET /grpo_mega/decode_stats)
         self.thread = threading.Thread(target=self._loop, name="continuous-batcher", daemon=True)
         self.thread.start()
 
@@ -247,7 +249,10 @@ class ContinuousBatcher:
                     self.pending, self.retracted = [], []
                 self.stepping = True
             try:
+                start, rows = time.perf_counter(), len(self.active) + len(joining)
                 self._step(joining)
+                self.busy_s += time.perf_counter() - start
+                self.row_steps += rows
             except Exception as e:  # noqa: BLE001 - every request in the step gets the error
                 with self.cond:
                     self._fail({id(r.job): r.job for r in self.active + joining}.values(),

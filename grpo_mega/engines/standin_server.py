@@ -17,9 +17,10 @@ SGLang's in_place does) and /continue_generation (new rows wait between them), /
 each token: more than one where a request was retracted or paused in place across an update). As SGLang's scheduler
 does, every request's rows decode in one loop (grpo_mega.engines.continuous: continuous batching; a request with
 return_routed_experts runs alone), and as its radix cache does, a request that continues a response cut by its budget
-starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). One
-extension of ours, POST /grpo_mega/weight_checksums, serves the weight audit (SGLang has none: the client reads
-SGLang's tensors back with /get_weights_by_name instead). Sampling, logprobs and loading are the embedded engine's.
+starts from that response's keys and values (EmbeddedEngine.enable_prefix_cache; --disable-radix-cache). Two
+extensions of ours: POST /grpo_mega/weight_checksums serves the weight audit (SGLang has none: the client reads
+SGLang's tensors back with /get_weights_by_name instead), and GET /grpo_mega/decode_stats the decode loop's counters
+(steps, rows over its steps, seconds in them) for benchmarks. Sampling, logprobs and loading are the embedded engine's.
 
     python -m grpo_mega.engines.standin_server --model tiny --port 30000     (or --hf-dir DIR)
 
@@ -448,7 +449,12 @@ def make_handler(server: EngineServer):
         return {"model_path": server.model_path, "is_generation": True,
                 "weight_version": str(server.engine.weight_version)}
 
-    gets = {"/health": lambda: {}, "/model_info": model_info, "/get_model_info": model_info}
+    def decode_stats():  # the decode loop's counters so far (benchmarks read two and subtract)
+        b = server.batcher
+        return {"steps": b.steps, "row_steps": b.row_steps, "busy_s": b.busy_s} if b is not None else {}
+
+    gets = {"/health": lambda: {}, "/model_info": model_info, "/get_model_info": model_info,
+            "/grpo_mega/decode_stats": decode_stats}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

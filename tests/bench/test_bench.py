@@ -99,6 +99,11 @@ def test_bench_async_rl_both_workloads(tmp_path):
     rate = k2["generated_tokens_per_s"] / (1 - k2["server_idle_fraction"])
     bound = one["step_s"] * rate / one["generated_tokens_per_step"]
     assert data["server_bound_over_one_step_ahead"] == pytest.approx(bound)
+    # the server's decode loop, read around each run: with --decode-ms 1 each of its steps takes over 1 ms
+    for mode in (one, k2):
+        assert mode["server_decode_fraction"] > 0 and mode["server_rows_per_decode_step"] >= 1
+        assert mode["server_ms_per_decode_step"] > 1
+    assert data["server_idle_bound_over_one_step_ahead"] == pytest.approx(1 / one["server_decode_fraction"])
 
 
 def test_bench_async_client_writes_json(tmp_path):

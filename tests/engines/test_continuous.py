@@ -61,8 +61,10 @@ def test_requests_join_and_leave_one_batch_and_sample_as_alone(engine):
         steps = batcher.steps
     finally:
         batcher.close()
+    row_steps, busy = batcher.row_steps, batcher.busy_s  # the loop has ended: its last step counted
     rows = out[0] + out[1] + out[2] + out[3]
     assert sum(len(r.tokens) for r in rows) > steps, steps  # rows shared decode steps (test 2: across requests)
+    assert row_steps == sum(len(r.tokens) for r in rows) and busy > 0  # a row a step is one token (decode_stats)
     for r, (ids, budget, seed, temperature, top_p) in zip(rows, SPECS):
         alone = engine.generate([ids], 1, temperature, top_p, budget, STOP, 0, row_seeds=[seed])
         assert (r.tokens, r.finish) == (alone.token_ids[0], alone.finish_reasons[0]), (ids, r.tokens, alone.token_ids)
