@@ -251,11 +251,13 @@ def standin_server(core, *args: str):
         raise SystemExit(str(e)) from None
 
 
-def train(run_dir, overrides, what: str, prefix=(), env=None, timeout: float = 1800, **kw) -> list[dict]:
+def train(run_dir, overrides, what: str, prefix=(), env=None, timeout: float = 1800, entry=("-m", "grpo_mega.train"),
+          **kw) -> list[dict]:
     """`python -m grpo_mega.train hydra.run.dir=RUN_DIR OVERRIDES` (after `prefix`, from the repository's root,
-    with this checkout on PYTHONPATH, wandb off and `env` added; `kw` to subprocess.run): the rows of its
-    metrics.jsonl. SystemExit naming `what` and the command, its output's tail on stderr, if it fails."""
-    cmd = [*prefix, sys.executable, "-m", "grpo_mega.train", f"hydra.run.dir={run_dir}", *overrides]
+    with this checkout on PYTHONPATH, wandb off and `env` added; `entry` in place of `-m grpo_mega.train` for a
+    benchmark's own worker that runs it; `kw` to subprocess.run): the rows of its metrics.jsonl. SystemExit naming
+    `what` and the command, its output's tail on stderr, if it fails."""
+    cmd = [*prefix, sys.executable, *entry, f"hydra.run.dir={run_dir}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout, **kw)
     if done.returncode:

@@ -17,13 +17,10 @@ throughput ratio.
 from __future__ import annotations
 
 import json
-import os
 import runpy
 import statistics
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from bench import common
 
@@ -42,14 +39,9 @@ def _train_under_mode(argv: list[str]) -> None:
 
 
 def _run(side: str, run_dir: str, overrides: list[str], core) -> list[dict]:
-    entry = ["-m", "grpo_mega.train"] if side == "lifted" else ["-m", "bench.device_mode", "--worker"]
-    cmd = [*common.pin(core), sys.executable, *entry, f"hydra.run.dir={run_dir}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(common.REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO, env=env, timeout=1800)
-    if done.returncode:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"the {side} run failed (exit {done.returncode}): {' '.join(cmd)}")
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    entry = ("-m", "grpo_mega.train") if side == "lifted" else ("-m", "bench.device_mode", "--worker")
+    return common.train(run_dir, overrides, f"the {side} run", prefix=common.pin(core), env={"OMP_NUM_THREADS": "1"},
+                        entry=entry)
 
 
 def _summary(runs: list[list[dict]]) -> dict:
