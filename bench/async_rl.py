@@ -24,7 +24,9 @@ update's tokens, prompt and response of the rows in the loss, over the sum of th
 fraction (generate_wait / step), the median step and the median of each phase (`timing/*`, `phases_s`), the serial
 phase sum (generation plus everything the trainer does: what a step would take if nothing overlapped),
 `step_over_phase_sum` (the median of step / its own serial sum), `perf/overlap`, and in async mode the async/*
-metrics (server idle fraction, lag histogram, dropped samples). Headlines: `k2_over_one_step_ahead` (the target is
+metrics (server idle fraction, lag histogram, dropped samples, and `room_held_by_staleness` /
+`room_held_by_fresh`: the share of the server's time its worker had room for a group and the staleness cap, or
+rollout.fresh_groups, kept it from starting one). Headlines: `k2_over_one_step_ahead` (the target is
 >= 1.5), beside `trainer_bound_over_one_step_ahead`: 1 / (1 - one step ahead's trainer idle fraction), the most that
 ending the trainer's wait can give on this workload while the trainer's own work per step stays the same;
 `server_bound_over_one_step_ahead`, one step ahead's step over the time its tokens a step take at the best rate the
@@ -157,6 +159,8 @@ def _summary(runs: list[list[dict]]) -> dict:
                    generated_tokens_per_s=mean("async/generated_tokens_per_s"),
                    dropped_stale_samples=sum(r["async/dropped_stale_samples"] for r in steady),
                    continued_samples_per_step=mean("async/continued_samples"),
+                   room_held_by_staleness=mean("async/room_held_by_staleness"),
+                   room_held_by_fresh=mean("async/room_held_by_fresh"),
                    token_lag={k.rsplit("_", 1)[1]: mean(k) for k in sorted(steady[0]) if k.startswith("async/token_lag_")})
     return out
 

@@ -176,6 +176,8 @@ class AsyncRolloutScheduler:
         self.busy = Counter()  # url -> seconds with a /generate in flight since the last step
         self.sending_to = Counter()  # url -> its /generate requests in flight
         self.busy_since: dict[str, float] = {}
+        self.held = Counter()  # reason -> seconds a worker had room for a group and did not start one (_room)
+        self.held_since: dict[str, tuple] = {}  # url -> (its worker's reason now, since when)
         self.generated_tokens = 0
         self.dropped = 0  # samples dropped for staleness since the last step
         self.dropped_groups = 0  # groups dropped for staleness, over the run
@@ -188,13 +190,29 @@ class AsyncRolloutScheduler:
     # ---- rank 0's workers -------------------------------------------------------------------------
 
     def _may_start(self) -> bool:
+        return self._held_by() is None and not self.closing
+
+    def _held_by(self) -> Optional[str]:
+        """Under cond: what keeps a new group from starting now: "fresh" (rollout.fresh_groups: a batch of complete
+        groups waits), "staleness" (a group started now could only be trained after the bound has passed it), "end"
+        (the run's last step has its groups), or None."""
         if self.fresh and not self.trainer_waited and len(self.done) >= self.batch_size:
-            return False  # newer weights will come first: fresher samples, and the trainer does not wait for them
+            return "fresh"  # newer weights will come first: fresher samples, and the trainer does not wait for them
         # groups dropped for staleness are made up for: else the trainer could wait for groups that never start
-        cap = (self.version + self.k + 1) * self.batch_size + self.dropped_groups
-        if self.last_step is not None:
-            cap = min(cap, self.last_step * self.batch_size + self.dropped_groups)
-        return self.started < cap and not self.closing
+        if self.last_step is not None and self.started >= self.last_step * self.batch_size + self.dropped_groups:
+            return "end"
+        if self.started >= (self.version + self.k + 1) * self.batch_size + self.dropped_groups:
+            return "staleness"
+        return None
+
+    def _room(self, url: str, held: Optional[str]) -> None:
+        """Under cond: worker `url` has room for a new group and `held` keeps it from starting one (None: no room, or
+        nothing holds it); the seconds of each reason since the last step count (async/room_held_by_*)."""
+        now = time.perf_counter()
+        was, since = self.held_since.get(url, (None, now))
+        if was is not None:
+            self.held[was] += now - since
+        self.held_since[url] = (held, now)
 
     def _new_group(self) -> Group:
         before = copy.deepcopy(self.get_state()) if self.get_state is not None else None
@@ -293,6 +311,8 @@ class AsyncRolloutScheduler:
                             active.append(self._new_group())
                         ready = [(g, r) for g in active for r in g.responses
                                  if r.finish is None and id(r) not in sending]
+                    room = not self.holding and self._unfinished(active) < slots and not self.carried
+                    self._room(url, self._held_by() if room else None)
                     if not ready and not ending:
                         self.cond.wait(timeout=1.0)
                         continue
@@ -393,10 +413,11 @@ class AsyncRolloutScheduler:
             self.last_groups = groups
             for url in self.engines.local.urls:
                 self._sending(url, 0)
+                self._room(url, self.held_since.get(url, (None,))[0])
             now = time.perf_counter()
             wall, busy, tokens, dropped = now - self.mark, sum(self.busy.values()), self.generated_tokens, self.dropped
-            servers = len(self.engines.local.urls)
-            self.busy, self.generated_tokens, self.dropped, self.mark = Counter(), 0, 0, now
+            held, servers = self.held, len(self.engines.local.urls)
+            self.busy, self.held, self.generated_tokens, self.dropped, self.mark = Counter(), Counter(), 0, 0, now
         waited = now - t0
         for g in groups:  # the bound, checked on what is handed out (a server updated by someone else breaks it)
             for r in g.responses:
@@ -424,6 +445,8 @@ class AsyncRolloutScheduler:
                    "async/continued_samples": sum(len(set(r.versions)) > 1 for r in responses),
                    "async/versions_per_sample": sum(len(set(r.versions)) for r in responses) / len(responses),
                    "async/wait_s": waited, "async/generate_s": busy / servers}
+        for reason in ("staleness", "fresh"):  # of the servers' time: room for a group, none started, and why
+            metrics[f"async/room_held_by_{reason}"] = min(1.0, held[reason] / (servers * wall)) if wall > 0 else 0.0
         for lag in range(self.k + 1):
             metrics[f"async/token_lag_{lag}"] = token_lags.get(lag, 0) / ntok if ntok else 0.0
             metrics[f"async/sample_lag_{lag}"] = sample_lags.get(lag, 0) / len(responses)

@@ -761,7 +761,8 @@ def test_pause_mode_retract_or_in_place_continues_a_response_across_updates_in_o
 def test_fresh_groups_start_none_while_a_batch_waits():
     """rollout.fresh_groups: with generation far faster than training, no group starts while a batch of complete
     groups waits; taking the batch lets the workers start again (without it they run to the staleness cap). A
-    trainer that had to wait for its batch lets them run ahead, to the cap."""
+    trainer that had to wait for its batch lets them run ahead, to the cap. async/room_held_by_* say which rule
+    held the workers' room, for how much of the time."""
     from types import SimpleNamespace
 
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
@@ -783,9 +784,12 @@ def test_fresh_groups_start_none_while_a_batch_waits():
                 assert s.cond.wait_for(lambda: len(s.done) == started, timeout=30)
             time.sleep(0.3)  # the worker would have started more by now
             assert s.started == started, (fresh, s.started)
+            out, _ = s._take(1)
+            assert len(out["groups"]) == 2
+            # since the scheduler began: held (from the first fraction of the 0.3 s on) by the rule that held it
+            held = {k: out["metrics"][f"async/room_held_by_{k}"] for k in ("staleness", "fresh")}
+            assert held["fresh" if fresh else "staleness"] > 0.5 and held["staleness" if fresh else "fresh"] == 0, held
             if fresh:
-                out, _ = s._take(1)
-                assert len(out["groups"]) == 2
                 with s.cond:
                     assert s.cond.wait_for(lambda: s.started == 4, timeout=5)  # woken by the take, not a 1 s poll
                 time.sleep(0.3)
@@ -805,6 +809,11 @@ def test_fresh_groups_start_none_while_a_batch_waits():
         assert len(out["groups"]) == 2 and s.trainer_waited
         with s.cond:
             assert s.cond.wait_for(lambda: s.started == 6, timeout=5), s.started  # (0 + k 2 + 1) x 2: the cap
+        time.sleep(0.3)
+        out, _ = s._take(2)  # since the last take: the cap held the worker once the servers had caught up (the
+        # fresh rule only until the worker woke to the first take: it had held the batch that take waited for)
+        held = {k: out["metrics"][f"async/room_held_by_{k}"] for k in ("staleness", "fresh")}
+        assert 0.3 < held["staleness"] < 1 and held["fresh"] < 0.05, held
     finally:
         s.close()
 
