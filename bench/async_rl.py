@@ -37,7 +37,11 @@ run: whole runs, their validations included, beside `server_rows_per_decode_step
 for every mode): the most that keeping the server busy can give when a token costs what it cost one step ahead;
 and `decode_full_bound_over_one_step_ahead`, the same at the rate of the stand-in's decode loop alone with
 a batch's rows decoding at once (`decode_rate`: measured in this process on the server's core before the runs, at 1
-row and at that many). With in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's),
+row and at that many). Per async mode, `rows_bound_over_one_step_ahead` (headline `k2_rows_bound_over_one_step_ahead`):
+its trained tokens per generated token (prompts in, drops out) times the decode loop's rate alone at the rows a step
+that mode kept decoding (`decode_rate_at_rows`, measured after the runs on the server's core), over one step ahead's
+trained tokens/s: the most that mode could train were its server's steps to cost no more than the loop's own at
+those rows (no join, prefill, compaction, HTTP or neighbour) and its trainer never to wait. With in turn and one step ahead, `step_ratio` (one step ahead's step / in turn's),
 `step_ratio_bound` (the best overlap can do with the in-turn run's phases: max(generation, the rest) / (generation +
 the rest)) and one step ahead's `step_over_phase_sum` (issue 16 asks <= 0.7). With in turn and its busy-neighbour
 twin (`in_turn_busy_neighbour`: in turn beside a nice-19 copy of the server's decode loop on the server's core),
@@ -211,6 +215,12 @@ def main(argv=None) -> int:
                     common.write_json(args.out, result)  # after every run: a cut-short benchmark leaves what it measured
     finally:
         stop(server)
+    kept = {m: r["server_rows_per_decode_step"] for m, r in result["modes"].items()
+            if m.startswith("async") and r["server_rows_per_decode_step"]}
+    if kept:  # the decode loop alone at the rows each async mode kept decoding, on the server's core now idle
+        at = decode_rate(server_core, 0, args.decode_ms, counts=sorted({max(1, round(n)) for n in kept.values()}))
+        result = _result(args, rows, order, length, trainer_core, server_core, load_before, rate, decoded, at)
+        common.write_json(args.out, result)
     print("trained tokens/s: " + ", ".join(f"{m} {r['trained_tokens_per_s']:.0f} (idle {r['trainer_idle_fraction']:.2f},"
                                            f" step {r['step_s']:.3f} s)" for m, r in result["modes"].items())
           + (f"; one step ahead / in turn {result['step_ratio']:.2f}x (at best {result['step_ratio_bound']:.2f}x)"
@@ -243,10 +253,11 @@ def _rows(overrides: list[str]) -> int:
     return int(got.get("batch.train_batch_size", 8)) * int(got.get("rollout.n", 4))
 
 
-def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32) -> dict:
+def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32, counts=None) -> dict:
     """Generated tokens per second of the stand-in's decode loop (grpo_mega.engines.continuous, the benchmark
-    server's model) at 1 row and at `rows` rows decoding together, `tokens` each, in this process pinned to `core`
-    with one torch thread (the server's settings) and each decode step `decode_ms` longer (--decode-ms)."""
+    server's model) at 1 row and at `rows` rows decoding together (or at each of `counts`), `tokens` each, in this
+    process pinned to `core` with one torch thread (the server's settings) and each decode step `decode_ms` longer
+    (--decode-ms)."""
     import time
 
     import torch
@@ -257,7 +268,7 @@ def decode_rate(core, rows: int, decode_ms: float, tokens: int = 32) -> dict:
     os.sched_setaffinity(0, before if core is None else {core})
     batcher, out = _standin_batcher(decode_ms), {}
     try:
-        for n in (1, rows):
+        for n in counts or (1, rows):
             batcher.run([Row([3, 4, 5], tokens, i) for i in range(n)])  # warm-up
             t0 = time.perf_counter()
             for _ in range(3):
@@ -281,10 +292,16 @@ def _server_bound(runs: dict) -> Optional[float]:
     return one["step_s"] / (one["generated_tokens_per_step"] / max(rates))
 
 
-def _result(args, rows, order, length, trainer_core, server_core, load_before, rate, decoded) -> dict:
+def _result(args, rows, order, length, trainer_core, server_core, load_before, rate, decoded, at_rows=None) -> dict:
     modes = [m for m in rows if rows[m]]
     runs = {m: {**_summary(rows[m]), **_server_use(rows[m], decoded[m])} for m in modes}
     tps = {m: runs[m]["trained_tokens_per_s"] for m in modes}
+    for m, r in runs.items():  # an async mode's ceiling were its server as fast as its decode loop alone
+        n = max(1, round(r["server_rows_per_decode_step"] or 0))
+        if m.startswith("async") and at_rows and str(n) in at_rows and "one_step_ahead" in tps:
+            r["decode_rate_at_rows"] = at_rows[str(n)]
+            r["rows_bound_over_one_step_ahead"] = (r["trained_tokens_per_s"] / r["generated_tokens_per_s"]
+                                                   * at_rows[str(n)] / tps["one_step_ahead"])
     pair = {"in_turn", "one_step_ahead"} <= set(runs)
     if pair:  # what overlap can do at best with the in-turn run's phases: max(generation, the rest) / their sum
         gen = runs["in_turn"]["phases_s"]["generate"]
@@ -321,6 +338,7 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before, r
         decode_full_bound_over_one_step_ahead=(runs["one_step_ahead"]["step_s"] * max(rate.values())
                                                / runs["one_step_ahead"]["generated_tokens_per_step"]
                                                if "one_step_ahead" in runs else None),
+        k2_rows_bound_over_one_step_ahead=runs.get("async_k2", {}).get("rows_bound_over_one_step_ahead"),
         # the trainer's own phases with the other core decoding (BUSY) over in turn's, where it is idle meanwhile
         trainer_busy_neighbour_over_idle=slow,
         trainer_bound_busy_neighbour_over_one_step_ahead=(1 / (1 - runs["one_step_ahead"]["trainer_idle_fraction"])

@@ -94,6 +94,10 @@ def test_bench_async_rl_both_workloads(tmp_path):
     assert data["k2_over_one_step_ahead"] > 0 and 0 <= k2["trainer_idle_fraction"] <= 1
     assert 0 <= k2["server_idle_fraction"] <= 1 and sum(k2["token_lag"].values()) == pytest.approx(1.0)
     assert 0 <= k2["room_held_by_staleness"] + k2["room_held_by_fresh"] <= 1
+    # k2's ceiling at the rows it kept decoding: its trained per generated tokens x the loop's rate alone there
+    assert k2["decode_rate_at_rows"] > 0 and data["k2_rows_bound_over_one_step_ahead"] == pytest.approx(
+        k2["trained_tokens_per_s"] / k2["generated_tokens_per_s"] * k2["decode_rate_at_rows"]
+        / data["modes"]["one_step_ahead"]["trained_tokens_per_s"])
     assert data["config"]["max_response_length"] == 16 and data["config"]["decode_ms"] == 1
     assert data["trainer_bound_over_one_step_ahead"] >= 1 and data["step_ratio"] is None
     one = data["modes"]["one_step_ahead"]  # the server's full rate: k2's tokens per busy second
