@@ -69,6 +69,9 @@ class Row:
     stop: frozenset = frozenset()
     rid: Optional[str] = None
     """The request's id for /abort_request (None: only an abort of every request ends it)."""
+    ends: bool = False
+    """The budget is where the response ends (the stand-in's --simulate-lengths): there the row finishes "stop", as at
+    a stop token, and its keys and values are not kept for a continuation (there is none)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -392,7 +395,7 @@ class ContinuousBatcher:
             if t in r.stop:
                 r.finish = "stop"
             elif len(r.tokens) >= r.budget:
-                r.finish = "length"
+                r.finish = "stop" if r.ends else "length"
             elif aborting or r.aborted:
                 r.finish = "abort"
             else:

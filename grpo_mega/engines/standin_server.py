@@ -216,11 +216,12 @@ class EngineServer:
         return outs[0] if single else outs
 
     def _row(self, ids: list[int], p: dict, cap: int, end: Optional[int], rid: Optional[str] = None) -> Row:
-        """One input as a row of the decode loop: with --simulate-lengths it ends at its drawn length or its cap and
-        ignores stop tokens."""
+        """One input as a row of the decode loop: with --simulate-lengths it ends at its drawn length (a stop: its keys
+        and values are not kept) or its cap and ignores stop tokens."""
         stop = frozenset() if end is not None else frozenset(int(t) for t in p.get("stop_token_ids") or ())
         return Row(list(ids), min(cap, end) if end is not None else cap, int(p.get("sampling_seed", 0)),
-                   float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), stop, rid)
+                   float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)), stop, rid,
+                   ends=end is not None and end <= cap)
 
     def _generate_alone(self, ids, params, caps, ends, routed: bool) -> list[tuple]:
         """The request on the engine by itself, the decode loop held and idle (routing replay records every

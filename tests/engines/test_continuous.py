@@ -310,3 +310,31 @@ def test_the_stand_in_server_starts_without_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
+
+
+def test_a_simulated_length_ends_a_response_and_only_a_cut_one_is_kept():
+    """--simulate-lengths: a response that reaches its drawn length has ended (finish "stop", as at a stop token:
+    nothing continues it, so its keys and values are not kept), one cut by its segment's cap ends "length" and is
+    kept for the request that continues it, which feeds only its last token."""
+    from grpo_mega.engines.standin_server import EngineServer
+
+    engine = EmbeddedEngine.from_model_config(load_model_config("tiny"), seed=3)
+    engine.enable_prefix_cache()
+    server = EngineServer(engine, "tiny", lengths=(8.0, 0.9))
+    try:
+        def params(seed, cap, generated=0):
+            return dict(max_new_tokens=cap, sampling_seed=seed, custom_params={"sample_seed": seed,
+                                                                             "generated": generated})
+
+        drawn = {s: server.simulated_length(params(s, 64)) for s in range(40)}
+        short, long = next(s for s, n in drawn.items() if 2 <= n <= 6), next(s for s, n in drawn.items() if n >= 10)
+        outs = server.generate(dict(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[params(short, 64), params(long, 4)]))
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["stop", "length"]
+        assert [len(o["output_ids"]) for o in outs] == [drawn[short], 4]
+        assert len(engine.prefix_cache.entries) == 1  # the cut response's, not the ended one's
+        hits = engine.prefix_cache.hits
+        more = server.generate(dict(input_ids=[8, 9] + outs[1]["output_ids"], sampling_params=params(long, 64, 4)))
+        assert len(more["output_ids"]) == drawn[long] - 4 and more["meta_info"]["finish_reason"]["type"] == "stop"
+        assert engine.prefix_cache.hits == hits + 1 and not engine.prefix_cache.entries
+    finally:
+        server.batcher.close()
