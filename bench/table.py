@@ -163,9 +163,13 @@ ROWS = [
         lambda d: _async(d, f"ceilings: trainer-bound {_x(d['trainer_bound_over_one_step_ahead'])}, one step ahead's "
                             f"server idle time filled {_x(d['server_idle_bound_over_one_step_ahead'])}, the best server "
                             f"rate the async runs got {_x(d['server_bound_over_one_step_ahead'])}, the stand-in's "
-                            f"decode loop kept full {_x(d['decode_full_bound_over_one_step_ahead'])}; ",
+                            f"decode loop alone at the {d['modes']['async_k2']['server_rows_per_decode_step']:.1f} "
+                            f"rows a step k2 kept {_x(d['k2_rows_bound_over_one_step_ahead'])}, kept full "
+                            f"{_x(d['decode_full_bound_over_one_step_ahead'])}; ",
                          f"trainer idle {d['modes']['one_step_ahead']['trainer_idle_fraction']:.2f} -> "
-                         f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}")),
+                         f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}; the staleness bound held k2's "
+                         f"room for new groups {d['modes']['async_k2']['room_held_by_staleness']:.2f} of the time "
+                         f"(k4 {d['modes']['async_k4']['room_held_by_staleness']:.2f})")),
     Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step)",
         "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 --repeats 2",
         lambda d: _async(d, "", f"in turn's generation share {d['modes']['in_turn']['trainer_idle_fraction']:.2f}")),
