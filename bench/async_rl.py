@@ -215,10 +215,9 @@ def main(argv=None) -> int:
                     common.write_json(args.out, result)  # after every run: a cut-short benchmark leaves what it measured
     finally:
         stop(server)
-    kept = {m: r["server_rows_per_decode_step"] for m, r in result["modes"].items()
-            if m.startswith("async") and r["server_rows_per_decode_step"]}
+    kept = {_kept_rows(r) for m, r in result["modes"].items() if m.startswith("async")}
     if kept:  # the decode loop alone at the rows each async mode kept decoding, on the server's core now idle
-        at = decode_rate(server_core, 0, args.decode_ms, counts=sorted({max(1, round(n)) for n in kept.values()}))
+        at = decode_rate(server_core, 0, args.decode_ms, counts=sorted(kept))
         result = _result(args, rows, order, length, trainer_core, server_core, load_before, rate, decoded, at)
         common.write_json(args.out, result)
     print("trained tokens/s: " + ", ".join(f"{m} {r['trained_tokens_per_s']:.0f} (idle {r['trainer_idle_fraction']:.2f},"
@@ -245,6 +244,11 @@ def _server_use(runs: list[list[dict]], decoded: list[dict]) -> dict:
     return dict(server_decode_fraction=busy / wall if wall else None,
                 server_rows_per_decode_step=rows / steps if steps else None,
                 server_ms_per_decode_step=1e3 * busy / steps if steps else None)
+
+
+def _kept_rows(mode: dict) -> int:
+    """The rows a decode step a mode's server kept, rounded (where `decode_rate_at_rows` is measured and read)."""
+    return max(1, round(mode["server_rows_per_decode_step"] or 0))
 
 
 def _rows(overrides: list[str]) -> int:
@@ -297,7 +301,7 @@ def _result(args, rows, order, length, trainer_core, server_core, load_before, r
     runs = {m: {**_summary(rows[m]), **_server_use(rows[m], decoded[m])} for m in modes}
     tps = {m: runs[m]["trained_tokens_per_s"] for m in modes}
     for m, r in runs.items():  # an async mode's ceiling were its server as fast as its decode loop alone
-        n = max(1, round(r["server_rows_per_decode_step"] or 0))
+        n = _kept_rows(r)
         if m.startswith("async") and at_rows and str(n) in at_rows and "one_step_ahead" in tps:
             r["decode_rate_at_rows"] = at_rows[str(n)]
             r["rows_bound_over_one_step_ahead"] = (r["trained_tokens_per_s"] / r["generated_tokens_per_s"]

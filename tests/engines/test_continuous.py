@@ -311,7 +311,6 @@ def test_the_stand_in_server_starts_without_megatron():
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
 
-
 def test_a_simulated_length_ends_a_response_and_only_a_cut_one_is_kept():
     """--simulate-lengths: a response that reaches its drawn length has ended (finish "stop", as at a stop token:
     nothing continues it, so its keys and values are not kept), one cut by its segment's cap ends "length" and is
