@@ -70,6 +70,17 @@ def _async(d, ceiling: str, tail: str):
             f"{k2_run['dropped_stale_samples']} samples as stale in {k2_run['steps_measured']} steps")
 
 
+def _async_sweep(d):
+    points = sorted(d["points"], key=lambda p: p["generation_share"])
+    # the least generation share from which every point meets the target
+    met = [p["generation_share"] for i, p in enumerate(points) if all(q["meets_target"] for q in points[i:])]
+    return ("k2 / one step ahead at +ms a decode step (in turn's generation share): "
+            + ", ".join(f"{p['decode_ms']:g} ms ({p['generation_share']:.2f}) {_x(p['k2_over_one_step_ahead'])}"
+                        for p in points)
+            + (f"; target {_x(d['target'])} met at every generation share from {met[0]:.2f}" if met else
+               f"; target {_x(d['target'])} not met at the largest share"))
+
+
 def _decode(d):
     wall, cpu, med = d["over_first_mode"], d["cpu_over_first_mode"], d["median_seconds"]
     return (f"{_x(1 / wall['transformers_dynamic'])} the time ({med['embedded_dynamic']:.2f} s vs "
@@ -173,6 +184,8 @@ ROWS = [
     Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step)",
         "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 --repeats 2",
         lambda d: _async(d, "", f"in turn's generation share {d['modes']['in_turn']['trainer_idle_fraction']:.2f}")),
+    Row("fully async (k=2) vs one step ahead, by the server's decode cost a step", "async_sweep.json",
+        "python -m bench.async_sweep", _async_sweep),
     Row("rule rewards, 2 workers vs 1", "rewards.json", "python -m bench.rewards",
         lambda d: f"{_x(d['pool']['speedup_2_vs_1'])} ({d['pool']['samples']} math-verify samples); batched reward "
                   f"model {_x(d['reward_model']['speedup'])}"),

@@ -62,7 +62,8 @@ def test_bench_async_rl_both_workloads(tmp_path):
     """bench.async_rl on its two workloads against one server each. Natural lengths, in turn and one step ahead
     (overlap.json's command, toy sizes): step k >= 2 one step ahead trains on version k-2, in turn hides no
     generation, the serial phase sum is the phases' and the pair's ratios are there. Lognormal lengths, one step
-    ahead and async k=2: the async metrics. The ratios themselves are recorded, not asserted (a shared machine)."""
+    ahead and async k=2 at two decode costs (bench.async_sweep): each point's summary of its run, and the async
+    metrics. The ratios themselves are recorded, not asserted (a shared machine)."""
     env = {**os.environ, "PYTHONPATH": REPO}
     out = tmp_path / "overlap.json"
     run_bench([sys.executable, "-m", "bench.async_rl", "--steps", "5", "--modes",
@@ -86,10 +87,22 @@ def test_bench_async_rl_both_workloads(tmp_path):
     assert 0.5 <= data["step_ratio_bound"] < 1 and data["step_over_phase_sum"] == ahead["step_over_phase_sum"] > 0
     assert data["k2_over_one_step_ahead"] is None and len(data["machine"]["loadavg_before"]) == 3
 
-    out = tmp_path / "async.json"
-    run_bench([sys.executable, "-m", "bench.async_rl", "--steps", "5", "--median", "2", "--decode-ms", "1", "--modes",
-               "one_step_ahead,async_k2", "--out", str(out)], tmp_path, timeout=600, env=env)
-    data = json.loads(out.read_text())
+    out = tmp_path / "async_sweep.json"  # bench.async_sweep: bench.async_rl's one step ahead and k2 at each point
+    run_bench([sys.executable, "-m", "bench.async_sweep", "--steps", "5", "--median", "2", "--decode-ms", "0,1",
+               "--repeats", "1", "--out", str(out)], tmp_path, timeout=600, env=env)
+    sweep = json.loads(out.read_text())
+    assert [p["decode_ms"] for p in sweep["points"]] == [0, 1] and set(sweep["runs"]) == {"0.0", "1.0"}
+    for p, data in zip(sweep["points"], sweep["runs"].values()):
+        one, k2 = data["modes"]["one_step_ahead"], data["modes"]["async_k2"]
+        assert p["k2_over_one_step_ahead"] == data["k2_over_one_step_ahead"]
+        assert p["meets_target"] == (p["k2_over_one_step_ahead"] >= sweep["target"] == 1.5)
+        assert p["generation_share"] == pytest.approx(one["phases_s"]["generate"] / one["serial_phase_sum_s"])
+        assert 0 < p["generation_share"] < 1 and p["one_step_ahead_trainer_idle"] == one["trainer_idle_fraction"]
+        rate = data["decode_rate"]  # a step at the batch's 32 rows over a step at one row, from tokens/s at each
+        assert p["decode_step_rows_over_one"] == pytest.approx(32 / rate["32"] * rate["1"])
+        assert p["k2_dropped_share"] == pytest.approx(k2["dropped_stale_samples"]
+                                                      / (k2["dropped_stale_samples"] + 32 * k2["steps_measured"]))
+    data = sweep["runs"]["1.0"]
     k2 = data["modes"]["async_k2"]
     assert data["k2_over_one_step_ahead"] > 0 and 0 <= k2["trainer_idle_fraction"] <= 1
     assert 0 <= k2["server_idle_fraction"] <= 1 and sum(k2["token_lag"].values()) == pytest.approx(1.0)
