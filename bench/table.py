@@ -74,7 +74,7 @@ def _async_sweep(d):
     points = sorted(d["points"], key=lambda p: p["generation_share"])
     # the least generation share from which every point meets the target
     met = [p["generation_share"] for i, p in enumerate(points) if all(q["meets_target"] for q in points[i:])]
-    return ("k2 / one step ahead at +ms a decode step (in turn's generation share): "
+    return ("k2 / one step ahead at +ms a decode step (generation's share of the serial step): "
             + ", ".join(f"{p['decode_ms']:g} ms ({p['generation_share']:.2f}) {_x(p['k2_over_one_step_ahead'])}"
                         for p in points)
             + (f"; target {_x(d['target'])} met at every generation share from {met[0]:.2f}" if met else
@@ -181,11 +181,8 @@ ROWS = [
                          f"{d['modes']['async_k2']['trainer_idle_fraction']:.2f}; the staleness bound held k2's "
                          f"room for new groups {d['modes']['async_k2']['room_held_by_staleness']:.2f} of the time "
                          f"(k4 {d['modes']['async_k4']['room_held_by_staleness']:.2f})")),
-    Row("fully async (k=2) vs one step ahead, generation-bound (server decode +3 ms a step)",
-        "async_decode3ms.json", "python -m bench.async_rl --decode-ms 3 --repeats 2",
-        lambda d: _async(d, "", f"in turn's generation share {d['modes']['in_turn']['trainer_idle_fraction']:.2f}")),
-    Row("fully async (k=2) vs one step ahead, by the server's decode cost a step", "async_sweep.json",
-        "python -m bench.async_sweep", _async_sweep),
+    Row("fully async (k=2) vs one step ahead, heavy-tailed lengths, by the server's decode cost a step",
+        "async_sweep.json", "python -m bench.async_sweep --decode-ms 0,0.5,1,1.5,2,3,5 --repeats 3", _async_sweep),
     Row("rule rewards, 2 workers vs 1", "rewards.json", "python -m bench.rewards",
         lambda d: f"{_x(d['pool']['speedup_2_vs_1'])} ({d['pool']['samples']} math-verify samples); batched reward "
                   f"model {_x(d['reward_model']['speedup'])}"),
@@ -249,6 +246,9 @@ SUPPLEMENTS = {
     "async_parity_whole_responses.json": "experiments.async_parity --segment-tokens 0: rollout.segment_tokens's default",
     "async_parity_in_place.json": "experiments.async_parity --segment-tokens 0 --async-set rollout.pause_mode=in_place "
                                   "(the README is full)",
+    "async_decode3ms.json": "bench.async_rl --decode-ms 3 --repeats 2: every async mode at one of the sweep's decode "
+                            "costs (docs/benchmarks.md)",
+    "async_sweep_avx2.json": "bench.async_sweep --decode-ms 0,2,3 --repeats 2 with ATen, oneDNN and MKL held to AVX2",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "kill_campaign_async_in_place.json": "kill_campaign --async rollout.pause_mode=in_place",
     "async_busy_neighbour.json": "bench.async_rl --modes in_turn,in_turn_busy_neighbour,one_step_ahead,async_k2,"
@@ -279,7 +279,8 @@ def ran_on(d: dict) -> str:
     cpus = m.get("cpus") or d.get("cpus") or d.get("cores")
     if not cpus:
         return "not recorded"
-    return f"{m['cpu_model']}, {cpus} cores" if m.get("cpu_model") else f"CPU, {cpus} cores"
+    isa = f", {m['cpu_capability']}" if m.get("cpu_capability") else ""  # the kernels' dispatch, where recorded
+    return (f"{m['cpu_model']}, {cpus} cores" if m.get("cpu_model") else f"CPU, {cpus} cores") + isa
 
 
 def render(results: Path = common.REPO / "bench_results") -> str:
