@@ -69,6 +69,7 @@ MODES = {"in_turn": ["rollout.off_policy_steps=0"], "one_step_ahead": ["rollout.
          "async_k4": ["rollout.mode=async", "rollout.off_policy_steps=4"],
          "async_k2_retract": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=retract"],
          "async_k2_in_place": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.pause_mode=in_place"],
+         "async_k2_keep_stale": ["rollout.mode=async", "rollout.off_policy_steps=2", "rollout.drop_stale=false"],
          "in_turn_busy_neighbour": ["rollout.off_policy_steps=0"]}
 BUSY = "in_turn_busy_neighbour"
 """In turn with the server's core kept busy by a nice-19 copy of the stand-in's decode loop (`_burn`): how much slower
@@ -165,7 +166,8 @@ def _summary(runs: list[list[dict]]) -> dict:
                    continued_samples_per_step=mean("async/continued_samples"),
                    room_held_by_staleness=mean("async/room_held_by_staleness"),
                    room_held_by_fresh=mean("async/room_held_by_fresh"),
-                   token_lag={k.rsplit("_", 1)[1]: mean(k) for k in sorted(steady[0]) if k.startswith("async/token_lag_")})
+                   token_lag={k[len("async/token_lag_"):]: mean(k) for k in sorted(steady[0])
+                              if k.startswith("async/token_lag_")})
     return out
 
 

@@ -173,6 +173,13 @@ class RolloutConfig:
     instead of off_policy_steps (the servers idle meanwhile); when the trainer waits for samples the servers run
     ahead up to the staleness cap, as with false. false: the servers always run on to the cap, and when generation
     outpaces training nearly every sample is off_policy_steps versions old."""
+    drop_stale: bool = True
+    """mode=async: a group whose oldest token has fallen more than off_policy_steps versions behind the trainer is
+    dropped, complete or in flight (counted in async/dropped_stale_samples): no token older than k trains. The groups
+    that age are those waiting on a long response, so their generation is lost and training leans to the short ones.
+    false: such a group is trained when it completes, its old tokens weighed by the rollout correction, and k bounds
+    only how far ahead groups start (AReaL's max_head_offpolicyness); async/token_lag_over_k and
+    async/sample_lag_over_k show how much trained past it."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tool calls (off by default)."""
     dump_dir: str = ""
@@ -218,6 +225,9 @@ class RolloutConfig:
             if not isinstance(self.segment_tokens, int) or self.segment_tokens < 0:
                 raise ValueError(f"rollout.segment_tokens={self.segment_tokens} must be >= 0 (0: a response is one "
                                  "request until it ends or a weight update interrupts it)")
+        elif not self.drop_stale:
+            raise ValueError("rollout.drop_stale=false is for rollout.mode=async (sync mode's samples are exactly "
+                             "off_policy_steps versions old, nothing is dropped); drop it or set rollout.mode=async")
         elif self.off_policy_steps not in (0, 1):
             raise ValueError(f"rollout.off_policy_steps={self.off_policy_steps} must be 0 or 1 with rollout.mode=sync "
                              "(rollout.mode=async takes any k >= 1 as its staleness bound)")

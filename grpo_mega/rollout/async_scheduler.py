@@ -29,7 +29,9 @@ requests are ended by id; a request open across updates counts as old as the ver
 started only while fewer than (v + k + 1) * train_batch_size plus the groups dropped so far were started in all, v
 the servers' version (AReaL's rule): a group started on version v can still be trained at step v+k+1, so only the
 long tail of a group that waits past that is dropped; a run that drops more than a tenth of what the servers complete
-over 10 steps is told so once. A group's advantages are computed after all its samples are done (the batch only holds
+over 10 steps is told so once. With `rollout.drop_stale=false` no group is dropped: one past the bound is trained
+when it completes, its old tokens weighed by the rollout correction, and k bounds only the starts (AReaL's
+max_head_offpolicyness); `async/token_lag_over_k` is the share of a step's tokens older than k. A group's advantages are computed after all its samples are done (the batch only holds
 complete groups); a group may span versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
@@ -143,7 +145,7 @@ class AsyncRolloutScheduler:
                  staleness: int, last_step: Optional[int] = None, partial: bool = True, segment_tokens: int = 0,
                  share: Optional[Callable[[Optional[Generation], list[int]], Generation]] = None,
                  get_state: Optional[Callable[[], object]] = None, set_state: Optional[Callable[[object], None]] = None,
-                 fresh: bool = True, pause_mode: str = "abort"):
+                 fresh: bool = True, pause_mode: str = "abort", drop_stale: bool = True):
         if staleness < 1:
             raise ValueError(f"rollout.off_policy_steps={staleness}: the staleness bound must be >= 1")
         if len(engines.ranks) != 1 or engines.ranks[0] != 0:
@@ -151,6 +153,7 @@ class AsyncRolloutScheduler:
         self.engines, self.draw, self.batch_size, self.sampling = engines, draw, batch_size, sampling
         self.k, self.last_step, self.partial, self.segment = staleness, last_step, partial, segment_tokens
         self.share, self.get_state, self.set_state = share, get_state, set_state
+        self.drop_stale = drop_stale  # rollout.drop_stale: a group past the bound is dropped (else trained late)
         self.fresh = fresh  # rollout.fresh_groups: no new group while a batch of complete ones waits...
         self.trainer_waited = False  # ...unless the trainer had to wait for its last batch (the servers are behind)
         if pause_mode not in ("abort", "retract", "in_place"):
@@ -289,7 +292,8 @@ class AsyncRolloutScheduler:
                     # (pause_mode=abort: every sync ends them; else their open requests are aborted), and its room goes
                     # to new groups
                     ending = []
-                    for g in [g for g in active if g.oldest_bound is not None and g.oldest_bound < self.floor]:
+                    for g in [g for g in active if self.drop_stale and g.oldest_bound is not None
+                              and g.oldest_bound < self.floor]:
                         g.stale = True
                         active.remove(g)
                         self.dropped += len(g.responses)
@@ -397,7 +401,8 @@ class AsyncRolloutScheduler:
             while True:
                 if self.error is not None:
                     return {"error": self.error}, time.perf_counter() - t0
-                stale = [g for g in self.done if g.oldest is not None and g.oldest < floor]  # (None: refused below)
+                stale = [g for g in self.done if self.drop_stale and g.oldest is not None
+                         and g.oldest < floor]  # (None: refused below)
                 if stale:
                     self.dropped += sum(len(g.responses) for g in stale)
                     self.dropped_groups += len(stale)
@@ -419,12 +424,14 @@ class AsyncRolloutScheduler:
             held, servers = self.held, len(self.engines.local.urls)
             self.busy, self.held, self.generated_tokens, self.dropped, self.mark = Counter(), Counter(), 0, 0, now
         waited = now - t0
+        lowest = floor if self.drop_stale else 0  # rollout.drop_stale=false trains a group past the bound
         for g in groups:  # the bound, checked on what is handed out (a server updated by someone else breaks it)
             for r in g.responses:
-                if not r.versions or not floor <= min(r.versions) <= max(r.versions) <= step - 1:
+                if not r.versions or not lowest <= min(r.versions) <= max(r.versions) <= step - 1:
                     return {"error": (f"step {step} got a sample of weight versions {sorted(set(r.versions))}; the trainer "
-                                      f"holds version {step - 1} and rollout.off_policy_steps={self.k} allows versions "
-                                      f"{floor}..{step - 1}: a server was updated by someone else, or restarted "
+                                      f"holds version {step - 1} and rollout.off_policy_steps={self.k}"
+                                      f"{'' if self.drop_stale else ' with rollout.drop_stale=false'} allows versions "
+                                      f"{lowest}..{step - 1}: a server was updated by someone else, or restarted "
                                       "without its weights", False)}, waited
             if self._routes():
                 for r in g.responses:
@@ -450,6 +457,9 @@ class AsyncRolloutScheduler:
         for lag in range(self.k + 1):
             metrics[f"async/token_lag_{lag}"] = token_lags.get(lag, 0) / ntok if ntok else 0.0
             metrics[f"async/sample_lag_{lag}"] = sample_lags.get(lag, 0) / len(responses)
+        # past the bound: none where stale groups are dropped (rollout.drop_stale), else what was trained late
+        metrics["async/token_lag_over_k"] = sum(n for lag, n in token_lags.items() if lag > self.k) / ntok if ntok else 0.0
+        metrics["async/sample_lag_over_k"] = sum(n for lag, n in sample_lags.items() if lag > self.k) / len(responses)
         return {"groups": groups, "metrics": metrics}, waited
 
     def _say_drops(self, trained: int, dropped: int) -> None:
@@ -461,9 +471,10 @@ class AsyncRolloutScheduler:
         self.drops_said = True
         log.warning("rollout.mode=async: %d of the %d samples completed in the last %d steps (%.0f%%) were dropped as "
                     "older than rollout.off_policy_steps=%d allows (a group is as old as its first token, and a long "
-                    "response finishing after later groups ages it): their generation was wasted. A larger "
-                    "rollout.off_policy_steps keeps more of them (staler samples, for algo.rollout_correction to "
-                    "weigh), as does a shorter batch.max_response_length", lost, total, DROP_WINDOW,
+                    "response finishing after later groups ages it): their generation was wasted, and the long "
+                    "responses are the ones lost. A larger rollout.off_policy_steps keeps more of them (staler "
+                    "samples, for algo.rollout_correction to weigh), as does a shorter batch.max_response_length; "
+                    "rollout.drop_stale=false trains them all (k then bounds only the starts)", lost, total, DROP_WINDOW,
                     100 * lost / total, self.k)
 
     def result(self, step: int, submit_next: bool = True) -> StepSamples:

@@ -158,7 +158,7 @@ class Run:
                                                   r.off_policy_steps, cfg.run.steps, r.partial_rollouts,
                                                   r.segment_tokens, share=self.routing.share, get_state=task.get_state,
                                                   set_state=task.set_state, fresh=r.fresh_groups,
-                                                  pause_mode=r.pause_mode)
+                                                  pause_mode=r.pause_mode, drop_stale=r.drop_stale)
         else:
             self.rollouts = RolloutScheduler(self.engines, task.train_batch, cfg.batch.train_batch_size, sampling,
                                              r.off_policy_steps, cfg.run.steps, task.get_state, task.set_state,

@@ -622,6 +622,73 @@ def test_a_group_in_flight_that_falls_behind_the_bound_is_dropped_at_once():
         s.close()
 
 
+def test_with_drop_stale_off_a_group_past_the_bound_is_trained_when_it_completes():
+    """rollout.drop_stale=false, k = 1: group 0's first response is cut 6 times (a request a version) before it stops,
+    so its oldest token (version 0) falls behind the bound at step 3; it is not dropped but sent on, trained when it
+    completes, its tokens' lags beyond k counted (async/token_lag_over_k, async/sample_lag_over_k); k still bounds
+    the starts ((v + k + 1) x train_batch_size groups), and no sample is dropped."""
+    import threading
+    from types import SimpleNamespace
+
+    from grpo_mega.engines.interface import sample_seed
+    from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
+    from grpo_mega.rollout.scheduler import SamplingArgs
+
+    long_seed, lock, version = sample_seed(3 * 1_000_003, 0, 0) % (2**31), threading.Lock(), [0]
+    segments = {}  # version -> the long response's segments sampled under it
+
+    class Client:
+        urls = ["u"]
+
+        def generate_segment(self, url, inputs, params, rids=None):
+            time.sleep(0.01)
+            with lock:
+                out = []
+                for p in params:
+                    long = p["custom_params"]["sample_seed"] == long_seed
+                    if long:  # one segment a version, the sixth its last
+                        while segments.get(version[0], 0) and len(segments) < 6:
+                            lock.release()
+                            time.sleep(0.01)
+                            lock.acquire()
+                        segments[version[0]] = segments.get(version[0], 0) + 1
+                    out.append(([5], [-0.1], "length" if long and len(segments) < 6 else "stop", [version[0]]))
+                return out
+
+    draw = lambda size: [_Example([1, 2]) for _ in range(size)]  # noqa: E731
+    s = AsyncRolloutScheduler(SimpleNamespace(ranks=[0], local=Client()), draw, 1, SamplingArgs(2, 1.0, 1.0, 10_000, [],
+                              seed=3), staleness=1, fresh=False, drop_stale=False)
+    s._start_workers()
+    taken, metrics = [], []
+    try:
+        for step in range(1, 8):
+            out, _ = s._take(step)
+            assert "error" not in out, out
+            taken += [g.index for g in out["groups"]]
+            metrics.append(out["metrics"])
+            if 0 in taken:
+                break
+            with s.cond:  # the sync after the step
+                s.version = version[0] = step
+                s.cond.notify_all()
+        with s.cond:
+            started = s.started
+    finally:
+        s.close()
+    at = taken.index(0) + 1  # group 0 trained at step `at`, its first token of version 0: lag at - 1 > k = 1
+    assert at >= 6 and sorted(segments) == list(range(6)), (taken, segments)
+    assert sum(m["async/dropped_stale_samples"] for m in metrics) == 0
+    last = metrics[at - 1]
+    assert last["async/sample_lag_over_k"] == 1.0  # both its responses began at version 0, at least k + 4 behind
+    tokens = {lag: 0 for lag in range(at)}  # the long response: a token a version 0..5, the other one token of 0
+    for v in list(range(6)) + [0]:
+        tokens[at - 1 - v] += 1
+    over = sum(n for lag, n in tokens.items() if lag > 1) / sum(tokens.values())
+    assert last["async/token_lag_over_k"] == pytest.approx(over)
+    assert last["async/token_lag_0"] + last["async/token_lag_1"] + over == pytest.approx(1.0)
+    assert started <= (version[0] + 1 + 1) * 1  # the starts stay bounded: (v + k + 1) x train_batch_size
+
+
 def test_with_pause_mode_retract_a_group_that_falls_behind_has_its_open_requests_aborted():
     """rollout.pause_mode=retract: a request stays open across updates, its tokens unknown until it ends, so a group
     is as old as the version its requests were sent at; once the trainer's bound passes that, its open request is
@@ -895,6 +962,8 @@ def test_refusals():
     TrainConfig(rollout=r, checkpoint=dict(dir="/tmp/x"))  # checkpoints resume (the test above)
     with pytest.raises(ValueError, match="rollout.pause_mode='keep' must be 'abort', 'retract' or 'in_place'"):
         RolloutConfig(**r, pause_mode="keep")
+    with pytest.raises(ValueError, match="rollout.drop_stale=false is for rollout.mode=async"):
+        RolloutConfig(off_policy_steps=1, placement="dedicated", servers=["http://x:1"], drop_stale=False)
     from types import SimpleNamespace
 
     from grpo_mega.rollout.async_scheduler import AsyncRolloutScheduler
