@@ -10,7 +10,9 @@ Per point: `generation_share`, the share of a step's serial work that is generat
 over generation plus the trainer's own phases, medians: what generation would be of an in-turn step), the decode
 step's cost at the batch's rows over its cost at one row (`decode_step_rows_over_one`, from the stand-in's decode
 loop alone: 1.0 is a flat, GPU-like cost), `k2_over_one_step_ahead` and each side's trainer idle fraction, and
-the share of k2's completed samples it dropped as stale. `runs` holds each point's whole `bench.async_rl` JSON.
+the share of k2's completed samples it dropped as stale; with the mode async_k2_keep_stale in --modes, its ratio
+too (rollout.drop_stale=false) and the share of its tokens trained past k. `runs` holds each point's whole
+`bench.async_rl` JSON.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def point(result: dict) -> dict:
                 meets_target=result["k2_over_one_step_ahead"] >= TARGET,
                 one_step_ahead_trainer_idle=one["trainer_idle_fraction"], k2_trainer_idle=k2["trainer_idle_fraction"],
                 k2_dropped_share=k2["dropped_stale_samples"] / (k2["dropped_stale_samples"] + trained),
-                trainer_bound_over_one_step_ahead=result["trainer_bound_over_one_step_ahead"])
+                trainer_bound_over_one_step_ahead=result["trainer_bound_over_one_step_ahead"],
+                **({"k2_keep_stale_over_one_step_ahead": result["speedup_over_one_step_ahead"]["async_k2_keep_stale"],
+                    "k2_keep_stale_token_lag_over_k": result["modes"]["async_k2_keep_stale"]["token_lag"]["over_k"]}
+                   if "async_k2_keep_stale" in result["modes"] else {}))
 
 
 def _cpu_capability() -> str:
