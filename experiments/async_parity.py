@@ -54,7 +54,8 @@ def _run(out: Path, overrides: list[str], env: dict) -> dict:
     return {"command": " ".join(argv[1:]), "seconds": round(time.monotonic() - t0, 1), "steps": len(rows),
             "summary": first.strip(),
             "val_reward": {r["step"]: r["val_reward"] for r in rows if "val_reward" in r},
-            **({"mean_token_lag": {k.rsplit("_", 1)[1]: statistics.mean(r.get(k, 0.0) for r in rows) for k in lags},
+            **({"mean_token_lag": {k[len("async/token_lag_"):]: statistics.mean(r.get(k, 0.0) for r in rows)
+                                   for k in lags},
                 "steps_with_lagged_tokens": sum(any(r.get(k, 0.0) > 0 for k in lags if not k.endswith("_0"))
                                                 for r in rows)} if lags else {})}
 

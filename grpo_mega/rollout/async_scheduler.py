@@ -31,8 +31,9 @@ the servers' version (AReaL's rule): a group started on version v can still be t
 long tail of a group that waits past that is dropped; a run that drops more than a tenth of what the servers complete
 over 10 steps is told so once. With `rollout.drop_stale=false` no group is dropped: one past the bound is trained
 when it completes, its old tokens weighed by the rollout correction, and k bounds only the starts (AReaL's
-max_head_offpolicyness); `async/token_lag_over_k` is the share of a step's tokens older than k. A group's advantages are computed after all its samples are done (the batch only holds
-complete groups); a group may span versions.
+max_head_offpolicyness); `async/token_lag_over_k` is the share of a step's tokens older than k. A group's
+advantages are computed after all its samples are done (the batch only holds complete groups); a group may span
+versions.
 
 Interface: RolloutScheduler's (grpo_mega.rollout.scheduler), as the loop calls it; `metrics()` is the last
 step's async/* metrics (staleness histograms, idle fractions, tokens/s, drops), the same on every rank.
@@ -458,7 +459,8 @@ class AsyncRolloutScheduler:
             metrics[f"async/token_lag_{lag}"] = token_lags.get(lag, 0) / ntok if ntok else 0.0
             metrics[f"async/sample_lag_{lag}"] = sample_lags.get(lag, 0) / len(responses)
         # past the bound: none where stale groups are dropped (rollout.drop_stale), else what was trained late
-        metrics["async/token_lag_over_k"] = sum(n for lag, n in token_lags.items() if lag > self.k) / ntok if ntok else 0.0
+        past = sum(n for lag, n in token_lags.items() if lag > self.k)
+        metrics["async/token_lag_over_k"] = past / ntok if ntok else 0.0
         metrics["async/sample_lag_over_k"] = sum(n for lag, n in sample_lags.items() if lag > self.k) / len(responses)
         return {"groups": groups, "metrics": metrics}, waited
 
@@ -474,8 +476,8 @@ class AsyncRolloutScheduler:
                     "response finishing after later groups ages it): their generation was wasted, and the long "
                     "responses are the ones lost. A larger rollout.off_policy_steps keeps more of them (staler "
                     "samples, for algo.rollout_correction to weigh), as does a shorter batch.max_response_length; "
-                    "rollout.drop_stale=false trains them all (k then bounds only the starts)", lost, total, DROP_WINDOW,
-                    100 * lost / total, self.k)
+                    "rollout.drop_stale=false trains them all (k then bounds only the starts)", lost, total,
+                    DROP_WINDOW, 100 * lost / total, self.k)
 
     def result(self, step: int, submit_next: bool = True) -> StepSamples:
         """Collective: the batch step `step` trains on: train_batch_size complete groups, none older than the bound."""
