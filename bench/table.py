@@ -249,6 +249,10 @@ SUPPLEMENTS = {
     "async_decode3ms.json": "bench.async_rl --decode-ms 3 --repeats 2: every async mode at one of the sweep's decode "
                             "costs (docs/benchmarks.md)",
     "async_sweep_avx2.json": "bench.async_sweep --decode-ms 0,2,3 --repeats 2 with ATen, oneDNN and MKL held to AVX2",
+    "async_sweep_keep_stale.json": "bench.async_sweep --decode-ms 0,1,2,3 --repeats 2 --modes one_step_ahead,async_k2,"
+                                   "async_k2_keep_stale: rollout.drop_stale=false beside the drop",
+    "async_parity_keep_stale.json": "experiments.async_parity --segment-tokens 0 --async-set rollout.drop_stale=false "
+                                    "(the README is full)",
     "kill_campaign_refill.json": "kill_campaign with dynamic-sampling refill",
     "kill_campaign_async_in_place.json": "kill_campaign --async rollout.pause_mode=in_place",
     "async_busy_neighbour.json": "bench.async_rl --modes in_turn,in_turn_busy_neighbour,one_step_ahead,async_k2,"
